@@ -1,0 +1,225 @@
+//! The load generator: streaming chat completions over HTTP/1.1 keep-alive.
+//!
+//! One client (hyper-util's pooled client, TCP_NODELAY) per target, so every target sees the
+//! same request bytes on the same kind of connection. Per request it records the time to the
+//! first SSE `data:` event (the body is read chunk by chunk and the first chunk that contains
+//! `data:` stops the clock), the total time, and success: status 200 and a body that ends with
+//! `data: [DONE]`. The generator runs in the bench's own process; on a small machine it competes
+//! for CPU with the servers under test, which is why the report also shows CPU use.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{header, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+/// Bytes kept from the end of a body to check for the `data: [DONE]` terminator.
+const TAIL_BYTES: usize = 64;
+
+/// The outcome of one request.
+#[derive(Clone, Debug)]
+pub struct Sample {
+    /// From sending the request to the first chunk holding `data:`; `None` if none arrived.
+    pub ttft: Option<Duration>,
+    /// From sending the request to the end of the body (or the error).
+    pub total: Duration,
+    /// Why the request failed, if it did.
+    pub error: Option<String>,
+}
+
+impl Sample {
+    /// True for status 200 and a body ending with `data: [DONE]`.
+    pub fn ok(&self) -> bool {
+        self.error.is_none()
+    }
+}
+
+/// A pooled HTTP/1.1 client aimed at one target.
+#[derive(Clone)]
+pub struct LoadClient {
+    client: Client<HttpConnector, Full<Bytes>>,
+    uri: http::Uri,
+}
+
+impl LoadClient {
+    /// A client for `http://addr/v1/chat/completions`.
+    pub fn new(addr: SocketAddr) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(usize::MAX)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector);
+        let uri = format!("http://{addr}/v1/chat/completions")
+            .parse()
+            .expect("a socket address always forms a valid URI");
+        Self { client, uri }
+    }
+
+    /// Sends one streaming chat completion asking for `max_tokens` tokens and reads it to the
+    /// end. `first_token` is incremented when the first `data:` event arrives.
+    pub async fn chat(&self, body: Bytes, first_token: Option<&AtomicUsize>) -> Sample {
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri(self.uri.clone())
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::ACCEPT, "text/event-stream")
+            .body(Full::new(body))
+            .expect("method, URI and static headers are valid");
+        let start = Instant::now();
+        let mut ttft = None;
+        let fail = |ttft, error: String| Sample {
+            ttft,
+            total: start.elapsed(),
+            error: Some(error),
+        };
+        let response = match self.client.request(request).await {
+            Ok(r) => r,
+            Err(e) => return fail(None, format!("request failed: {e}")),
+        };
+        let status = response.status();
+        let mut body = response.into_body();
+        let mut tail: Vec<u8> = Vec::with_capacity(TAIL_BYTES * 2);
+        loop {
+            match body.frame().await {
+                None => break,
+                Some(Err(e)) => return fail(ttft, format!("body error: {e}")),
+                Some(Ok(frame)) => {
+                    let Ok(chunk) = frame.into_data() else { continue };
+                    if ttft.is_none() && contains(&chunk, b"data:") {
+                        ttft = Some(start.elapsed());
+                        if let Some(counter) = first_token {
+                            counter.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    tail.extend_from_slice(&chunk[chunk.len().saturating_sub(TAIL_BYTES)..]);
+                    if tail.len() > TAIL_BYTES {
+                        tail.drain(..tail.len() - TAIL_BYTES);
+                    }
+                }
+            }
+        }
+        if status != StatusCode::OK {
+            return fail(ttft, format!("status {status}"));
+        }
+        if !trim_end(&tail).ends_with(b"data: [DONE]") {
+            return fail(ttft, "stream did not end with data: [DONE]".to_owned());
+        }
+        Sample {
+            ttft,
+            total: start.elapsed(),
+            error: None,
+        }
+    }
+}
+
+/// The request body: a streaming chat completion for `sim-model`.
+pub fn chat_body(max_tokens: u32) -> Bytes {
+    Bytes::from(format!(
+        r#"{{"model":"sim-model","stream":true,"max_tokens":{max_tokens},"messages":[{{"role":"user","content":"Say something short about networks and latency."}}]}}"#
+    ))
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+fn trim_end(b: &[u8]) -> &[u8] {
+    let end = b
+        .iter()
+        .rposition(|c| !c.is_ascii_whitespace())
+        .map_or(0, |i| i + 1);
+    &b[..end]
+}
+
+/// `n` requests one after another.
+pub async fn sequential(client: &LoadClient, n: usize, max_tokens: u32) -> Vec<Sample> {
+    let body = chat_body(max_tokens);
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        samples.push(client.chat(body.clone(), None).await);
+    }
+    samples
+}
+
+/// `concurrency` closed-loop workers sending requests back to back for `duration`; returns
+/// every sample and the wall time until the last in-flight request finished.
+pub async fn closed_loop(
+    client: &LoadClient,
+    concurrency: usize,
+    duration: Duration,
+    max_tokens: u32,
+) -> (Vec<Sample>, Duration) {
+    let body = chat_body(max_tokens);
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let client = client.clone();
+        let body = body.clone();
+        workers.spawn(async move {
+            let mut samples = Vec::new();
+            while Instant::now() < deadline {
+                samples.push(client.chat(body.clone(), None).await);
+            }
+            samples
+        });
+    }
+    let mut all = Vec::new();
+    while let Some(joined) = workers.join_next().await {
+        match joined {
+            Ok(samples) => all.extend(samples),
+            Err(e) => all.push(Sample {
+                ttft: None,
+                total: Duration::ZERO,
+                error: Some(format!("worker task failed: {e}")),
+            }),
+        }
+    }
+    (all, start.elapsed())
+}
+
+/// `n` requests started at once; `first_token` counts the streams that have begun.
+pub fn open_streams(
+    client: &LoadClient,
+    n: usize,
+    max_tokens: u32,
+    first_token: Arc<AtomicUsize>,
+) -> tokio::task::JoinSet<Sample> {
+    let body = chat_body(max_tokens);
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let client = client.clone();
+        let body = body.clone();
+        let counter = first_token.clone();
+        set.spawn(async move { client.chat(body, Some(&counter)).await });
+    }
+    set
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn done_terminator_is_found_after_trailing_blank_lines() {
+        assert!(trim_end(b"data: {}\n\ndata: [DONE]\n\n").ends_with(b"data: [DONE]"));
+        assert!(!trim_end(b"data: {}\n\n").ends_with(b"data: [DONE]"));
+        assert_eq!(trim_end(b"  \n"), b"");
+    }
+
+    #[test]
+    fn chat_body_is_valid_json_asking_for_a_stream() {
+        let v: serde_json::Value = serde_json::from_slice(&chat_body(16)).expect("valid JSON");
+        assert_eq!(v["stream"], true);
+        assert_eq!(v["max_tokens"], 16);
+        assert_eq!(v["model"], "sim-model");
+    }
+}

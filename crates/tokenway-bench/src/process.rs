@@ -1,0 +1,240 @@
+//! Servers under test as child processes, and what /proc says about them.
+//!
+//! Every server (sim, gateway, nginx) runs in its own process so that its memory (VmHWM,
+//! VmRSS) and CPU time can be read from `/proc/PID/...` without the load generator's own
+//! allocations mixed in. A [`ChildProcess`] kills its process (and, for a master/worker server
+//! such as nginx, the workers) when dropped, so an error or a panic in the bench never leaves
+//! servers running.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::BenchError;
+
+/// Linux's USER_HZ: the unit of utime/stime in `/proc/PID/stat` (100 on every mainstream
+/// architecture; the kernel's internal HZ does not change it).
+const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
+
+/// A running child server; killed on drop.
+pub struct ChildProcess {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl ChildProcess {
+    /// Starts `command` with stdout piped and stderr appended to `log`, and waits up to
+    /// `timeout` for a stdout line `"<banner> http://ADDR"`; returns the process and ADDR.
+    /// Later stdout output is drained and discarded.
+    pub async fn spawn_with_banner(
+        name: &str,
+        mut command: Command,
+        banner: &str,
+        log: &Path,
+        timeout: Duration,
+    ) -> Result<(Self, SocketAddr), BenchError> {
+        command.stdout(Stdio::piped());
+        let mut process = Self::spawn(name, command, log)?;
+        let stdout = process
+            .child
+            .stdout
+            .take()
+            .expect("stdout was configured as a pipe just above");
+        let (tx, rx) = tokio::sync::oneshot::channel::<String>();
+        let prefix = format!("{banner} http://");
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.trim().strip_prefix(&prefix) {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(rest.trim_end_matches('/').to_owned());
+                    }
+                }
+            }
+        });
+        let addr = match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(addr)) => addr,
+            Ok(Err(_)) => {
+                let status = process.child.try_wait().ok().flatten();
+                return Err(process.startup_error(format!(
+                    "exited ({}) without printing \"{banner} http://ADDR\"",
+                    status.map_or("still running".to_owned(), |s| s.to_string())
+                )));
+            }
+            Err(_) => {
+                return Err(process.startup_error(format!(
+                    "did not print \"{banner} http://ADDR\" within {timeout:?}"
+                )))
+            }
+        };
+        let addr = addr.parse::<SocketAddr>().map_err(|e| {
+            process.startup_error(format!("printed an unparsable address {addr:?}: {e}"))
+        })?;
+        Ok((process, addr))
+    }
+
+    /// Starts `command` with stdin closed, stdout discarded and stderr appended to `log`.
+    pub fn spawn(name: &str, mut command: Command, log: &Path) -> Result<Self, BenchError> {
+        let log_file = File::create(log).map_err(|source| BenchError::Io {
+            context: format!("cannot create log file {}", log.display()),
+            source,
+        })?;
+        command.stdin(Stdio::null()).stderr(log_file);
+        let child = command.spawn().map_err(|source| BenchError::Io {
+            context: format!("cannot start {name} ({:?})", command.get_program()),
+            source,
+        })?;
+        Ok(Self {
+            name: name.to_owned(),
+            child,
+            log: log.to_owned(),
+        })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `Err` when the process has already exited.
+    pub fn check_running(&mut self) -> Result<(), BenchError> {
+        match self.child.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(status)) => Err(self.startup_error(format!("exited ({status})"))),
+            Err(e) => Err(self.startup_error(format!("cannot be waited for: {e}"))),
+        }
+    }
+
+    /// An error naming this process and its log file.
+    pub fn startup_error(&self, message: String) -> BenchError {
+        BenchError::Child {
+            name: self.name.clone(),
+            message: format!("{message}; see {}", self.log.display()),
+        }
+    }
+
+    /// The process and its direct children (nginx workers), for memory and CPU accounting.
+    fn pids(&self) -> Vec<u32> {
+        let pid = self.pid();
+        let mut pids = vec![pid];
+        if let Ok(children) = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
+            pids.extend(children.split_whitespace().filter_map(|p| p.parse::<u32>().ok()));
+        }
+        pids
+    }
+
+    /// Memory of the process plus its direct children (summed).
+    pub fn memory(&self) -> Option<Memory> {
+        let mut total = Memory::default();
+        for pid in self.pids() {
+            let m = read_memory(pid)?;
+            total.rss_kib += m.rss_kib;
+            total.hwm_kib += m.hwm_kib;
+        }
+        Some(total)
+    }
+
+    /// CPU time (user + system) of the process plus its direct children, seconds.
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        self.pids().into_iter().map(cpu_seconds_of).sum()
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        // Children first: if the parent dies first they are re-parented and harder to find.
+        let pid = self.pid();
+        for child in self.pids().into_iter().filter(|&p| p != pid) {
+            let _ = Command::new("kill")
+                .args(["-KILL", &child.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Resident memory of a process, KiB.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Memory {
+    /// VmRSS: resident now.
+    pub rss_kib: u64,
+    /// VmHWM: peak resident since start.
+    pub hwm_kib: u64,
+}
+
+/// Reads VmRSS and VmHWM from `/proc/PID/status`.
+pub fn read_memory(pid: u32) -> Option<Memory> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_status(&status)
+}
+
+fn parse_status(status: &str) -> Option<Memory> {
+    let field = |key: &str| -> Option<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    Some(Memory {
+        rss_kib: field("VmRSS:")?,
+        hwm_kib: field("VmHWM:")?,
+    })
+}
+
+/// CPU time (utime + stime) of a process, seconds; `None` if it cannot be read.
+pub fn cpu_seconds_of(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat_cpu(&stat)
+}
+
+/// CPU time of this (the load generator's) process, seconds.
+pub fn own_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    parse_stat_cpu(&stat)
+}
+
+fn parse_stat_cpu(stat: &str) -> Option<f64> {
+    // The command name (field 2) may contain spaces; fields after its closing ')' start at
+    // field 3 (state); utime and stime are fields 14 and 15.
+    let after = &stat[stat.rfind(')')? + 1..];
+    let mut fields = after.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some((utime + stime) as f64 / CLOCK_TICKS_PER_SECOND)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_fields_are_read_in_kib() {
+        let s = "Name:\tx\nVmPeak:\t  9 kB\nVmHWM:\t   2048 kB\nVmRSS:\t    1024 kB\n";
+        assert_eq!(
+            parse_status(s),
+            Some(Memory {
+                rss_kib: 1024,
+                hwm_kib: 2048
+            })
+        );
+        assert_eq!(parse_status("Name:\tkthread\n"), None);
+    }
+
+    #[test]
+    fn stat_cpu_skips_a_command_name_with_spaces() {
+        let stat = "42 (a b) c) S 1 42 42 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0";
+        assert_eq!(parse_stat_cpu(stat), Some(3.0));
+    }
+}

@@ -1,0 +1,347 @@
+//! Gateway configuration: serde structs with defaults and a `validate()` that names the bad key
+//! and the allowed range. Every key is documented in `docs/config.md`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use tokenway_router::{HealthConfig, Policy};
+
+use crate::error::GatewayError;
+
+/// The whole `tokenway gateway` configuration.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// Cleartext listener (HTTP/1.1 and h2c on one port); `None` disables it.
+    pub listen: Option<SocketAddr>,
+    /// TLS listener (HTTP/2 and HTTP/1.1 by ALPN); `None` disables it.
+    pub tls_listen: Option<SocketAddr>,
+    /// Certificate and key for the TLS listener; absent means a generated self-signed one.
+    pub tls: Option<TlsFiles>,
+    /// Accepted Bearer API keys; empty means no authentication.
+    pub api_keys: Vec<String>,
+    /// Largest accepted request body in bytes (413 beyond).
+    pub max_body_bytes: usize,
+    /// Largest number of concurrently open client connections; further ones wait in the
+    /// kernel's accept queue.
+    pub max_connections: usize,
+    /// Routing policy: `round_robin`, `least_inflight` or `p2c_ewma`.
+    pub policy: Policy,
+    /// Attempts per request before the first byte (1 = no retry).
+    pub max_attempts: u32,
+    /// Timeouts in milliseconds.
+    pub timeouts: Timeouts,
+    /// Health checking.
+    pub health: HealthSettings,
+    /// The inference backends.
+    pub backends: Vec<BackendConfig>,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            listen: Some(SocketAddr::from(([127, 0, 0, 1], 8080))),
+            tls_listen: None,
+            tls: None,
+            api_keys: Vec::new(),
+            max_body_bytes: 32 * 1024 * 1024,
+            max_connections: 10_000,
+            policy: Policy::default(),
+            max_attempts: 3,
+            timeouts: Timeouts::default(),
+            health: HealthSettings::default(),
+            backends: Vec::new(),
+        }
+    }
+}
+
+/// PEM files of the TLS listener.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFiles {
+    /// Certificate chain, PEM.
+    pub cert: PathBuf,
+    /// Private key, PEM (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+}
+
+/// Timeouts, all in milliseconds.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Timeouts {
+    /// TCP connect to a backend.
+    pub connect_ms: u64,
+    /// From sending a request to a backend to its response head and first body bytes; past it
+    /// the attempt counts as a timeout and the next backend is tried.
+    pub first_byte_ms: u64,
+    /// Longest silence inside a streaming response before it is ended with an error event.
+    pub stream_idle_ms: u64,
+    /// Reading a client's request head and body.
+    pub client_read_ms: u64,
+    /// Longest time a client may leave response data unread before its stream is closed.
+    pub client_write_ms: u64,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            connect_ms: 2_000,
+            first_byte_ms: 60_000,
+            stream_idle_ms: 60_000,
+            client_read_ms: 30_000,
+            client_write_ms: 30_000,
+        }
+    }
+}
+
+impl Timeouts {
+    /// Connect timeout.
+    pub fn connect(&self) -> Duration {
+        Duration::from_millis(self.connect_ms)
+    }
+    /// First-byte timeout.
+    pub fn first_byte(&self) -> Duration {
+        Duration::from_millis(self.first_byte_ms)
+    }
+    /// Stream idle timeout.
+    pub fn stream_idle(&self) -> Duration {
+        Duration::from_millis(self.stream_idle_ms)
+    }
+    /// Client read timeout.
+    pub fn client_read(&self) -> Duration {
+        Duration::from_millis(self.client_read_ms)
+    }
+    /// Client write (stalled reader) timeout.
+    pub fn client_write(&self) -> Duration {
+        Duration::from_millis(self.client_write_ms)
+    }
+}
+
+/// Active and passive health checking.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthSettings {
+    /// Interval between `GET /health` probes to each backend, milliseconds.
+    pub probe_interval_ms: u64,
+    /// Timeout of one probe, milliseconds.
+    pub probe_timeout_ms: u64,
+    /// Consecutive failed probes that eject a backend.
+    pub eject_after_failures: u32,
+    /// Consecutive successful probes that re-admit an ejected backend.
+    pub readmit_after_successes: u32,
+    /// Consecutive 5xx answers or timeouts that eject a backend.
+    pub passive_failures_to_eject: u32,
+    /// Shortest time a backend stays ejected, milliseconds.
+    pub min_ejection_ms: u64,
+}
+
+impl Default for HealthSettings {
+    fn default() -> Self {
+        let h = HealthConfig::default();
+        Self {
+            probe_interval_ms: 1_000,
+            probe_timeout_ms: 1_000,
+            eject_after_failures: h.eject_after_failures,
+            readmit_after_successes: h.readmit_after_successes,
+            passive_failures_to_eject: h.passive_failures_to_eject,
+            min_ejection_ms: h.min_ejection.as_millis() as u64,
+        }
+    }
+}
+
+impl HealthSettings {
+    /// The router's view of these settings.
+    pub fn router_config(&self) -> HealthConfig {
+        HealthConfig {
+            eject_after_failures: self.eject_after_failures,
+            readmit_after_successes: self.readmit_after_successes,
+            passive_failures_to_eject: self.passive_failures_to_eject,
+            min_ejection: Duration::from_millis(self.min_ejection_ms),
+        }
+    }
+}
+
+/// One inference backend (vLLM, SGLang, llama.cpp server, TGI, Ollama, `tokenway sim`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    /// Name used in logs and metrics; defaults to the URL's host:port.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Base URL, `http://host:port` (a path prefix such as `/v1` is not included).
+    pub url: String,
+    /// Region label.
+    #[serde(default = "default_region")]
+    pub region: String,
+    /// Models served; empty means learn them from the backend's `GET /v1/models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Most requests in flight to this backend at once.
+    #[serde(default = "default_max_inflight")]
+    pub max_inflight: u32,
+    /// Bearer key sent to the backend (the client's key is never forwarded).
+    #[serde(default)]
+    pub api_key: Option<String>,
+}
+
+fn default_region() -> String {
+    "local".to_string()
+}
+
+fn default_max_inflight() -> u32 {
+    256
+}
+
+impl GatewayConfig {
+    /// Parses a TOML document and validates it.
+    pub fn from_toml_str(text: &str) -> Result<Self, GatewayError> {
+        let config: Self =
+            toml::from_str(text).map_err(|e| GatewayError::Config(format!("{e}")))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks ranges and cross-field rules; the error names the key.
+    pub fn validate(&self) -> Result<(), GatewayError> {
+        fn bad(key: &str, rule: &str, got: impl std::fmt::Display) -> GatewayError {
+            GatewayError::Config(format!("{key} must be {rule} (got {got})"))
+        }
+        if self.listen.is_none() && self.tls_listen.is_none() {
+            return Err(GatewayError::Config(
+                "at least one of `listen` or `tls_listen` must be set".into(),
+            ));
+        }
+        if self.max_body_bytes == 0 || self.max_body_bytes > 1 << 30 {
+            return Err(bad(
+                "max_body_bytes",
+                "in 1..=1073741824",
+                self.max_body_bytes,
+            ));
+        }
+        if self.max_connections == 0 {
+            return Err(bad("max_connections", ">= 1", self.max_connections));
+        }
+        if !(1..=10).contains(&self.max_attempts) {
+            return Err(bad("max_attempts", "in 1..=10", self.max_attempts));
+        }
+        let t = &self.timeouts;
+        for (key, v) in [
+            ("timeouts.connect_ms", t.connect_ms),
+            ("timeouts.first_byte_ms", t.first_byte_ms),
+            ("timeouts.stream_idle_ms", t.stream_idle_ms),
+            ("timeouts.client_read_ms", t.client_read_ms),
+            ("timeouts.client_write_ms", t.client_write_ms),
+            ("health.probe_interval_ms", self.health.probe_interval_ms),
+            ("health.probe_timeout_ms", self.health.probe_timeout_ms),
+        ] {
+            if !(1..=3_600_000).contains(&v) {
+                return Err(bad(key, "in 1..=3600000 milliseconds", v));
+            }
+        }
+        for (key, v) in [
+            (
+                "health.eject_after_failures",
+                self.health.eject_after_failures,
+            ),
+            (
+                "health.readmit_after_successes",
+                self.health.readmit_after_successes,
+            ),
+            (
+                "health.passive_failures_to_eject",
+                self.health.passive_failures_to_eject,
+            ),
+        ] {
+            if !(1..=1000).contains(&v) {
+                return Err(bad(key, "in 1..=1000", v));
+            }
+        }
+        if self.api_keys.iter().any(|k| k.is_empty()) {
+            return Err(GatewayError::Config(
+                "api_keys must not contain an empty key".into(),
+            ));
+        }
+        if self.backends.is_empty() {
+            return Err(GatewayError::Config(
+                "backends must list at least one backend ([[backends]] url = \"http://host:port\")"
+                    .into(),
+            ));
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, b) in self.backends.iter().enumerate() {
+            let uri: http::Uri = b.url.parse().map_err(|e| {
+                bad(
+                    &format!("backends[{i}].url"),
+                    "an http:// URL",
+                    format!("{:?}: {e}", b.url),
+                )
+            })?;
+            if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+                return Err(bad(
+                    &format!("backends[{i}].url"),
+                    "an http://host:port URL",
+                    format!("{:?}", b.url),
+                ));
+            }
+            if b.max_inflight == 0 {
+                return Err(bad(
+                    &format!("backends[{i}].max_inflight"),
+                    ">= 1",
+                    b.max_inflight,
+                ));
+            }
+            let name = b.display_name();
+            if !names.insert(name.clone()) {
+                return Err(GatewayError::Config(format!(
+                    "backends[{i}].name {name:?} is used twice; names must be unique"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl BackendConfig {
+    /// The configured name, or host:port of the URL.
+    pub fn display_name(&self) -> String {
+        if let Some(n) = &self.name {
+            return n.clone();
+        }
+        self.url
+            .parse::<http::Uri>()
+            .ok()
+            .and_then(|u| u.authority().map(|a| a.to_string()))
+            .unwrap_or_else(|| self.url.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_config_parses_with_defaults() {
+        let c = GatewayConfig::from_toml_str("[[backends]]\nurl = \"http://127.0.0.1:8000\"\n")
+            .expect("valid");
+        assert_eq!(c.max_body_bytes, 32 * 1024 * 1024);
+        assert_eq!(c.backends[0].display_name(), "127.0.0.1:8000");
+        assert_eq!(c.health.probe_interval_ms, 1000);
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let e = GatewayConfig::from_toml_str(
+            "max_attempts = 0\n[[backends]]\nurl = \"http://127.0.0.1:8000\"\n",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("max_attempts"), "{e}");
+        let e = GatewayConfig::from_toml_str("[[backends]]\nurl = \"ftp://x\"\n").unwrap_err();
+        assert!(e.to_string().contains("backends[0].url"), "{e}");
+        let e = GatewayConfig::from_toml_str("policy = \"fastest\"\n").unwrap_err();
+        assert!(e.to_string().contains("policy"), "{e}");
+        let e = GatewayConfig::from_toml_str("lisen = \"1.2.3.4:5\"\n").unwrap_err();
+        assert!(e.to_string().contains("lisen"), "{e}");
+    }
+}

@@ -1,0 +1,111 @@
+//! The gateway's error type, and the OpenAI error JSON that clients receive.
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+
+/// Errors of starting or configuring a gateway.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The configuration is invalid; the message names the key.
+    #[error("invalid gateway configuration: {0}")]
+    Config(String),
+    /// A TLS certificate or key could not be loaded or generated.
+    #[error("TLS: {0}")]
+    Tls(String),
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// Error type of response bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body type of every response the gateway sends.
+pub type ResponseBody = BoxBody<Bytes, BoxError>;
+
+/// What a client did wrong or what went wrong upstream, as the client will see it.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// OpenAI error `type`.
+    pub kind: &'static str,
+    /// OpenAI error `code`.
+    pub code: &'static str,
+    /// Human-readable message.
+    pub message: String,
+    /// Seconds for a `Retry-After` header.
+    pub retry_after: Option<u32>,
+}
+
+impl ApiError {
+    /// An error with no `Retry-After`.
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            kind,
+            code,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    /// 400: the body is not the JSON this route expects.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_json",
+            message,
+        )
+    }
+
+    /// The OpenAI error object as JSON bytes.
+    pub fn json(&self) -> Bytes {
+        let v = serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": null,
+                "code": self.code,
+            }
+        });
+        Bytes::from(v.to_string())
+    }
+
+    /// The full HTTP response.
+    pub fn into_response(self) -> Response<ResponseBody> {
+        let mut resp = Response::new(full(self.json()));
+        *resp.status_mut() = self.status;
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(secs) = self.retry_after {
+            h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        resp
+    }
+}
+
+/// A complete body from bytes.
+pub fn full(bytes: impl Into<Bytes>) -> ResponseBody {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}

@@ -1,0 +1,26 @@
+//! The tokenway gateway: OpenAI-compatible HTTP fronts beside the GPUs that stream tokens without
+//! buffering and route every request to the best inference backend.
+//!
+//! Layout: [`config`] (what an operator sets), [`server`] (listeners, TLS, connection limits),
+//! [`service`] (the per-request stack: route, auth, bounded body, parse, rank), [`proxy`] (attempts
+//! and retries before the first byte), [`relay`] (streaming the answer and measuring it),
+//! [`probe`] (active health checks), [`state`] (router, pool, metrics). Routing decisions
+//! themselves live in the sans-IO `tokenway-router` crate.
+//!
+//! The gateway must never buffer a whole streamed response, never forward the client's
+//! credentials upstream, and never let one client's behaviour stall another's.
+
+pub mod config;
+pub mod error;
+pub mod probe;
+pub mod proxy;
+pub mod relay;
+pub mod request_meta;
+pub mod server;
+pub mod service;
+pub mod state;
+pub mod tls;
+
+pub use config::{BackendConfig, GatewayConfig};
+pub use error::GatewayError;
+pub use server::{bind, BoundGateway};

@@ -1,0 +1,94 @@
+//! The few fields of an OpenAI request body that routing needs, read without copying the rest.
+//!
+//! The body is forwarded to the backend byte for byte; this module only looks. Unknown fields are
+//! skipped by serde (validated as JSON, never materialised), and the prompt is kept as a borrowed
+//! raw JSON slice for affinity work later.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::error::ApiError;
+
+/// What routing reads from a request body.
+#[derive(Debug, Deserialize)]
+pub struct RequestMeta<'a> {
+    /// Requested model.
+    #[serde(borrow, default)]
+    pub model: Option<std::borrow::Cow<'a, str>>,
+    /// Whether the client asked for a stream.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// OpenAI `user` field, a session key for affinity.
+    #[serde(borrow, default)]
+    pub user: Option<std::borrow::Cow<'a, str>>,
+    /// Chat messages, unparsed.
+    #[serde(borrow, default)]
+    pub messages: Option<&'a RawValue>,
+    /// Completion prompt, unparsed.
+    #[serde(borrow, default)]
+    pub prompt: Option<&'a RawValue>,
+}
+
+impl<'a> RequestMeta<'a> {
+    /// Parses `body`; the error is the 400 the client receives.
+    pub fn parse(body: &'a [u8]) -> Result<Self, ApiError> {
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Err(ApiError::bad_request(
+                "the request body is empty; expected a JSON object",
+            ));
+        }
+        let meta: RequestMeta<'a> = serde_json::from_slice(body).map_err(|e| {
+            ApiError::bad_request(format!(
+                "the request body is not valid JSON for this route: {e}"
+            ))
+        })?;
+        Ok(meta)
+    }
+
+    /// The model name, or the 400 for a missing one.
+    pub fn require_model(&self) -> Result<&str, ApiError> {
+        match self.model.as_deref() {
+            Some(m) if !m.is_empty() => Ok(m),
+            _ => Err(ApiError::new(
+                http::StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "missing_model",
+                "you must provide a model parameter",
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_routing_fields_and_skips_the_rest() {
+        let body = br#"{"model":"m","stream":true,"user":"u1","temperature":0.2,
+            "messages":[{"role":"user","content":"hi"}],"tools":[{"x":[1,2,{"y":null}]}]}"#;
+        let m = RequestMeta::parse(body).expect("valid");
+        assert_eq!(m.model.as_deref(), Some("m"));
+        assert_eq!(m.stream, Some(true));
+        assert_eq!(m.user.as_deref(), Some("u1"));
+        assert!(m.messages.expect("messages").get().contains("hi"));
+    }
+
+    #[test]
+    fn malformed_or_non_object_bodies_are_rejected() {
+        for body in [&b"{"[..], b"", b"[1,2]", b"{\"model\": 3}", b"nul"] {
+            let e = RequestMeta::parse(body).unwrap_err();
+            assert_eq!(e.status, http::StatusCode::BAD_REQUEST, "{body:?}");
+        }
+    }
+
+    #[test]
+    fn escaped_model_names_are_decoded() {
+        let m = RequestMeta::parse(br#"{"model":"a\/b"}"#).expect("valid");
+        assert_eq!(m.require_model().expect("model"), "a/b");
+        assert!(RequestMeta::parse(b"{}")
+            .expect("valid")
+            .require_model()
+            .is_err());
+    }
+}

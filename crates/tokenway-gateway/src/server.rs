@@ -1,0 +1,194 @@
+//! The TCP fronts: cleartext HTTP/1.1 + h2c on one port, and TLS with ALPN (h2, http/1.1).
+//!
+//! Every accepted socket gets TCP_NODELAY: without it Nagle's algorithm and delayed ACKs can add
+//! ~40 ms to a small first-token write. Open connections are bounded by a semaphore; on shutdown
+//! the listeners close and open connections get a graceful close with a deadline.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Semaphore};
+use tokio_rustls::TlsAcceptor;
+
+use crate::config::GatewayConfig;
+use crate::error::GatewayError;
+use crate::state::Shared;
+use crate::{probe, service, tls};
+
+/// How long open connections get to finish after shutdown is asked.
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// A gateway whose listeners are bound, ready to serve.
+pub struct BoundGateway {
+    shared: Arc<Shared>,
+    plain: Option<TcpListener>,
+    tls: Option<(TcpListener, TlsAcceptor)>,
+}
+
+/// Binds the listeners of `config` (port 0 picks a free port; see [`BoundGateway::plain_addr`]).
+pub async fn bind(config: GatewayConfig) -> Result<BoundGateway, GatewayError> {
+    let shared = Shared::new(config)?;
+    let plain = match shared.config.listen {
+        Some(addr) => Some(listen(addr).await?),
+        None => None,
+    };
+    let tls = match shared.config.tls_listen {
+        Some(addr) => {
+            let acceptor = TlsAcceptor::from(tls::server_config(shared.config.tls.as_ref())?);
+            Some((listen(addr).await?, acceptor))
+        }
+        None => None,
+    };
+    Ok(BoundGateway { shared, plain, tls })
+}
+
+async fn listen(addr: SocketAddr) -> Result<TcpListener, GatewayError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| GatewayError::Bind { addr, source })
+}
+
+impl BoundGateway {
+    /// The cleartext listener's address.
+    pub fn plain_addr(&self) -> Option<SocketAddr> {
+        self.plain.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// The TLS listener's address.
+    pub fn tls_addr(&self) -> Option<SocketAddr> {
+        self.tls.as_ref().and_then(|(l, _)| l.local_addr().ok())
+    }
+
+    /// Serves until `shutdown` resolves, then drains open connections.
+    pub async fn serve(self, shutdown: impl std::future::Future<Output = ()> + Send) {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let graceful = Arc::new(GracefulShutdown::new());
+        let permits = Arc::new(Semaphore::new(self.shared.config.max_connections));
+        for i in 0..self.shared.upstreams.len() {
+            tokio::spawn(probe::run(
+                self.shared.clone(),
+                tokenway_router::BackendId(i),
+                stop_rx.clone(),
+            ));
+        }
+        let mut tasks = Vec::new();
+        if let Some(l) = self.plain {
+            tasks.push(tokio::spawn(accept_loop(
+                l,
+                None,
+                self.shared.clone(),
+                graceful.clone(),
+                permits.clone(),
+                stop_rx.clone(),
+            )));
+        }
+        if let Some((l, acceptor)) = self.tls {
+            tasks.push(tokio::spawn(accept_loop(
+                l,
+                Some(acceptor),
+                self.shared.clone(),
+                graceful.clone(),
+                permits.clone(),
+                stop_rx.clone(),
+            )));
+        }
+        shutdown.await;
+        let _ = stop_tx.send(true);
+        for t in tasks {
+            let _ = t.await;
+        }
+        match Arc::try_unwrap(graceful) {
+            Ok(g) => {
+                if tokio::time::timeout(DRAIN, g.shutdown()).await.is_err() {
+                    tracing::info!("connections still open after the drain period; closing them");
+                }
+            }
+            Err(_) => tracing::debug!("graceful shutdown handle still shared"),
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    shared: Arc<Shared>,
+    graceful: Arc<GracefulShutdown>,
+    permits: Arc<Semaphore>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let permit = tokio::select! {
+            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+            _ = stop.changed() => return,
+        };
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(s) => s,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stop.changed() => return,
+        };
+        let _ = stream.set_nodelay(true);
+        let shared = shared.clone();
+        let watcher = graceful.watcher();
+        let tls = tls.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            match tls {
+                None => serve_connection(stream, shared, watcher).await,
+                Some(acceptor) => {
+                    let handshake = tokio::time::timeout(
+                        shared.config.timeouts.client_read(),
+                        acceptor.accept(stream),
+                    )
+                    .await;
+                    match handshake {
+                        Ok(Ok(tls_stream)) => serve_connection(tls_stream, shared, watcher).await,
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    }
+                }
+            }
+        });
+    }
+}
+
+async fn serve_connection<S>(
+    stream: S,
+    shared: Arc<Shared>,
+    watcher: hyper_util::server::graceful::Watcher,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(shared.config.timeouts.client_read())
+        .keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(1024)
+        .keep_alive_interval(Some(Duration::from_secs(20)));
+    let svc = service_fn(move |req| service::handle(shared.clone(), req));
+    let conn = builder.serve_connection(TokioIo::new(stream), svc);
+    if let Err(e) = watcher.watch(conn.into_owned()).await {
+        tracing::debug!(error = %e, "connection ended with an error");
+    }
+}
+
+/// Keeps `TcpStream` referenced for docs of accepted socket types.
+#[allow(dead_code)]
+type Accepted = TcpStream;

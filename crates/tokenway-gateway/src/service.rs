@@ -1,0 +1,293 @@
+//! The request-handling core shared by every front: a small stack of steps per request —
+//! route, authenticate, read a bounded body, parse what routing needs, rank, forward, measure.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use tokenway_router::RouteError;
+use tokenway_telemetry::RequestLabels;
+
+use crate::error::{full, ApiError, ResponseBody};
+use crate::proxy::{self, ProxyRequest};
+use crate::request_meta::RequestMeta;
+use crate::state::Shared;
+
+/// The routes the gateway proxies.
+const PROXIED: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
+
+/// Handles one request from any front.
+pub async fn handle(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+) -> Result<Response<ResponseBody>, Infallible> {
+    let start = Instant::now();
+    let transport = match req.version() {
+        http::Version::HTTP_2 => "h2",
+        _ => "h1",
+    };
+    let path = req.uri().path();
+    let route = PROXIED.iter().copied().find(|r| *r == path);
+    let (response, route_label, backend) = match (req.method(), path, route) {
+        (&Method::GET, "/health", _) => (text(StatusCode::OK, "ok\n"), "/health", None),
+        (&Method::GET, "/metrics", _) => {
+            let mut r = Response::new(full(tokenway_telemetry::render(&shared.registry)));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(tokenway_telemetry::CONTENT_TYPE),
+            );
+            (r, "/metrics", None)
+        }
+        (&Method::GET, "/v1/models", _) => {
+            let r = match authenticate(&shared, &req) {
+                Ok(()) => models(&shared),
+                Err(e) => e.into_response(),
+            };
+            (r, "/v1/models", None)
+        }
+        (&Method::POST, _, Some(route)) => {
+            let (r, backend) = match proxy_route(&shared, req, route, transport, start).await {
+                Ok(rb) => rb,
+                Err(e) => (e.into_response(), None),
+            };
+            (r, route, backend)
+        }
+        (_, "/health" | "/metrics" | "/v1/models", _) | (_, _, Some(_)) => (
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "method_not_allowed",
+                format!("{} is not allowed on {path}", req.method()),
+            )
+            .into_response(),
+            "other",
+            None,
+        ),
+        _ => (
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "unknown_url",
+                format!("unknown route {} {path}", req.method()),
+            )
+            .into_response(),
+            "other",
+            None,
+        ),
+    };
+    shared
+        .metrics
+        .requests
+        .get_or_create(&RequestLabels {
+            route: route_label.to_string(),
+            backend: backend.unwrap_or_else(|| "none".to_string()),
+            status: response.status().as_u16(),
+        })
+        .inc();
+    Ok(response)
+}
+
+async fn proxy_route(
+    shared: &Arc<Shared>,
+    req: Request<Incoming>,
+    route: &'static str,
+    transport: &'static str,
+    start: Instant,
+) -> Result<(Response<ResponseBody>, Option<String>), ApiError> {
+    authenticate(shared, &req)?;
+    let (parts, body) = req.into_parts();
+    let body = read_body(shared, &parts.headers, body).await?;
+    let meta = RequestMeta::parse(&body)?;
+    let model = meta.require_model()?.to_string();
+    let ranked = shared
+        .router()
+        .rank(&model, Instant::now())
+        .map_err(|e| route_error(shared, e))?;
+    let (resp, backend) = proxy::forward(
+        shared,
+        ProxyRequest {
+            parts: &parts,
+            body,
+            route,
+            transport,
+            start,
+        },
+        ranked,
+    )
+    .await;
+    Ok((resp, backend))
+}
+
+/// Checks the Bearer key when keys are configured.
+fn authenticate<B>(shared: &Shared, req: &Request<B>) -> Result<(), ApiError> {
+    let keys = &shared.config.api_keys;
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match presented {
+        Some(p)
+            if keys
+                .iter()
+                .any(|k| constant_time_eq(k.as_bytes(), p.as_bytes())) =>
+        {
+            Ok(())
+        }
+        Some(_) => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_api_key",
+            "incorrect API key provided",
+        )),
+        None => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_api_key",
+            "missing API key: send `Authorization: Bearer <key>`",
+        )),
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Reads the whole body under the size limit and the client read timeout.
+async fn read_body(
+    shared: &Shared,
+    headers: &http::HeaderMap,
+    body: Incoming,
+) -> Result<Bytes, ApiError> {
+    let limit = shared.config.max_body_bytes;
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request_too_large",
+            format!("the request body exceeds the limit of {limit} bytes"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let collected = tokio::time::timeout(
+        shared.config.timeouts.client_read(),
+        Limited::new(body, limit).collect(),
+    )
+    .await;
+    match collected {
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "request_timeout",
+            "the request body did not arrive in time",
+        )),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Ok(Err(e)) => Err(ApiError::bad_request(format!(
+            "cannot read the request body: {e}"
+        ))),
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+    }
+}
+
+fn route_error(shared: &Shared, e: RouteError) -> ApiError {
+    match e {
+        RouteError::UnknownModel { model } if shared.all_models_known() => ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!("the model `{model}` does not exist or no backend serves it"),
+        ),
+        RouteError::UnknownModel { model } => ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "no_healthy_backend",
+                format!(
+                    "no reachable backend serves `{model}` yet; backends still being discovered"
+                ),
+            )
+        },
+        RouteError::NoHealthyBackend { model } => ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "no_healthy_backend",
+                format!("no healthy backend serves `{model}` right now"),
+            )
+        },
+        RouteError::UnknownPolicy { given } => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "internal_error",
+            format!("routing policy {given:?} is not known"),
+        ),
+        RouteError::Saturated { model } => ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "backends_saturated",
+                format!("every backend serving `{model}` is at its max_inflight limit"),
+            )
+        },
+    }
+}
+
+/// `/v1/models`: the union of what the backends serve, first entry per id wins.
+fn models(shared: &Shared) -> Response<ResponseBody> {
+    let mut seen = std::collections::HashSet::new();
+    let mut data = Vec::new();
+    for u in &shared.upstreams {
+        let entries = u
+            .model_entries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for e in entries {
+            let id = e
+                .get("id")
+                .and_then(|v| v.as_str())
+                .unwrap_or_default()
+                .to_string();
+            if !id.is_empty() && seen.insert(id) {
+                data.push(e);
+            }
+        }
+    }
+    let body = serde_json::json!({"object": "list", "data": data}).to_string();
+    let mut r = Response::new(full(body));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn text(status: StatusCode, body: &'static str) -> Response<ResponseBody> {
+    let mut r = Response::new(full(Bytes::from_static(body.as_bytes())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}

@@ -1,0 +1,227 @@
+//! Configuration of the simulator: timing model, capacity, prefix cache and injected faults.
+//!
+//! Every field has a default, so an empty TOML document is a valid configuration. Units are in
+//! the field names (`_ms`, `_tokens`, `_per_second`) and spelled out in each doc comment.
+
+use serde::{Deserialize, Serialize};
+
+use crate::SimError;
+
+/// The whole simulator configuration (TOML keys are the field names; faults live in `[faults]`).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SimConfig {
+    /// Model ids served and listed by `GET /v1/models`; requests for any other model get 404.
+    /// Default `["sim-model"]`.
+    pub model_names: Vec<String>,
+    /// Seed of the generated text and of fault decisions: the same seed and prompt give the same
+    /// tokens. Default 0.
+    pub seed: u64,
+    /// Fixed part of the time to first token, milliseconds. Default 5.
+    pub base_latency_ms: f64,
+    /// Prefill speed for prompt tokens not found in the prefix cache, tokens per second.
+    /// Default 20000.
+    pub prefill_tokens_per_second: f64,
+    /// Time between output tokens when one request runs alone, milliseconds. Default 20.
+    pub time_per_output_token_ms: f64,
+    /// Slow-down of decoding per additional running request (dimensionless): the token interval
+    /// is `time_per_output_token_ms * (1 + batch_penalty * (running - 1))`. Default 0.05.
+    pub batch_penalty: f64,
+    /// Requests that run at once (slots); further requests wait in FIFO order. Default 16.
+    pub max_concurrency: usize,
+    /// Requests that may wait for a slot; beyond this the server answers 429. Default 1024.
+    pub max_queue: usize,
+    /// Output tokens when the request gives no `max_tokens` / `max_completion_tokens`.
+    /// Default 64.
+    pub default_max_tokens: u32,
+    /// Capacity of the prefix cache, tokens (rounded down to whole blocks; 0 disables it).
+    /// Default 100000.
+    pub prefix_cache_tokens: usize,
+    /// Tokens per prefix-cache block (vLLM's block size). Default 16.
+    pub block_tokens: usize,
+    /// Prompt bytes per token: prompt tokens = ceil(prompt bytes / bytes_per_token). 4 is the
+    /// usual ~4 characters per token of English text under BPE tokenizers. Default 4.
+    pub bytes_per_token: usize,
+    /// Injected faults (also replaceable at run time with `POST /admin/faults`).
+    pub faults: Faults,
+}
+
+/// Faults to inject, for testing routers, retries and health checks.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Faults {
+    /// Fraction (0.0 to 1.0) of completion requests answered 500 with an OpenAI error body.
+    /// Default 0.0.
+    pub error_rate: f64,
+    /// After this many output tokens a stream stops sending but stays open (until the client
+    /// leaves). Default none.
+    pub stall_after_tokens: Option<u32>,
+    /// Read completion requests but never answer them, while `GET /health` stays 200.
+    /// Default false.
+    pub hang: bool,
+    /// Extra delay before the first token, milliseconds. Default 0.
+    pub slow_start_ms: f64,
+    /// Accept every TCP connection and reset it at once (SO_LINGER 0, then close).
+    /// Default false.
+    pub refuse_connections: bool,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            model_names: vec!["sim-model".to_owned()],
+            seed: 0,
+            base_latency_ms: 5.0,
+            prefill_tokens_per_second: 20_000.0,
+            time_per_output_token_ms: 20.0,
+            batch_penalty: 0.05,
+            max_concurrency: 16,
+            max_queue: 1024,
+            default_max_tokens: 64,
+            prefix_cache_tokens: 100_000,
+            block_tokens: 16,
+            bytes_per_token: 4,
+            faults: Faults::default(),
+        }
+    }
+}
+
+/// Upper bound of `max_concurrency` (tokio's semaphore holds at most `usize::MAX >> 3` permits;
+/// a million slots is far beyond any real server).
+const MAX_CONCURRENCY: usize = 1_000_000;
+
+fn non_negative_ms(key: &'static str, v: f64) -> Result<(), SimError> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(SimError::invalid(key, "a finite number >= 0", v))
+    }
+}
+
+impl SimConfig {
+    /// Parses TOML (keys as in [`SimConfig`]) and validates the result.
+    pub fn from_toml_str(s: &str) -> Result<Self, SimError> {
+        let config: Self = toml::from_str(s).map_err(SimError::Toml)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every value against its allowed range; the error names the key.
+    pub fn validate(&self) -> Result<(), SimError> {
+        if self.model_names.is_empty() {
+            return Err(SimError::invalid(
+                "sim.model_names",
+                "a non-empty list",
+                "[]",
+            ));
+        }
+        if let Some(bad) = self.model_names.iter().find(|m| m.trim().is_empty()) {
+            return Err(SimError::invalid(
+                "sim.model_names",
+                "a list of non-empty names",
+                format!("{bad:?}"),
+            ));
+        }
+        non_negative_ms("sim.base_latency_ms", self.base_latency_ms)?;
+        non_negative_ms(
+            "sim.time_per_output_token_ms",
+            self.time_per_output_token_ms,
+        )?;
+        let pps = self.prefill_tokens_per_second;
+        if !(pps.is_finite() && pps > 0.0) {
+            return Err(SimError::invalid(
+                "sim.prefill_tokens_per_second",
+                "> 0",
+                pps,
+            ));
+        }
+        let bp = self.batch_penalty;
+        if !(bp.is_finite() && bp >= 0.0) {
+            return Err(SimError::invalid("sim.batch_penalty", ">= 0", bp));
+        }
+        if !(1..=MAX_CONCURRENCY).contains(&self.max_concurrency) {
+            return Err(SimError::invalid(
+                "sim.max_concurrency",
+                "in 1..=1000000",
+                self.max_concurrency,
+            ));
+        }
+        if self.default_max_tokens == 0 {
+            return Err(SimError::invalid("sim.default_max_tokens", ">= 1", 0));
+        }
+        if self.block_tokens == 0 {
+            return Err(SimError::invalid("sim.block_tokens", ">= 1", 0));
+        }
+        if self.bytes_per_token == 0 {
+            return Err(SimError::invalid("sim.bytes_per_token", ">= 1", 0));
+        }
+        self.faults.validate()
+    }
+}
+
+impl Faults {
+    /// Checks every value against its allowed range; the error names the key.
+    pub fn validate(&self) -> Result<(), SimError> {
+        let r = self.error_rate;
+        if !(0.0..=1.0).contains(&r) {
+            return Err(SimError::invalid("sim.faults.error_rate", "in [0, 1]", r));
+        }
+        non_negative_ms("sim.faults.slow_start_ms", self.slow_start_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_toml_gives_the_defaults() {
+        assert_eq!(SimConfig::from_toml_str("").unwrap(), SimConfig::default());
+    }
+
+    #[test]
+    fn zero_prefill_rate_is_rejected_naming_the_key_and_range() {
+        let err = SimConfig::from_toml_str("prefill_tokens_per_second = 0").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "sim.prefill_tokens_per_second must be > 0 (got 0)"
+        );
+    }
+
+    #[test]
+    fn unknown_key_is_rejected_naming_it() {
+        let err = SimConfig::from_toml_str("prefil_tokens_per_second = 5").unwrap_err();
+        assert!(
+            err.to_string().contains("prefil_tokens_per_second"),
+            "{err}"
+        );
+        let err = SimConfig::from_toml_str("[faults]\nerror = 1").unwrap_err();
+        assert!(err.to_string().contains("error"), "{err}");
+    }
+
+    #[test]
+    fn error_rate_above_one_is_rejected() {
+        let err = SimConfig::from_toml_str("[faults]\nerror_rate = 1.5").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "sim.faults.error_rate must be in [0, 1] (got 1.5)"
+        );
+    }
+
+    #[test]
+    fn shipped_example_config_is_valid_and_shows_the_defaults() {
+        let text = include_str!("../../../examples/sim.toml");
+        assert_eq!(
+            SimConfig::from_toml_str(text).unwrap(),
+            SimConfig::default()
+        );
+    }
+
+    #[test]
+    fn integer_milliseconds_are_accepted_for_float_fields() {
+        let c =
+            SimConfig::from_toml_str("base_latency_ms = 7\n[faults]\nslow_start_ms = 3").unwrap();
+        assert_eq!(c.base_latency_ms, 7.0);
+        assert_eq!(c.faults.slow_start_ms, 3.0);
+    }
+}

@@ -1,0 +1,669 @@
+//! The HTTP server: accept loop, routes, admission (slots and queue), and the token generator
+//! that turns the cost model into real timing on the wire.
+//!
+//! One request's life: parse -> faults -> admission (a free slot, or a place in the FIFO queue,
+//! or 429) -> prefill wait (base latency + uncached prompt tokens / prefill rate + slow start,
+//! measured from admission) -> one token per decode interval on an absolute schedule -> finish.
+//! The slot (a semaphore permit) is held from admission to the last token, or until the client
+//! goes away, which a streaming generator notices when its channel closes.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{header, Method, Request, Response, StatusCode, Version};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use prometheus_client::metrics::family::MetricConstructor;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokenway_telemetry::{
+    new_registry, render, Family, Gauge, Histogram, Registry, RequestLabels, RequestMetrics,
+    StreamLabels, CONTENT_TYPE,
+};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::{sleep_until, Instant};
+
+use crate::body::{SimBody, STREAM_CHANNEL_EVENTS};
+use crate::cost::{self, PrefixCache};
+use crate::openai::{self, Api, ApiError, Encoder, Job, Usage};
+use crate::text::TokenSource;
+use crate::{Faults, SimConfig, SimError};
+
+/// Largest request body accepted; larger bodies get 413.
+pub const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+
+/// How long `serve` lets open responses finish after shutdown before it drops them.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+type Labels = Vec<(String, String)>;
+
+/// vLLM's load gauges, without the `tokenway` prefix, labelled `model_name` like vLLM.
+struct VllmGauges {
+    registry: Registry,
+    labels: Labels,
+    running: Family<Labels, Gauge>,
+    waiting: Family<Labels, Gauge>,
+    cache_usage: Family<Labels, Gauge<f64, AtomicU64>>,
+}
+
+impl VllmGauges {
+    fn new(model: &str) -> Self {
+        let mut registry = Registry::default();
+        let g = Self {
+            registry: Registry::default(),
+            labels: vec![("model_name".to_owned(), model.to_owned())],
+            running: Family::default(),
+            waiting: Family::default(),
+            cache_usage: Family::default(),
+        };
+        registry.register(
+            "vllm:num_requests_running",
+            "Number of requests running (holding a slot)",
+            g.running.clone(),
+        );
+        registry.register(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting for a slot",
+            g.waiting.clone(),
+        );
+        registry.register(
+            "vllm:gpu_cache_usage_perc",
+            "Fraction of prefix-cache capacity in use, 0 to 1",
+            g.cache_usage.clone(),
+        );
+        Self { registry, ..g }
+    }
+}
+
+/// State shared by every connection.
+struct Shared {
+    config: SimConfig,
+    faults: Mutex<Faults>,
+    slots: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    cache: Mutex<PrefixCache>,
+    rng: Mutex<SmallRng>,
+    registry: Registry,
+    metrics: RequestMetrics,
+    vllm: VllmGauges,
+    shutdown: watch::Receiver<bool>,
+}
+
+/// Locks a mutex; a panic elsewhere while holding it leaves plain data that is still usable.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Shared {
+    fn running(&self) -> usize {
+        self.config.max_concurrency - self.slots.available_permits()
+    }
+
+    fn count(&self, route: &str, status: StatusCode) {
+        self.metrics
+            .requests
+            .get_or_create(&RequestLabels {
+                route: route.to_owned(),
+                backend: "self".to_owned(),
+                status: status.as_u16(),
+            })
+            .inc();
+    }
+
+    fn metrics_text(&self) -> String {
+        let running = i64::try_from(self.running()).unwrap_or(i64::MAX);
+        let waiting = i64::try_from(self.waiting.load(Ordering::Relaxed)).unwrap_or(i64::MAX);
+        let v = &self.vllm;
+        v.running.get_or_create(&v.labels).set(running);
+        v.waiting.get_or_create(&v.labels).set(waiting);
+        v.cache_usage
+            .get_or_create(&v.labels)
+            .set(lock(&self.cache).usage());
+        let mut out = render(&self.registry);
+        // Both renders end with the OpenMetrics `# EOF` line; keep only the last one.
+        if let Some(stripped) = out.strip_suffix("# EOF\n") {
+            out.truncate(stripped.len());
+        }
+        out.push_str(&render(&v.registry));
+        out
+    }
+
+    /// A free slot now, a place in the queue, or `None` when the queue is full.
+    fn admit(self: &Arc<Self>) -> Option<Admission> {
+        // tokio's semaphore hands released permits to queued waiters first, so this cannot
+        // overtake requests already waiting: admission stays FIFO.
+        if let Ok(permit) = self.slots.clone().try_acquire_owned() {
+            return Some(Admission::Ready(permit));
+        }
+        if self.waiting.fetch_add(1, Ordering::Relaxed) >= self.config.max_queue {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(Admission::Queued(QueueTicket(self.clone())))
+    }
+}
+
+enum Admission {
+    Ready(OwnedSemaphorePermit),
+    Queued(QueueTicket),
+}
+
+/// A place in the queue; leaving (admitted or gone) decrements the waiting count.
+struct QueueTicket(Arc<Shared>);
+
+impl Drop for QueueTicket {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Admission {
+    async fn slot(self) -> Option<OwnedSemaphorePermit> {
+        match self {
+            Self::Ready(p) => Some(p),
+            // The semaphore is never closed, so this only fails if that invariant breaks.
+            Self::Queued(ticket) => ticket.0.slots.clone().acquire_owned().await.ok(),
+        }
+    }
+}
+
+/// Serves the simulator on `listener` until `shutdown` resolves, then lets open responses
+/// finish for up to a few seconds and returns.
+pub async fn serve(
+    config: SimConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), SimError> {
+    config.validate()?;
+    let mut registry = new_registry();
+    let metrics = RequestMetrics::register(&mut registry);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let shared = Arc::new(Shared {
+        faults: Mutex::new(config.faults.clone()),
+        slots: Arc::new(Semaphore::new(config.max_concurrency)),
+        waiting: AtomicUsize::new(0),
+        cache: Mutex::new(PrefixCache::new(
+            config.prefix_cache_tokens,
+            config.block_tokens,
+        )),
+        rng: Mutex::new(SmallRng::seed_from_u64(config.seed)),
+        registry,
+        metrics,
+        vllm: VllmGauges::new(&config.model_names[0]),
+        shutdown: stop_rx,
+        config,
+    });
+
+    let builder = auto::Builder::new(TokioExecutor::new());
+    let graceful = GracefulShutdown::new();
+    let mut connections = JoinSet::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // Usually EMFILE or a connection reset before accept; back off briefly.
+                        tracing::warn!(error = %e, "sim: accept failed");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                if lock(&shared.faults).refuse_connections {
+                    // SO_LINGER 0 makes close() send RST instead of FIN.
+                    let _ = stream.set_zero_linger();
+                    drop(stream);
+                    continue;
+                }
+                let _ = stream.set_nodelay(true);
+                let shared = shared.clone();
+                let service = service_fn(move |req| handle(shared.clone(), req));
+                let conn = builder
+                    .serve_connection(TokioIo::new(stream), service)
+                    .into_owned();
+                let conn = graceful.watch(conn);
+                connections.spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(%peer, error = %e, "sim: connection ended with an error");
+                    }
+                });
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::debug!("sim: open connections did not finish in time; dropping them");
+    }
+    connections.shutdown().await;
+    Ok(())
+}
+
+fn json_response(status: StatusCode, body: Bytes) -> Response<SimBody> {
+    let mut resp = Response::new(SimBody::full(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+fn text_response(
+    status: StatusCode,
+    content_type: &'static str,
+    body: String,
+) -> Response<SimBody> {
+    let mut resp = Response::new(SimBody::full(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(content_type),
+    );
+    resp
+}
+
+fn error_response(err: &ApiError) -> Response<SimBody> {
+    json_response(err.status, err.body())
+}
+
+async fn handle(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, Infallible> {
+    let route: &'static str = match req.uri().path() {
+        "/v1/chat/completions" => "/v1/chat/completions",
+        "/v1/completions" => "/v1/completions",
+        "/v1/models" => "/v1/models",
+        "/health" => "/health",
+        "/metrics" => "/metrics",
+        "/admin/faults" => "/admin/faults",
+        _ => "other",
+    };
+    let resp = match (req.method(), route) {
+        (&Method::POST, "/v1/chat/completions") => completion(&shared, Api::Chat, req).await,
+        (&Method::POST, "/v1/completions") => completion(&shared, Api::Completions, req).await,
+        (&Method::GET, "/v1/models") => models(&shared),
+        (&Method::GET, "/health") => text_response(StatusCode::OK, "text/plain", "ok".into()),
+        (&Method::GET, "/metrics") => {
+            text_response(StatusCode::OK, CONTENT_TYPE, shared.metrics_text())
+        }
+        (&Method::GET, "/admin/faults") => faults_response(&lock(&shared.faults)),
+        (&Method::POST, "/admin/faults") => set_faults(&shared, req).await,
+        (method, _) => error_response(
+            &ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("Unknown route: {method} {}", req.uri().path()),
+            )
+            .with_code("not_found"),
+        ),
+    };
+    shared.count(route, resp.status());
+    Ok(resp)
+}
+
+fn models(shared: &Shared) -> Response<SimBody> {
+    let created = unix_now();
+    let data: Vec<_> = shared
+        .config
+        .model_names
+        .iter()
+        .map(|id| {
+            serde_json::json!({"id": id, "object": "model", "created": created, "owned_by": "tokenway-sim"})
+        })
+        .collect();
+    let body = serde_json::json!({"object": "list", "data": data});
+    json_response(StatusCode::OK, Bytes::from(body.to_string()))
+}
+
+fn faults_response(faults: &Faults) -> Response<SimBody> {
+    let body = serde_json::to_vec(faults).expect("serializing plain structs cannot fail");
+    json_response(StatusCode::OK, Bytes::from(body))
+}
+
+async fn read_body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("Request body exceeds {MAX_BODY_BYTES} bytes."),
+        )
+    };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(req.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+    {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
+        Err(e) => Err(ApiError::invalid_request(format!(
+            "Could not read the request body: {e}"
+        ))),
+    }
+}
+
+async fn set_faults(shared: &Shared, req: Request<Incoming>) -> Response<SimBody> {
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&e),
+    };
+    let faults: Faults = match serde_json::from_slice(&body) {
+        Ok(f) => f,
+        Err(e) => {
+            return error_response(&ApiError::invalid_request(format!(
+                "invalid faults JSON: {e}"
+            )))
+        }
+    };
+    if let Err(e) = faults.validate() {
+        return error_response(&ApiError::invalid_request(e.to_string()));
+    }
+    tracing::info!(?faults, "sim: faults replaced");
+    let resp = faults_response(&faults);
+    *lock(&shared.faults) = faults;
+    resp
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn completion(shared: &Arc<Shared>, api: Api, req: Request<Incoming>) -> Response<SimBody> {
+    let start = Instant::now();
+    let transport = match req.version() {
+        Version::HTTP_2 => "h2",
+        _ => "h1",
+    };
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&e),
+    };
+    let job = match Job::parse(api, &body) {
+        Ok(j) => j,
+        Err(e) => return error_response(&e),
+    };
+    if !shared.config.model_names.contains(&job.model) {
+        return error_response(
+            &ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("The model `{}` does not exist.", job.model),
+            )
+            .with_param("model")
+            .with_code("model_not_found"),
+        );
+    }
+    let faults = lock(&shared.faults).clone();
+    if faults.hang {
+        // Never answer; end only when the server shuts down.
+        let mut stop = shared.shutdown.clone();
+        let _ = stop.wait_for(|s| *s).await;
+        return error_response(&ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "The server is shutting down.".into(),
+        ));
+    }
+    if faults.error_rate > 0.0 && lock(&shared.rng).random::<f64>() < faults.error_rate {
+        return error_response(&ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "Injected fault: internal server error.".into(),
+        ));
+    }
+    let Some(admission) = shared.admit() else {
+        return error_response(
+            &ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "requests",
+                format!(
+                    "Too many requests: {} running and {} waiting.",
+                    shared.config.max_concurrency, shared.config.max_queue
+                ),
+            )
+            .with_code("rate_limit_exceeded"),
+        );
+    };
+    let gen = Generator {
+        shared: shared.clone(),
+        encoder: Encoder::new(&job, unix_now()),
+        job,
+        faults,
+        start,
+        labels: StreamLabels {
+            route: api.route().to_owned(),
+            backend: "self".to_owned(),
+            transport: transport.to_owned(),
+        },
+    };
+    if gen.job.stream {
+        let (tx, rx) = mpsc::channel(STREAM_CHANNEL_EVENTS);
+        tokio::spawn(gen.stream(admission, tx));
+        let mut resp = Response::new(SimBody::Channel(rx));
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("text/event-stream"),
+        );
+        h.insert(
+            header::CACHE_CONTROL,
+            header::HeaderValue::from_static("no-cache"),
+        );
+        resp
+    } else {
+        gen.full(admission).await
+    }
+}
+
+/// Records `d` in the histogram of `labels` (generic over the family's constructor type).
+fn observe<C: MetricConstructor<Histogram>>(
+    family: &Family<StreamLabels, Histogram, C>,
+    labels: &StreamLabels,
+    d: Duration,
+) {
+    family.get_or_create(labels).observe(d.as_secs_f64());
+}
+
+/// Produces the tokens of one admitted request on the cost model's schedule.
+struct Generator {
+    shared: Arc<Shared>,
+    job: Job,
+    encoder: Encoder,
+    faults: Faults,
+    start: Instant,
+    labels: StreamLabels,
+}
+
+/// Timing of one request once it holds a slot.
+struct Plan {
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    max_tokens: u32,
+    /// `length` when the request's own limit ends it, else `stop` (the "model" chose to stop).
+    finish_reason: &'static str,
+    tokens: TokenSource,
+}
+
+impl Generator {
+    /// Waits for the prefill deadline (measured from admission) and records the prompt's blocks
+    /// in the prefix cache.
+    async fn prefill(&self) -> Plan {
+        let admitted = Instant::now();
+        let c = &self.shared.config;
+        let prompt = self.job.prompt.as_bytes();
+        let prompt_tokens = cost::prompt_tokens(prompt.len(), c.bytes_per_token);
+        let blocks = cost::block_hashes(prompt, c.block_tokens, c.bytes_per_token);
+        let cached_tokens = lock(&self.shared.cache)
+            .cached_tokens(&blocks)
+            .min(prompt_tokens);
+        let first_token_at = admitted
+            + cost::ms(c.base_latency_ms)
+            + cost::prefill_time(prompt_tokens - cached_tokens, c.prefill_tokens_per_second)
+            + cost::ms(self.faults.slow_start_ms);
+        sleep_until(first_token_at).await;
+        // The KV blocks exist once prefill is done; a concurrent identical prompt hits them.
+        lock(&self.shared.cache).insert(&blocks);
+        Plan {
+            prompt_tokens,
+            cached_tokens,
+            max_tokens: self.job.max_tokens.unwrap_or(c.default_max_tokens),
+            finish_reason: if self.job.max_tokens.is_some() {
+                "length"
+            } else {
+                "stop"
+            },
+            tokens: TokenSource::new(c.seed, prompt),
+        }
+    }
+
+    /// The deadline of the token after one produced at `prev`.
+    fn next_deadline(&self, prev: Instant) -> Instant {
+        let c = &self.shared.config;
+        prev + cost::decode_interval(
+            cost::ms(c.time_per_output_token_ms),
+            c.batch_penalty,
+            self.shared.running().max(1),
+        )
+    }
+
+    fn observe_token(&self, index: u32, now: Instant, last: Instant) {
+        let m = &self.shared.metrics;
+        if index == 0 {
+            observe(&m.ttft, &self.labels, now - self.start);
+        } else {
+            observe(&m.inter_token, &self.labels, now - last);
+        }
+    }
+
+    fn observe_end(&self) {
+        observe(
+            &self.shared.metrics.duration,
+            &self.labels,
+            self.start.elapsed(),
+        );
+    }
+
+    async fn stream(mut self, admission: Admission, tx: mpsc::Sender<Bytes>) {
+        let permit = tokio::select! {
+            p = admission.slot() => p,
+            () = tx.closed() => None,
+        };
+        let Some(permit) = permit else { return };
+        let plan = tokio::select! {
+            p = self.prefill() => p,
+            () = tx.closed() => return,
+        };
+        let mut deadline = Instant::now();
+        let mut last = deadline;
+        for i in 0..plan.max_tokens {
+            if i > 0 {
+                deadline = self.next_deadline(deadline);
+                sleep_until(deadline).await;
+            }
+            if self.faults.stall_after_tokens == Some(i) {
+                // Keep the connection (and the slot) until the client leaves or we shut down.
+                let mut stop = self.shared.shutdown.clone();
+                tokio::select! {
+                    () = tx.closed() => {}
+                    _ = stop.wait_for(|s| *s) => {}
+                }
+                return;
+            }
+            if i == 0 {
+                if let Some(role) = self.encoder.role() {
+                    if tx.send(role).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            let event = self.encoder.token(plan.tokens.token(i));
+            if tx.send(event).await.is_err() {
+                return;
+            }
+            let now = Instant::now();
+            self.observe_token(i, now, last);
+            last = now;
+        }
+        drop(permit);
+        let usage = Usage::new(plan.prompt_tokens, plan.cached_tokens, plan.max_tokens);
+        let mut tail = vec![self.encoder.finish(plan.finish_reason)];
+        if self.job.include_usage {
+            tail.push(self.encoder.usage(&usage));
+        }
+        tail.push(Bytes::from_static(openai::DONE));
+        for event in tail {
+            if tx.send(event).await.is_err() {
+                return;
+            }
+        }
+        self.observe_end();
+    }
+
+    async fn full(self, admission: Admission) -> Response<SimBody> {
+        // If the client goes away, hyper drops this future and with it the slot.
+        let Some(permit) = admission.slot().await else {
+            return error_response(&ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "The server is shutting down.".into(),
+            ));
+        };
+        let plan = self.prefill().await;
+        let mut text = String::new();
+        let mut deadline = Instant::now();
+        let mut last = deadline;
+        for i in 0..plan.max_tokens {
+            if i > 0 {
+                deadline = self.next_deadline(deadline);
+                sleep_until(deadline).await;
+            }
+            if self.faults.stall_after_tokens == Some(i) {
+                let mut stop = self.shared.shutdown.clone();
+                let _ = stop.wait_for(|s| *s).await;
+                return error_response(&ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_error",
+                    "The server is shutting down.".into(),
+                ));
+            }
+            text.push_str(plan.tokens.token(i));
+            let now = Instant::now();
+            self.observe_token(i, now, last);
+            last = now;
+        }
+        drop(permit);
+        let usage = Usage::new(plan.prompt_tokens, plan.cached_tokens, plan.max_tokens);
+        let resp = json_response(
+            StatusCode::OK,
+            self.encoder.full(&text, plan.finish_reason, &usage),
+        );
+        self.observe_end();
+        resp
+    }
+}

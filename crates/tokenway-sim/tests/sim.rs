@@ -1,0 +1,431 @@
+//! End-to-end tests of the simulator over real HTTP on loopback.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+use tokenway_sim::{serve, Faults, SimConfig};
+use tokio::sync::oneshot;
+
+struct Sim {
+    addr: SocketAddr,
+    client: Client<HttpConnector, Full<Bytes>>,
+    _stop: oneshot::Sender<()>,
+}
+
+fn fast_config() -> SimConfig {
+    SimConfig {
+        base_latency_ms: 1.0,
+        time_per_output_token_ms: 1.0,
+        prefill_tokens_per_second: 1_000_000.0,
+        ..SimConfig::default()
+    }
+}
+
+async fn start(config: SimConfig) -> Sim {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        serve(config, listener, async move {
+            let _ = stopped.await;
+        })
+        .await
+        .unwrap();
+    });
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    Sim {
+        addr,
+        client,
+        _stop: stop,
+    }
+}
+
+impl Sim {
+    fn request(&self, method: Method, path: &str, body: impl Into<Bytes>) -> Request<Full<Bytes>> {
+        Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", self.addr))
+            .header("content-type", "application/json")
+            .body(Full::new(body.into()))
+            .unwrap()
+    }
+
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: impl Into<Bytes>,
+    ) -> (StatusCode, Bytes) {
+        let resp = self
+            .client
+            .request(self.request(method, path, body))
+            .await
+            .unwrap();
+        let status = resp.status();
+        (status, resp.into_body().collect().await.unwrap().to_bytes())
+    }
+
+    async fn post_json(&self, path: &str, body: Value) -> (StatusCode, Value) {
+        let (status, bytes) = self.call(Method::POST, path, body.to_string()).await;
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, String) {
+        let (status, bytes) = self.call(Method::GET, path, Bytes::new()).await;
+        (status, String::from_utf8(bytes.to_vec()).unwrap())
+    }
+
+    async fn set_faults(&self, faults: Value) {
+        let (status, _) = self.post_json("/admin/faults", faults).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+
+    /// Streams a request; returns the SSE events (without `data: `) and the time to the first
+    /// frame that carries token text.
+    async fn stream(&self, path: &str, body: Value) -> (Vec<String>, Duration) {
+        let t0 = Instant::now();
+        let resp = self
+            .client
+            .request(self.request(Method::POST, path, body.to_string()))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        let mut body = resp.into_body();
+        let mut raw = Vec::new();
+        let mut ttft = None;
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame.unwrap().into_data() {
+                ttft.get_or_insert_with(|| t0.elapsed());
+                raw.extend_from_slice(&data);
+            }
+        }
+        let text = String::from_utf8(raw).unwrap();
+        assert!(text.ends_with("\n\n"), "{text}");
+        let events = text
+            .split_terminator("\n\n")
+            .map(|e| {
+                e.strip_prefix("data: ")
+                    .expect("every event is a data line")
+                    .to_owned()
+            })
+            .collect();
+        (events, ttft.unwrap())
+    }
+}
+
+fn chat(content: &str, extra: Value) -> Value {
+    let mut body =
+        json!({"model": "sim-model", "messages": [{"role": "user", "content": content}]});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+#[tokio::test]
+async fn streaming_chat_has_openai_chunks_usage_and_done() {
+    let sim = start(fast_config()).await;
+    let prompt = "hello there, simulator"; // "user" + prompt = 26 bytes -> 7 tokens
+    let (events, _) = sim
+        .stream(
+            "/v1/chat/completions",
+            chat(
+                prompt,
+                json!({"stream": true, "max_tokens": 5, "stream_options": {"include_usage": true}}),
+            ),
+        )
+        .await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    // role chunk + 5 tokens + finish chunk + usage chunk
+    assert_eq!(chunks.len(), 8, "{chunks:#?}");
+    let id = chunks[0]["id"].as_str().unwrap();
+    assert!(id.starts_with("chatcmpl-"));
+    for c in &chunks {
+        assert_eq!(c["id"], id);
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["model"], "sim-model");
+        assert!(c["created"].as_u64().unwrap() > 1_600_000_000);
+        assert!(c.as_object().unwrap().contains_key("usage"));
+    }
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    for c in &chunks[1..6] {
+        let choice = &c["choices"][0];
+        assert_eq!(choice["index"], 0);
+        assert!(choice["delta"]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with(' '));
+        assert!(choice["logprobs"].is_null());
+        assert!(choice["finish_reason"].is_null());
+        assert!(c["usage"].is_null());
+    }
+    assert_eq!(chunks[6]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks[7]["choices"], json!([]));
+    assert_eq!(
+        chunks[7]["usage"],
+        json!({"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+               "prompt_tokens_details": {"cached_tokens": 0}})
+    );
+}
+
+#[tokio::test]
+async fn streaming_completion_without_include_usage_omits_usage() {
+    let sim = start(fast_config()).await;
+    let body = json!({"model": "sim-model", "prompt": "abc", "stream": true, "max_tokens": 3});
+    let (events, _) = sim.stream("/v1/completions", body).await;
+    assert_eq!(events.len(), 3 + 1 + 1);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    for e in &events[..4] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(c["object"], "text_completion");
+        assert!(c["id"].as_str().unwrap().starts_with("cmpl-"));
+        assert!(!c.as_object().unwrap().contains_key("usage"));
+    }
+    let fin: Value = serde_json::from_str(&events[3]).unwrap();
+    assert_eq!(fin["choices"][0]["finish_reason"], "length");
+}
+
+#[tokio::test]
+async fn max_tokens_is_respected_and_same_seed_and_prompt_give_same_text() {
+    let sim = start(fast_config()).await;
+    let body = chat("tell me a story", json!({"max_completion_tokens": 4}));
+    let (status, a) = sim.post_json("/v1/chat/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK);
+    let (_, b) = sim.post_json("/v1/chat/completions", body).await;
+    assert_eq!(a["object"], "chat.completion");
+    assert_eq!(a["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(a["choices"][0]["finish_reason"], "length");
+    assert_eq!(a["usage"]["completion_tokens"], 4);
+    let text = a["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(text.split_whitespace().count(), 4);
+    assert_eq!(text, b["choices"][0]["message"]["content"]);
+
+    // Without a limit: default_max_tokens tokens and a natural stop.
+    let (_, d) = sim
+        .post_json(
+            "/v1/completions",
+            json!({"model": "sim-model", "prompt": "x"}),
+        )
+        .await;
+    assert_eq!(d["object"], "text_completion");
+    assert_eq!(d["usage"]["completion_tokens"], 64);
+    assert_eq!(d["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test]
+async fn repeated_long_prompt_has_lower_ttft_thanks_to_the_prefix_cache() {
+    let sim = start(SimConfig {
+        prefill_tokens_per_second: 100_000.0,
+        ..fast_config()
+    })
+    .await;
+    // 80 000 bytes -> ~20 000 tokens -> 200 ms of prefill when uncached.
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(1800);
+    let body = chat(&prompt, json!({"stream": true, "max_tokens": 1}));
+    let (_, cold) = sim.stream("/v1/chat/completions", body.clone()).await;
+    let (_, warm) = sim.stream("/v1/chat/completions", body).await;
+    assert!(cold >= Duration::from_millis(180), "cold TTFT {cold:?}");
+    assert!(warm < cold / 3, "warm TTFT {warm:?} vs cold {cold:?}");
+
+    let (_, full) = sim
+        .post_json(
+            "/v1/chat/completions",
+            chat(&prompt, json!({"max_tokens": 1})),
+        )
+        .await;
+    let cached = full["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt_tokens = full["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens - cached < 16, "{full}");
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_error_bodies() {
+    let sim = start(fast_config()).await;
+    let (status, body) = sim
+        .call(Method::POST, "/v1/chat/completions", "{not json")
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert!(v["error"]["param"].is_null() && v["error"]["code"].is_null());
+    assert!(v["error"]["message"].as_str().unwrap().contains("JSON"));
+
+    let (status, v) = sim
+        .post_json(
+            "/v1/chat/completions",
+            json!({"model": "nope", "messages": []}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(v["error"]["code"], "model_not_found");
+
+    let (status, v) = sim.post_json("/v1/nothing", json!({})).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+}
+
+#[tokio::test]
+async fn models_health_and_metrics_endpoints() {
+    let sim = start(SimConfig {
+        model_names: vec!["a".into(), "b".into()],
+        ..fast_config()
+    })
+    .await;
+    let (status, body) = sim.get("/v1/models").await;
+    assert_eq!(status, StatusCode::OK);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "a");
+    assert_eq!(v["data"][1]["id"], "b");
+    assert_eq!(v["data"][1]["object"], "model");
+    assert_eq!(v["data"][1]["owned_by"], "tokenway-sim");
+
+    assert_eq!(sim.get("/health").await, (StatusCode::OK, "ok".to_owned()));
+
+    let body = json!({"model": "a", "prompt": "x", "max_tokens": 2, "stream": true});
+    sim.stream("/v1/completions", body).await;
+    let (status, text) = sim.get("/metrics").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        text.contains(
+            "tokenway_requests_total{route=\"/v1/completions\",backend=\"self\",status=\"200\"} 1"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("tokenway_ttft_seconds_count{route=\"/v1/completions\",backend=\"self\",transport=\"h1\"} 1"), "{text}");
+    assert!(
+        text.contains("vllm:num_requests_running{model_name=\"a\"} 0"),
+        "{text}"
+    );
+    assert!(
+        text.contains("vllm:num_requests_waiting{model_name=\"a\"} 0"),
+        "{text}"
+    );
+    assert!(
+        text.contains("vllm:gpu_cache_usage_perc{model_name=\"a\"}"),
+        "{text}"
+    );
+    assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+}
+
+#[tokio::test]
+async fn error_rate_one_answers_500_and_faults_change_at_run_time() {
+    let sim = start(SimConfig {
+        faults: Faults {
+            error_rate: 1.0,
+            ..Faults::default()
+        },
+        ..fast_config()
+    })
+    .await;
+    let body = chat("hi", json!({"max_tokens": 1}));
+    let (status, v) = sim.post_json("/v1/chat/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(v["error"]["message"].is_string());
+
+    sim.set_faults(json!({"error_rate": 0.0})).await;
+    let (status, _) = sim.post_json("/v1/chat/completions", body).await;
+    assert_eq!(status, StatusCode::OK);
+
+    let (status, v) = sim
+        .post_json("/admin/faults", json!({"error_rate": 2.0}))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("sim.faults.error_rate"));
+}
+
+#[tokio::test]
+async fn hang_never_answers_while_health_stays_up() {
+    let sim = start(fast_config()).await;
+    sim.set_faults(json!({"hang": true})).await;
+    let req = sim.request(
+        Method::POST,
+        "/v1/chat/completions",
+        chat("hi", json!({})).to_string(),
+    );
+    let pending = tokio::time::timeout(Duration::from_millis(300), sim.client.request(req)).await;
+    assert!(pending.is_err(), "a hung server must not answer");
+    assert_eq!(sim.get("/health").await.0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn full_queue_answers_429() {
+    let sim = start(SimConfig {
+        max_concurrency: 1,
+        max_queue: 0,
+        time_per_output_token_ms: 100.0,
+        ..fast_config()
+    })
+    .await;
+    let slow = sim.request(
+        Method::POST,
+        "/v1/chat/completions",
+        chat("slow", json!({"stream": true, "max_tokens": 5})).to_string(),
+    );
+    let held = sim.client.request(slow).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let (status, v) = sim
+        .post_json(
+            "/v1/chat/completions",
+            chat("next", json!({"max_tokens": 1})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+    drop(held);
+}
+
+#[tokio::test]
+async fn stall_stops_the_stream_after_n_tokens_but_keeps_it_open() {
+    let sim = start(fast_config()).await;
+    sim.set_faults(json!({"stall_after_tokens": 2})).await;
+    let req = sim.request(
+        Method::POST,
+        "/v1/chat/completions",
+        chat("hi", json!({"stream": true, "max_tokens": 10})).to_string(),
+    );
+    let mut body = sim.client.request(req).await.unwrap().into_body();
+    let mut events = 0;
+    let read = tokio::time::timeout(Duration::from_millis(300), async {
+        while let Some(frame) = body.frame().await {
+            if frame.unwrap().is_data() {
+                events += 1;
+            }
+        }
+    })
+    .await;
+    assert!(read.is_err(), "a stalled stream stays open");
+    assert_eq!(events, 3, "role chunk and two tokens before the stall");
+}
+
+#[tokio::test]
+async fn refuse_connections_resets_every_connection() {
+    let sim = start(fast_config()).await;
+    sim.set_faults(json!({"refuse_connections": true})).await;
+    // A fresh client, so no pooled connection is reused.
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let res = client
+        .request(sim.request(Method::GET, "/health", Bytes::new()))
+        .await;
+    assert!(res.is_err(), "{res:?}");
+}

@@ -1,0 +1,568 @@
+//! Incremental Server-Sent-Events scanning for the streaming proxy.
+//!
+//! The gateway forwards an upstream SSE stream byte for byte and flushes every chunk at once;
+//! it only needs to know *where events end*, to measure time to first token and inter-token
+//! gaps, and to notice the OpenAI end marker `data: [DONE]`. [`SseScanner`] answers exactly
+//! that, chunk by chunk, whatever the chunk boundaries are: an event may be split over many
+//! chunks and a chunk may hold many events.
+//!
+//! Parsing follows the WHATWG HTML "Server-sent events" section 9.2.6 (interpreting an event
+//! stream): lines end at CRLF, LF or CR; a leading UTF-8 BOM is skipped; a line starting with
+//! `:` is a comment; a field line without a colon has an empty value; one space after the colon
+//! is dropped; a blank line dispatches the event, and an event whose data buffer is empty (no
+//! `data` field at all) is not dispatched. An unterminated event at the end of the stream is
+//! never dispatched.
+//!
+//! The scanner must never buffer an event, copy payload bytes or allocate: its whole state is a
+//! few small integers (where it is in the current line, how far the field name matches `data`
+//! and the value matches `[DONE]`), so memory is bounded whatever the upstream sends. It must
+//! never modify or hold back bytes either; it only observes them.
+
+/// The UTF-8 byte order mark, skipped once at the start of a stream.
+const BOM: &[u8; 3] = b"\xEF\xBB\xBF";
+/// The only field name the scanner cares about.
+const DATA: &[u8; 4] = b"data";
+/// The OpenAI end-of-stream data value.
+const DONE: &[u8; 6] = b"[DONE]";
+
+/// Where the scanner is inside the current line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Line {
+    /// Nothing of the line seen yet; a line end here is a blank line.
+    Start,
+    /// The field name so far equals `DATA[..matched]`.
+    Name { matched: u8 },
+    /// Just after `data:`; one space may be skipped.
+    ValueStart,
+    /// The data value so far equals `DONE[..matched]`.
+    Value { matched: u8 },
+    /// The rest of the line does not matter; `data` says whether it is a data field line
+    /// (which still counts for the event) or a comment / other field.
+    Rest { data: bool },
+}
+
+/// What a blank line will dispatch, accumulated over the lines of the current event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Pending {
+    /// Number of `data` field lines, saturating at 2 (only 0, 1 and "more" matter).
+    data_lines: u8,
+    /// The last data line's value was exactly `[DONE]`.
+    last_value_done: bool,
+    /// At least one non-blank line (comment or field) was seen since the last dispatch.
+    any_line: bool,
+}
+
+/// What happened inside one chunk passed to [`SseScanner::feed`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ScanResult {
+    /// Number of data events whose terminating blank line ended inside this chunk.
+    pub events: u32,
+    /// A `data: [DONE]` event ended inside this chunk.
+    pub done: bool,
+}
+
+/// Incremental, bounded-state SSE event-boundary scanner. See the [module docs](self).
+///
+/// ```
+/// use tokenway_wire::sse::SseScanner;
+///
+/// let mut scanner = SseScanner::new();
+/// assert_eq!(scanner.feed(b"data: {\"a\":1}\n").events, 0);
+/// assert_eq!(scanner.feed(b"\ndata: [DO").events, 1);
+/// let last = scanner.feed(b"NE]\r\n\r\n");
+/// assert!(last.done);
+/// assert_eq!(scanner.events(), 2);
+/// ```
+#[derive(Debug, Clone)]
+pub struct SseScanner {
+    line: Line,
+    pending: Pending,
+    /// The previous byte was a CR that ended a line, so an LF right after it is part of the
+    /// same line terminator (CRLF may be split across chunks).
+    after_cr: bool,
+    /// Bytes of a leading BOM matched so far, while `in_prefix`.
+    bom_matched: u8,
+    /// Still at the very start of the stream (BOM not yet ruled in or out).
+    in_prefix: bool,
+    events: u64,
+    comments: u64,
+    saw_done: bool,
+}
+
+impl Default for SseScanner {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SseScanner {
+    /// A scanner at the start of a stream.
+    pub fn new() -> Self {
+        Self {
+            line: Line::Start,
+            pending: Pending::default(),
+            after_cr: false,
+            bom_matched: 0,
+            in_prefix: true,
+            events: 0,
+            comments: 0,
+            saw_done: false,
+        }
+    }
+
+    /// Feed the next chunk of the stream; returns how many complete data events ended inside
+    /// it and whether one of them was `data: [DONE]`.
+    ///
+    /// Blocks that end without any `data` field (comments such as `: keepalive`, `retry:`-only
+    /// blocks) are not events; they are counted in [`comments`](Self::comments).
+    pub fn feed(&mut self, chunk: &[u8]) -> ScanResult {
+        let mut out = ScanResult::default();
+        let mut rest = chunk;
+        while self.in_prefix {
+            let Some((&b, tail)) = rest.split_first() else {
+                return out;
+            };
+            if b == BOM[usize::from(self.bom_matched)] {
+                self.bom_matched += 1;
+                rest = tail;
+                if usize::from(self.bom_matched) == BOM.len() {
+                    self.in_prefix = false;
+                }
+            } else {
+                // Not a BOM after all: the bytes held back so far are ordinary stream bytes.
+                self.in_prefix = false;
+                let held = usize::from(self.bom_matched);
+                self.scan(&BOM[..held], &mut out);
+            }
+        }
+        self.scan(rest, &mut out);
+        out
+    }
+
+    /// Total data events dispatched so far.
+    pub fn events(&self) -> u64 {
+        self.events
+    }
+
+    /// Total blank-line-terminated blocks without a `data` field so far (comments,
+    /// keep-alives, `retry`-only or `id`-only blocks).
+    pub fn comments(&self) -> u64 {
+        self.comments
+    }
+
+    /// Whether a `data: [DONE]` event has ended.
+    pub fn saw_done(&self) -> bool {
+        self.saw_done
+    }
+
+    fn scan(&mut self, bytes: &[u8], out: &mut ScanResult) {
+        let mut i = 0;
+        while let Some(&b) = bytes.get(i) {
+            if self.after_cr {
+                self.after_cr = false;
+                if b == b'\n' {
+                    i += 1;
+                    continue;
+                }
+            }
+            match b {
+                b'\r' => {
+                    self.end_line(out);
+                    self.after_cr = true;
+                    i += 1;
+                }
+                b'\n' => {
+                    self.end_line(out);
+                    i += 1;
+                }
+                _ => {
+                    if let Line::Rest { .. } = self.line {
+                        // Payload bytes: jump straight to the next line terminator.
+                        let skip = bytes[i..]
+                            .iter()
+                            .position(|&c| c == b'\n' || c == b'\r')
+                            .unwrap_or(bytes.len() - i);
+                        i += skip;
+                    } else {
+                        self.line = Self::advance(self.line, b);
+                        i += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Next line state after a byte that is not CR or LF.
+    fn advance(line: Line, b: u8) -> Line {
+        match line {
+            Line::Start => Self::advance(Line::Name { matched: 0 }, b),
+            Line::Name { matched } => {
+                let m = usize::from(matched);
+                if b == b':' {
+                    if m == DATA.len() {
+                        Line::ValueStart
+                    } else {
+                        // A comment (empty name) or a field other than `data`.
+                        Line::Rest { data: false }
+                    }
+                } else if m < DATA.len() && b == DATA[m] {
+                    Line::Name {
+                        matched: matched + 1,
+                    }
+                } else {
+                    Line::Rest { data: false }
+                }
+            }
+            Line::ValueStart if b == b' ' => Line::Value { matched: 0 },
+            Line::ValueStart => Self::advance(Line::Value { matched: 0 }, b),
+            Line::Value { matched } => {
+                let m = usize::from(matched);
+                if m < DONE.len() && b == DONE[m] {
+                    Line::Value {
+                        matched: matched + 1,
+                    }
+                } else {
+                    Line::Rest { data: true }
+                }
+            }
+            rest @ Line::Rest { .. } => rest,
+        }
+    }
+
+    fn end_line(&mut self, out: &mut ScanResult) {
+        let data_value_done = match self.line {
+            Line::Start => {
+                self.dispatch(out);
+                return;
+            }
+            // `data` without a colon: a data field with an empty value.
+            Line::Name { matched } if usize::from(matched) == DATA.len() => Some(false),
+            Line::Name { .. } | Line::Rest { data: false } => None,
+            Line::ValueStart | Line::Rest { data: true } => Some(false),
+            Line::Value { matched } => Some(usize::from(matched) == DONE.len()),
+        };
+        self.pending.any_line = true;
+        if let Some(done) = data_value_done {
+            self.pending.data_lines = self.pending.data_lines.saturating_add(1).min(2);
+            self.pending.last_value_done = done;
+        }
+        self.line = Line::Start;
+    }
+
+    fn dispatch(&mut self, out: &mut ScanResult) {
+        let p = std::mem::take(&mut self.pending);
+        if p.data_lines > 0 {
+            self.events += 1;
+            out.events = out.events.saturating_add(1);
+            // Several data lines join with "\n", so only a single `[DONE]` line is the marker.
+            if p.data_lines == 1 && p.last_value_done {
+                self.saw_done = true;
+                out.done = true;
+            }
+        } else if p.any_line {
+            self.comments += 1;
+        }
+    }
+}
+
+/// An SSE event carrying an OpenAI-style error object, for ending a stream cleanly after the
+/// first byte has already reached the client:
+/// `data: {"error":{"message":...,"type":"upstream_error","code":...}}\n\n`.
+///
+/// `message` and `code` are JSON-escaped, so the event is always a single `data` line.
+pub fn error_event(message: &str, code: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + message.len() + code.len());
+    out.extend_from_slice(b"data: {\"error\":{\"message\":");
+    push_json_string(&mut out, message);
+    out.extend_from_slice(b",\"type\":\"upstream_error\",\"code\":");
+    push_json_string(&mut out, code);
+    out.extend_from_slice(b"}}\n\n");
+    out
+}
+
+/// Append `s` as a JSON string literal (RFC 8259 section 7). Control characters are escaped,
+/// so the result never contains a raw CR or LF that would break the SSE line.
+fn push_json_string(out: &mut Vec<u8>, s: &str) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.push(b'"');
+    for &b in s.as_bytes() {
+        match b {
+            b'"' => out.extend_from_slice(b"\\\""),
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            b'\t' => out.extend_from_slice(b"\\t"),
+            0x00..=0x1f => out.extend_from_slice(&[
+                b'\\',
+                b'u',
+                b'0',
+                b'0',
+                HEX[usize::from(b >> 4)],
+                HEX[usize::from(b & 0xf)],
+            ]),
+            // Multi-byte UTF-8 sequences pass through unchanged: JSON text is UTF-8.
+            _ => out.push(b),
+        }
+    }
+    out.push(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn scan_whole(input: &[u8]) -> (u64, u64, bool) {
+        let mut s = SseScanner::new();
+        s.feed(input);
+        (s.events(), s.comments(), s.saw_done())
+    }
+
+    /// A deliberately simple, non-incremental reading of the WHATWG algorithm.
+    fn reference(input: &[u8]) -> (u64, u64, bool) {
+        let input = input.strip_prefix(BOM.as_slice()).unwrap_or(input);
+        let (mut events, mut comments, mut done) = (0, 0, false);
+        let (mut data_lines, mut last_value, mut any_line) = (0, Vec::new(), false);
+        let mut line = Vec::new();
+        let mut i = 0;
+        while i < input.len() {
+            let b = input[i];
+            i += 1;
+            if b != b'\r' && b != b'\n' {
+                line.push(b);
+                continue;
+            }
+            if b == b'\r' && input.get(i) == Some(&b'\n') {
+                i += 1;
+            }
+            if line.is_empty() {
+                if data_lines > 0 {
+                    events += 1;
+                    done |= data_lines == 1 && last_value == b"[DONE]";
+                } else if any_line {
+                    comments += 1;
+                }
+                (data_lines, any_line) = (0, false);
+            } else {
+                any_line = true;
+                if line[0] != b':' {
+                    let (name, value) = match line.iter().position(|&c| c == b':') {
+                        Some(p) => (&line[..p], &line[p + 1..]),
+                        None => (&line[..], &[][..]),
+                    };
+                    let value = value.strip_prefix(b" ").unwrap_or(value);
+                    if name == b"data" {
+                        data_lines += 1;
+                        last_value = value.to_vec();
+                    }
+                }
+            }
+            line.clear();
+        }
+        (events, comments, done)
+    }
+
+    #[test]
+    fn counts_lf_separated_events_in_one_chunk() {
+        let mut s = SseScanner::new();
+        let r = s.feed(b"data: {\"x\":1}\n\ndata: {\"x\":2}\n\n");
+        assert_eq!(
+            r,
+            ScanResult {
+                events: 2,
+                done: false
+            }
+        );
+        assert_eq!(s.events(), 2);
+    }
+
+    #[test]
+    fn every_line_ending_mix_ends_an_event() {
+        for input in [
+            &b"data: a\n\n"[..],
+            b"data: a\r\n\r\n",
+            b"data: a\r\r",
+            b"data: a\r\n\n",
+            b"data: a\n\r\n",
+            b"data: a\n\r",
+            b"data: a\r\n\r",
+        ] {
+            assert_eq!(scan_whole(input), (1, 0, false), "{input:?}");
+        }
+    }
+
+    #[test]
+    fn crlf_split_across_chunks_is_one_line_end() {
+        let mut s = SseScanner::new();
+        assert_eq!(s.feed(b"data: a\r").events, 0);
+        // If the LF were taken as a second line end this would be a blank line.
+        assert_eq!(s.feed(b"\ndata: b\r").events, 0);
+        assert_eq!(s.feed(b"\n").events, 0);
+        assert_eq!(s.feed(b"\r").events, 1);
+        assert_eq!(s.feed(b"\n").events, 0);
+        assert_eq!(s.events(), 1);
+    }
+
+    #[test]
+    fn event_split_byte_by_byte_ends_in_the_right_chunk() {
+        let input = b"event: delta\ndata: {\"t\":\"hi\"}\n\n";
+        let mut s = SseScanner::new();
+        for (i, b) in input.iter().enumerate() {
+            let r = s.feed(std::slice::from_ref(b));
+            let expected = u32::from(i == input.len() - 1);
+            assert_eq!(r.events, expected, "byte {i}");
+        }
+    }
+
+    #[test]
+    fn comments_and_retry_only_blocks_are_not_events() {
+        let mut s = SseScanner::new();
+        let r = s.feed(b": keepalive\n\nretry: 1000\n\nid: 7\n\n");
+        assert_eq!(r.events, 0);
+        assert_eq!(s.events(), 0);
+        assert_eq!(s.comments(), 3);
+    }
+
+    #[test]
+    fn extra_blank_lines_count_as_nothing() {
+        assert_eq!(scan_whole(b"\n\n\r\n\ndata: x\n\n\n\n"), (1, 0, false));
+    }
+
+    #[test]
+    fn multi_line_data_is_one_event() {
+        assert_eq!(scan_whole(b"data: a\ndata: b\ndata\n\n"), (1, 0, false));
+    }
+
+    #[test]
+    fn data_without_colon_or_value_is_an_event() {
+        assert_eq!(scan_whole(b"data\n\n"), (1, 0, false));
+        assert_eq!(scan_whole(b"data:\n\n"), (1, 0, false));
+    }
+
+    #[test]
+    fn similar_field_names_are_not_data() {
+        for input in [
+            &b"dat: x\n\n"[..],
+            b"datax: x\n\n",
+            b"Data: x\n\n",
+            b" data: x\n\n",
+        ] {
+            assert_eq!(scan_whole(input), (0, 1, false), "{input:?}");
+        }
+    }
+
+    #[test]
+    fn done_marker_is_recognised_with_or_without_space_and_split() {
+        assert_eq!(scan_whole(b"data: [DONE]\n\n"), (1, 0, true));
+        assert_eq!(scan_whole(b"data:[DONE]\r\n\r\n"), (1, 0, true));
+        assert_eq!(scan_whole(b"event: end\ndata: [DONE]\n\n"), (1, 0, true));
+        let mut s = SseScanner::new();
+        assert!(!s.feed(b"data: {}\n\ndata: [DO").done);
+        let r = s.feed(b"NE]\n\n");
+        assert_eq!(
+            r,
+            ScanResult {
+                events: 1,
+                done: true
+            }
+        );
+        assert!(s.saw_done());
+    }
+
+    #[test]
+    fn near_misses_are_not_done() {
+        for input in [
+            &b"data: [DONE]x\n\n"[..],
+            b"data: [DONE] \n\n",
+            b"data:  [DONE]\n\n",
+            b"data: [DONE\n\n",
+            b"data: [DONE]\ndata: more\n\n",
+            b"data: [DONE]\ndata: [DONE]\n\n",
+            b": data: [DONE]\n\n",
+        ] {
+            assert!(!scan_whole(input).2, "{input:?}");
+        }
+    }
+
+    #[test]
+    fn unterminated_event_is_not_counted() {
+        assert_eq!(scan_whole(b"data: [DONE]\n"), (0, 0, false));
+    }
+
+    #[test]
+    fn leading_bom_is_skipped_even_when_split() {
+        assert_eq!(scan_whole(b"\xEF\xBB\xBFdata: [DONE]\n\n"), (1, 0, true));
+        let mut s = SseScanner::new();
+        s.feed(b"\xEF");
+        s.feed(b"\xBB\xBFdata: [DONE]\n\n");
+        assert!(s.saw_done());
+        // A BOM-like prefix that is not a BOM is ordinary bytes of a field name.
+        assert_eq!(scan_whole(b"\xEF\xBBdata: x\n\n"), (0, 1, false));
+        // Only one BOM is stripped.
+        assert_eq!(
+            scan_whole(b"\xEF\xBB\xBF\xEF\xBB\xBFdata: x\n\n"),
+            (0, 1, false)
+        );
+    }
+
+    #[test]
+    fn error_event_is_one_data_line_of_valid_json() {
+        let message = "bad \"thing\"\n\\ happened\r\t\u{1}é";
+        let ev = error_event(message, "backend_down");
+        let text = std::str::from_utf8(&ev).expect("error_event emits UTF-8");
+        let body = text
+            .strip_prefix("data: ")
+            .and_then(|t| t.strip_suffix("\n\n"))
+            .expect("framed as a single SSE data event");
+        assert!(!body.contains('\n') && !body.contains('\r'));
+        let v: serde_json::Value = serde_json::from_str(body).expect("valid JSON");
+        assert_eq!(v["error"]["message"], message);
+        assert_eq!(v["error"]["type"], "upstream_error");
+        assert_eq!(v["error"]["code"], "backend_down");
+        assert_eq!(scan_whole(&ev), (1, 0, false));
+    }
+
+    fn stream() -> impl Strategy<Value = Vec<u8>> {
+        let piece = prop_oneof![
+            Just(b"data".to_vec()),
+            Just(b"data: ".to_vec()),
+            Just(b"[DONE]".to_vec()),
+            Just(b"\r".to_vec()),
+            Just(b"\n".to_vec()),
+            Just(b"\r\n".to_vec()),
+            Just(b":".to_vec()),
+            Just(b" ".to_vec()),
+            Just(b"retry: 5".to_vec()),
+            Just(BOM.to_vec()),
+            proptest::collection::vec(any::<u8>(), 0..6),
+        ];
+        proptest::collection::vec(piece, 0..40).prop_map(|v| v.concat())
+    }
+
+    proptest! {
+        #[test]
+        fn splitting_anywhere_gives_the_same_counts_as_whole(
+            input in stream(),
+            cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..8),
+        ) {
+            let whole = scan_whole(&input);
+            let mut points: Vec<usize> = cuts.iter().map(|c| c.index(input.len() + 1)).collect();
+            points.sort_unstable();
+            let mut s = SseScanner::new();
+            let (mut events, mut done, mut start) = (0u64, false, 0);
+            for p in points.into_iter().chain([input.len()]) {
+                let r = s.feed(&input[start..p]);
+                events += u64::from(r.events);
+                done |= r.done;
+                start = p;
+            }
+            prop_assert_eq!((s.events(), s.comments(), s.saw_done()), whole);
+            prop_assert_eq!((events, done), (whole.0, whole.2));
+        }
+
+        #[test]
+        fn scanner_agrees_with_reference_parser(input in stream()) {
+            prop_assert_eq!(scan_whole(&input), reference(&input));
+        }
+    }
+}

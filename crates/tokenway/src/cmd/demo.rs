@@ -1,0 +1,138 @@
+//! `tokenway demo`: three simulated backends and a gateway on loopback, ready for requests.
+//!
+//! The backends differ on purpose (one fast, one average, one slow and busy) so that routing has
+//! something to decide. `--smoke` sends a batch of streaming requests through the gateway, prints
+//! time-to-first-token and inter-token percentiles, and exits non-zero if any request failed.
+
+use std::net::SocketAddr;
+
+use anyhow::Context;
+use tokenway_gateway::{BackendConfig, GatewayConfig};
+use tokenway_sim::SimConfig;
+
+/// Flags of `tokenway demo`.
+#[derive(clap::Args)]
+pub struct DemoArgs {
+    /// Gateway listen address (HTTP/1.1 and h2c).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Gateway TLS listen address (HTTP/2 and HTTP/1.1, self-signed certificate).
+    #[arg(long, default_value = "127.0.0.1:8443")]
+    pub tls_listen: SocketAddr,
+    /// Send a batch of streaming requests, print latency percentiles, and exit (0 only if every
+    /// request succeeded). Uses free ports instead of the listen addresses.
+    #[arg(long)]
+    pub smoke: bool,
+    /// Requests sent by `--smoke`.
+    #[arg(long, default_value_t = 64)]
+    pub smoke_requests: usize,
+}
+
+/// The three demo backends: (name, base latency ms, time per output token ms, slots).
+const BACKENDS: [(&str, f64, f64, usize); 3] = [
+    ("sim-fast", 20.0, 15.0, 16),
+    ("sim-mid", 40.0, 20.0, 16),
+    ("sim-slow", 120.0, 35.0, 4),
+];
+
+/// Runs `tokenway demo`.
+pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut backends = Vec::new();
+    for (i, (name, base, tpot, slots)) in BACKENDS.into_iter().enumerate() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("cannot bind a loopback port for a demo backend")?;
+        let addr = listener.local_addr()?;
+        let config = SimConfig {
+            seed: i as u64,
+            base_latency_ms: base,
+            time_per_output_token_ms: tpot,
+            max_concurrency: slots,
+            ..SimConfig::default()
+        };
+        config.validate()?;
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = stop.changed().await;
+            };
+            if let Err(e) = tokenway_sim::serve(config, listener, shutdown).await {
+                tracing::error!(backend = name, error = %e, "demo backend stopped");
+            }
+        });
+        backends.push(BackendConfig {
+            name: Some(name.to_string()),
+            url: format!("http://{addr}"),
+            region: "local".into(),
+            models: vec!["sim-model".into()],
+            max_inflight: 256,
+            api_key: None,
+        });
+        println!(
+            "backend  {name:<9} http://{addr}  (base {base} ms, {tpot} ms/token, {slots} slots)"
+        );
+    }
+    let (listen, tls_listen) = if args.smoke {
+        (
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+        )
+    } else {
+        (args.listen, args.tls_listen)
+    };
+    let config = GatewayConfig {
+        listen: Some(listen),
+        tls_listen: Some(tls_listen),
+        backends,
+        ..GatewayConfig::default()
+    };
+    let gateway = tokenway_gateway::bind(config).await?;
+    let plain = gateway
+        .plain_addr()
+        .context("the demo gateway has no cleartext listener")?;
+    let tls = gateway
+        .tls_addr()
+        .context("the demo gateway has no TLS listener")?;
+    let mut stop = stop_rx.clone();
+    let serving = tokio::spawn(gateway.serve(async move {
+        let _ = stop.changed().await;
+    }));
+    println!("gateway  http://{plain}  (HTTP/1.1 and h2c)   https://{tls}  (HTTP/2, self-signed)");
+    println!("metrics  http://{plain}/metrics");
+
+    let result = if args.smoke {
+        anyhow::bail!("TEMP {}", args.smoke_requests)
+    } else {
+        print_usage(plain);
+        super::signal::shutdown().await;
+        Ok(())
+    };
+    let _ = stop_tx.send(true);
+    let _ = serving.await;
+    result
+}
+
+fn print_usage(addr: SocketAddr) {
+    println!(
+        r#"
+Try it:
+
+  curl -N http://{addr}/v1/chat/completions -H 'content-type: application/json' \
+    -d '{{"model":"sim-model","stream":true,"messages":[{{"role":"user","content":"Hello!"}}]}}'
+
+  python3 - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="http://{addr}/v1", api_key="unused")
+stream = client.chat.completions.create(
+    model="sim-model", stream=True,
+    messages=[{{"role": "user", "content": "Hello!"}}])
+for chunk in stream:
+    if chunk.choices and chunk.choices[0].delta.content:
+        print(chunk.choices[0].delta.content, end="", flush=True)
+print()
+PY
+
+Serving until Ctrl-C."#
+    );
+}

@@ -1,0 +1,8 @@
+//! One module per subcommand: flags, config loading, wiring.
+
+pub mod bench;
+pub mod demo;
+pub mod gateway;
+pub mod signal;
+pub mod sim;
+// TEMP pub mod smoke;

@@ -1,0 +1,60 @@
+//! `tokenway`: the network layer for remote LLM inference, in one binary.
+//!
+//! This crate only parses flags and configuration and wires the roles together; the library
+//! crates do the work. Every error ends in a clear message and a non-zero exit, never a panic.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+/// The network layer for remote LLM inference: streaming gateway, simulated backends,
+/// benchmarks.
+#[derive(Parser)]
+#[command(name = "tokenway", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Simulated OpenAI-compatible inference server (for tests, demos and benchmarks).
+    Sim(cmd::sim::SimArgs),
+    /// Streaming OpenAI-compatible gateway in front of inference backends.
+    Gateway(cmd::gateway::GatewayArgs),
+    /// Three simulated backends and a gateway on loopback, ready for requests.
+    Demo(cmd::demo::DemoArgs),
+    /// Side-by-side measurements.
+    #[command(subcommand)]
+    Bench(cmd::bench::BenchCommand),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    tokenway_telemetry::init_tracing();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::Sim(args) => cmd::sim::run(args).await,
+            Command::Gateway(args) => cmd::gateway::run(args).await,
+            Command::Demo(args) => cmd::demo::run(args).await,
+            Command::Bench(command) => cmd::bench::run(command).await,
+        }
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! Whatever a client sends, it gets a clear OpenAI-shaped error and the gateway keeps serving.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::harness::*;
+
+fn error_code(body: &str) -> String {
+    let v: serde_json::Value =
+        serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
+    assert!(v["error"]["message"].is_string(), "{body}");
+    assert!(v["error"]["type"].is_string(), "{body}");
+    v["error"]["code"].as_str().unwrap_or_default().to_string()
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors_and_the_gateway_keeps_serving() {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(
+        &[&backend],
+        "api_keys = [\"sk-good\"]\nmax_body_bytes = 65536",
+        "",
+    );
+    let chat_url = format!("{}/v1/chat/completions", gw.url());
+    let key = Some("sk-good");
+
+    let r = post(&chat_url, "{\"model\": \"sim-model\", \"messages\": [", key).await;
+    assert_eq!(
+        (r.status, error_code(&r.body).as_str()),
+        (400, "invalid_json")
+    );
+
+    let big = chat(&"x".repeat(100_000), true, 2);
+    let r = post(&chat_url, &big, key).await;
+    assert_eq!(
+        (r.status, error_code(&r.body).as_str()),
+        (413, "request_too_large")
+    );
+
+    let r = post(&chat_url, &chat("hi", true, 2), None).await;
+    assert_eq!(
+        (r.status, error_code(&r.body).as_str()),
+        (401, "invalid_api_key")
+    );
+    let r = post(&chat_url, &chat("hi", true, 2), Some("sk-bad")).await;
+    assert_eq!(
+        (r.status, error_code(&r.body).as_str()),
+        (401, "invalid_api_key")
+    );
+
+    let r = post(&format!("{}/v2/nothing", gw.url()), "{}", key).await;
+    assert_eq!(
+        (r.status, error_code(&r.body).as_str()),
+        (404, "unknown_url")
+    );
+
+    let r = post(
+        &chat_url,
+        &chat("hi", true, 2).replace("sim-model", "gpt-9"),
+        key,
+    )
+    .await;
+    assert_eq!(
+        (r.status, error_code(&r.body).as_str()),
+        (404, "model_not_found")
+    );
+
+    let r = post(&chat_url, "{\"messages\": []}", key).await;
+    assert_eq!(
+        (r.status, error_code(&r.body).as_str()),
+        (400, "missing_model")
+    );
+
+    let r = get(&chat_url).await;
+    assert_eq!(r.status, 405);
+
+    // Raw garbage on the socket: an HTTP error or a closed connection, never a crash.
+    let mut s = TcpStream::connect(gw.addr).await.expect("connect");
+    s.write_all(b"\x16\x03\x01\x00\xffGARBAGE\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await;
+
+    let r = post(&chat_url, &chat("still serving", true, 2), key).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[tokio::test]
+async fn a_client_that_never_reads_is_cut_off_and_others_are_served_meanwhile() {
+    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 0.0\n");
+    let gw = gateway(&[&backend], "", "[timeouts]\nclient_write_ms = 500\n");
+    let body = chat("flood me", true, 400_000);
+    let mut s = TcpStream::connect(gw.addr).await.expect("connect");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.expect("write");
+    // Never read from `s`. Others keep being served meanwhile.
+    for i in 0..5 {
+        let r = post(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(&format!("other {i}"), true, 4),
+            None,
+        )
+        .await;
+        assert_eq!(r.status, 200);
+    }
+    // The stalled stream is closed, releasing its backend slot.
+    let metrics = format!("{}/metrics", gw.url());
+    let released = eventually(Duration::from_secs(15), || async {
+        metric_sum(
+            &get(&metrics).await.body,
+            "tokenway_backend_inflight{backend=\"b0\"",
+        ) == 0.0
+    })
+    .await;
+    assert!(
+        released,
+        "the never-reading client still holds a backend slot"
+    );
+    drop(s);
+}
+
+#[tokio::test]
+async fn a_client_that_sends_its_request_too_slowly_is_timed_out() {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(&[&backend], "", "[timeouts]\nclient_read_ms = 500\n");
+    let mut s = TcpStream::connect(gw.addr).await.expect("connect");
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await;
+    assert!(closed.is_ok(), "the gateway kept a half-sent request open");
+
+    // A body that never completes gets 408.
+    let mut s = TcpStream::connect(gw.addr).await.expect("connect");
+    s.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"model\"",
+    )
+    .await
+    .expect("write");
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await;
+    let text = String::from_utf8_lossy(&buf);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+
+    let r = post(
+        &format!("{}/v1/chat/completions", gw.url()),
+        &chat("fine", true, 2),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 200);
+}

@@ -1,0 +1,134 @@
+//! Real clients: curl over HTTP/1.1, h2c and HTTP/2 over TLS, and the official `openai` package.
+
+use std::process::Command;
+
+use crate::harness::*;
+
+fn curl(args: &[&str]) -> (String, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "20"])
+        .args(args)
+        .output()
+        .expect("curl is installed (the project's .ci/run installs it)");
+    assert!(
+        out.status.success(),
+        "curl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn curl_post(url: &str, body: &str, extra: &[&str]) -> String {
+    let mut args = vec![
+        "-N",
+        "-H",
+        "content-type: application/json",
+        "-d",
+        body,
+        "-w",
+        "\n%{http_version} %{http_code}\n",
+    ];
+    args.extend_from_slice(extra);
+    args.push(url);
+    curl(&args).0
+}
+
+/// Splits curl's output into the body and the `http_version http_code` trailer line.
+fn split_trailer(out: &str) -> (&str, &str) {
+    let trimmed = out.trim_end();
+    let cut = trimmed.rfind('\n').expect("trailer line");
+    (&trimmed[..cut], &trimmed[cut + 1..])
+}
+
+#[tokio::test]
+async fn curl_over_http1_h2c_and_tls_h2_streams_the_backends_events() {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(&[&backend], "tls_listen = \"127.0.0.1:0\"", "");
+    let tls = gw.tls_addr.expect("TLS listener");
+    for stream in [true, false] {
+        let body = chat("curl says hello", stream, 16);
+        let direct = curl_post(
+            &format!("{}/v1/chat/completions", backend.url()),
+            &body,
+            &[],
+        );
+        let (direct_body, _) = split_trailer(&direct);
+        let expect: Vec<_> = data_events(direct_body)
+            .iter()
+            .map(|e| normalize(e))
+            .collect();
+        let cases: [(String, Vec<&str>, &str); 3] = [
+            (
+                format!("{}/v1/chat/completions", gw.url()),
+                vec!["--http1.1"],
+                "1.1 200",
+            ),
+            (
+                format!("{}/v1/chat/completions", gw.url()),
+                vec!["--http2-prior-knowledge"],
+                "2 200",
+            ),
+            (
+                format!("https://{tls}/v1/chat/completions"),
+                vec!["--http2", "-k"],
+                "2 200",
+            ),
+        ];
+        for (url, flags, want) in cases {
+            let out = curl_post(&url, &body, &flags);
+            let (got_body, trailer) = split_trailer(&out);
+            assert_eq!(trailer, want, "{url} {flags:?}: {out}");
+            if stream {
+                let got: Vec<_> = data_events(got_body).iter().map(|e| normalize(e)).collect();
+                assert_eq!(got, expect, "{url} {flags:?}");
+            } else {
+                assert_eq!(
+                    normalize(got_body),
+                    normalize(direct_body),
+                    "{url} {flags:?}"
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn official_openai_python_client_streams_through_the_gateway() {
+    let probe = Command::new("python3")
+        .args(["-c", "import openai"])
+        .output();
+    let available = probe.map(|o| o.status.success()).unwrap_or(false);
+    if !available {
+        assert!(
+            std::env::var_os("TOKENWAY_REQUIRE_PYTHON").is_none(),
+            "TOKENWAY_REQUIRE_PYTHON is set but `import openai` fails"
+        );
+        eprintln!("SKIP: the `openai` Python package is not installed (.ci/run installs it)");
+        return;
+    }
+    let backend = sim(FAST_SIM);
+    let gw = gateway(&[&backend], "api_keys = [\"sk-e2e\"]", "");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/python/openai_client.py"
+    );
+    let out = Command::new("python3")
+        .arg(script)
+        .arg("--gateway")
+        .arg(format!("{}/v1", gw.url()))
+        .arg("--backend")
+        .arg(format!("{}/v1", backend.url()))
+        .arg("--key")
+        .arg("sk-e2e")
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "openai client check failed:\nstdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,153 @@
+//! Backends that die: retries before the first byte, clean error events after it, ejection.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+
+use crate::harness::*;
+
+const FAST_PROBES: &str = "[health]\nprobe_interval_ms = 100\nprobe_timeout_ms = 300\n";
+
+#[tokio::test]
+async fn a_request_whose_backend_dies_before_the_first_byte_is_retried_on_another() {
+    // b0 holds its first token back for 3 s; b1 answers at once.
+    let mut slow = sim(
+        "base_latency_ms = 1.0\ntime_per_output_token_ms = 2.0\n[faults]\nslow_start_ms = 3000.0\n",
+    );
+    let fast = sim(FAST_SIM);
+    let gw = gateway(&[&slow, &fast], "policy = \"round_robin\"", "");
+    let url = format!("{}/v1/chat/completions", gw.url());
+    // Round robin sends one of two concurrent requests to each backend.
+    let requests: Vec<_> = (0..2)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(
+                async move { post(&url, &chat(&format!("retry me {i}"), true, 8), None).await },
+            )
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    slow.kill();
+    for r in requests {
+        let reply = r.await.expect("task");
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(
+            reply
+                .headers
+                .get("x-tokenway-backend")
+                .and_then(|v| v.to_str().ok()),
+            Some("b1"),
+            "served by the surviving backend"
+        );
+        let events = data_events(&reply.body);
+        assert_eq!(
+            events.last().map(String::as_str),
+            Some("[DONE]"),
+            "{}",
+            reply.body
+        );
+        assert!(!reply.body.contains("\"error\""), "{}", reply.body);
+    }
+    // Requests that start after the death succeed too.
+    for i in 0..6 {
+        let r = post(&url, &chat(&format!("after {i}"), true, 4), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+}
+
+#[tokio::test]
+async fn a_stream_cut_after_its_first_byte_ends_with_an_error_event_not_a_hang() {
+    let mut backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 50.0\n");
+    let gw = gateway(&[&backend], "", "");
+    let req = http::Request::post(format!("{}/v1/chat/completions", gw.url()))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(chat("cut me", true, 200))))
+        .expect("request");
+    let resp = client().request(req).await.expect("response");
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut seen = String::new();
+    while data_events(&seen).len() < 3 {
+        let frame = body.frame().await.expect("more frames").expect("frame");
+        if let Some(d) = frame.data_ref() {
+            seen.push_str(&String::from_utf8_lossy(d));
+        }
+    }
+    backend.kill();
+    let rest = tokio::time::timeout(Duration::from_secs(10), body.collect())
+        .await
+        .expect("the stream ends instead of hanging")
+        .expect("the stream ends cleanly");
+    seen.push_str(&String::from_utf8_lossy(&rest.to_bytes()));
+    let events = data_events(&seen);
+    let last = events.last().expect("events");
+    let v: serde_json::Value = serde_json::from_str(last).expect("the last event is JSON");
+    assert_eq!(v["error"]["type"], "upstream_error", "{seen}");
+    assert!(!seen.contains("[DONE]"));
+}
+
+#[tokio::test]
+async fn probes_eject_a_dead_backend_and_readmit_it_when_it_returns() {
+    let mut a = sim(FAST_SIM);
+    let addr = a.addr;
+    let b = sim(FAST_SIM);
+    let gw = gateway(&[&a, &b], "", FAST_PROBES);
+    let metrics = format!("{}/metrics", gw.url());
+    let healthy = |text: &str| metric_sum(text, "tokenway_backend_healthy{backend=\"b0\"");
+    a.kill();
+    let ejected = eventually(Duration::from_secs(5), || async {
+        healthy(&get(&metrics).await.body) == 0.0
+    })
+    .await;
+    assert!(ejected, "b0 was not ejected after its death");
+    // With b0 ejected every request goes to b1, without a failed attempt first.
+    for i in 0..5 {
+        let r = post(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(&format!("e{i}"), false, 2),
+            None,
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert_eq!(
+            r.headers
+                .get("x-tokenway-backend")
+                .and_then(|v| v.to_str().ok()),
+            Some("b1")
+        );
+    }
+    let _back = sim_at(addr, FAST_SIM);
+    let readmitted = eventually(Duration::from_secs(5), || async {
+        healthy(&get(&metrics).await.body) == 1.0
+    })
+    .await;
+    assert!(readmitted, "b0 was not re-admitted after it came back");
+}
+
+#[tokio::test]
+async fn no_healthy_backend_is_a_503_with_retry_after() {
+    let mut a = sim(FAST_SIM);
+    let gw = gateway(&[&a], "", FAST_PROBES);
+    a.kill();
+    let metrics = format!("{}/metrics", gw.url());
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            metric_sum(
+                &get(&metrics).await.body,
+                "tokenway_backend_healthy{backend=\"b0\"",
+            ) == 0.0
+        })
+        .await
+    );
+    let r = post(
+        &format!("{}/v1/chat/completions", gw.url()),
+        &chat("x", true, 2),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.headers.contains_key("retry-after"));
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("OpenAI error JSON");
+    assert_eq!(v["error"]["code"], "no_healthy_backend");
+}

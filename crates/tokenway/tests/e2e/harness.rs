@@ -1,0 +1,258 @@
+//! Starting processes and talking to them.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+/// A child process killed on drop.
+pub struct Proc {
+    pub child: Child,
+    pub addr: SocketAddr,
+    /// The TLS listener, when the process has one.
+    pub tls_addr: Option<SocketAddr>,
+    _dir: Option<TempDir>,
+}
+
+impl Proc {
+    /// Kills the process at once (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("tokenway-e2e-{}-{tag}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir is creatable");
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_tokenway")
+}
+
+/// Starts `tokenway <role> --config FILE --listen 127.0.0.1:0` and waits for its
+/// `listening on http://ADDR` line.
+fn start(role: &str, toml: &str, extra: &[&str], want_tls: bool) -> Proc {
+    let dir = TempDir::new(role);
+    let path = dir.0.join(format!("{role}.toml"));
+    std::fs::write(&path, toml).expect("config is writable");
+    let mut child = Command::new(bin())
+        .arg(role)
+        .arg("--config")
+        .arg(&path)
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("tokenway binary starts");
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // Keep draining stdout so the child never blocks on a full pipe.
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(rest) = line.split("listening on ").nth(1) {
+                let _ = tx.send(rest.trim().to_string());
+            }
+        }
+    });
+    let mut addr = None;
+    let mut tls_addr = None;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while addr.is_none() || (want_tls && tls_addr.is_none()) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let url = rx
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("tokenway {role} did not report its address"));
+        if let Some(a) = url.strip_prefix("http://") {
+            addr = Some(a.parse().expect("a socket address"));
+        } else if let Some(a) = url.strip_prefix("https://") {
+            tls_addr = Some(a.parse().expect("a socket address"));
+        }
+    }
+    Proc {
+        child,
+        addr: addr.expect("loop ends with an address"),
+        tls_addr,
+        _dir: Some(dir),
+    }
+}
+
+/// Starts a simulated backend with `toml` (SimConfig keys).
+pub fn sim(toml: &str) -> Proc {
+    start("sim", toml, &["--listen", "127.0.0.1:0"], false)
+}
+
+/// Starts a simulated backend on a given address (to bring a killed one back).
+pub fn sim_at(addr: SocketAddr, toml: &str) -> Proc {
+    start("sim", toml, &["--listen", &addr.to_string()], false)
+}
+
+/// Starts a gateway in front of `backends` with extra top-level TOML `extra` (keys before the
+/// first table) and `tables` (appended after the backends).
+pub fn gateway(backends: &[&Proc], extra: &str, tables: &str) -> Proc {
+    let mut toml = format!("listen = \"127.0.0.1:0\"\n{extra}\n{tables}\n");
+    for (i, b) in backends.iter().enumerate() {
+        toml.push_str(&format!(
+            "[[backends]]\nname = \"b{i}\"\nurl = \"{}\"\nmodels = [\"sim-model\"]\n",
+            b.url()
+        ));
+    }
+    start("gateway", &toml, &[], extra.contains("tls_listen"))
+}
+
+/// Fast sim timing for functional tests.
+pub const FAST_SIM: &str = "base_latency_ms = 1.0\ntime_per_output_token_ms = 2.0\n";
+
+/// A pooled HTTP/1.1 client.
+pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+    let mut c = HttpConnector::new();
+    c.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).build(c)
+}
+
+/// A collected response.
+pub struct Reply {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: String,
+}
+
+/// POSTs JSON and collects the answer.
+pub async fn post(url: &str, body: &str, key: Option<&str>) -> Reply {
+    let mut req = http::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("valid request");
+    if let Some(k) = key {
+        req.headers_mut().insert(
+            "authorization",
+            format!("Bearer {k}").parse().expect("header"),
+        );
+    }
+    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req))
+        .await
+        .expect("answered in time")
+        .expect("request succeeds");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = tokio::time::timeout(Duration::from_secs(20), resp.into_body().collect())
+        .await
+        .expect("body in time")
+        .expect("body readable")
+        .to_bytes();
+    Reply {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+/// GETs a URL and collects the answer.
+pub async fn get(url: &str) -> Reply {
+    let req = http::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .expect("valid request");
+    let resp = client().request(req).await.expect("request succeeds");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    Reply {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+/// A chat request body.
+pub fn chat(prompt: &str, stream: bool, max_tokens: u32) -> String {
+    serde_json::json!({
+        "model": "sim-model",
+        "stream": stream,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": prompt}],
+    })
+    .to_string()
+}
+
+/// The `data:` payloads of an SSE body, in order.
+pub fn data_events(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|e| {
+            e.lines()
+                .find_map(|l| l.strip_prefix("data:").map(|d| d.trim().to_string()))
+        })
+        .collect()
+}
+
+/// Drops the per-request fields (`id`, `created`) so two answers to one prompt compare equal.
+pub fn normalize(event: &str) -> String {
+    match serde_json::from_str::<serde_json::Value>(event) {
+        Ok(mut v) => {
+            if let Some(o) = v.as_object_mut() {
+                o.remove("id");
+                o.remove("created");
+            }
+            v.to_string()
+        }
+        Err(_) => event.to_string(),
+    }
+}
+
+/// Reads a counter or gauge value from Prometheus text (sum over series matching `prefix`).
+pub fn metric_sum(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Polls `check` every 50 ms until it holds or `within` passes.
+pub async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = Instant::now() + within;
+    while Instant::now() < end {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}

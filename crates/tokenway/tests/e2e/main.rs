@@ -1,0 +1,10 @@
+//! End-to-end tests: real `tokenway` processes on ephemeral loopback ports, driven by real
+//! clients (a hyper client, curl, the official `openai` Python package).
+//!
+//! One test binary for the crate; each file below is one concern.
+
+mod bad_input;
+mod clients;
+mod failover;
+mod harness;
+mod streaming;
