@@ -91,4 +91,18 @@ mod tests {
             .require_model()
             .is_err());
     }
+
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            let _ = RequestMeta::parse(&body).map(|m| m.require_model().map(str::len));
+        }
+
+        #[test]
+        fn any_model_string_round_trips(model in "\\PC{1,40}") {
+            let body = serde_json::json!({"model": model, "messages": []}).to_string();
+            let meta = RequestMeta::parse(body.as_bytes()).expect("valid JSON");
+            proptest::prop_assert_eq!(meta.require_model().expect("model"), model.as_str());
+        }
+    }
 }
