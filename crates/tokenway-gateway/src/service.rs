@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use tokenway_router::RouteError;
@@ -20,16 +21,64 @@ use crate::state::Shared;
 /// The routes the gateway proxies.
 const PROXIED: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
 
-/// Handles one request from any front.
+/// The client-side transport a request came in on, for metric labels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// HTTP/1.x over TCP.
+    H1,
+    /// HTTP/2 over TCP (TLS or h2c).
+    H2,
+    /// HTTP/3 over QUIC.
+    H3,
+    /// The edge's tunnel over QUIC.
+    Tunnel,
+    /// The edge's tunnel over its TCP fallback.
+    TunnelTcp,
+}
+
+impl Transport {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::H1 => "h1",
+            Transport::H2 => "h2",
+            Transport::H3 => "h3",
+            Transport::Tunnel => "tunnel",
+            Transport::TunnelTcp => "tunnel-tcp",
+        }
+    }
+
+    /// The transport of a request that arrived on a TCP front, from its HTTP version.
+    pub fn of_tcp_request<B>(req: &Request<B>) -> Self {
+        match req.version() {
+            http::Version::HTTP_2 => Transport::H2,
+            _ => Transport::H1,
+        }
+    }
+}
+
+/// Handles one request from a TCP front.
 pub async fn handle(
     shared: Arc<Shared>,
     req: Request<Incoming>,
 ) -> Result<Response<ResponseBody>, Infallible> {
+    let transport = Transport::of_tcp_request(&req);
+    Ok(handle_request(shared, req, transport).await)
+}
+
+/// Handles one request from any front: the one request-handling core.
+pub async fn handle_request<B>(
+    shared: Arc<Shared>,
+    req: Request<B>,
+    transport: Transport,
+) -> Response<ResponseBody>
+where
+    B: Body + Send,
+    B::Data: Send,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
     let start = Instant::now();
-    let transport = match req.version() {
-        http::Version::HTTP_2 => "h2",
-        _ => "h1",
-    };
+    let transport = transport.as_str();
     let path = req.uri().path();
     let route = PROXIED.iter().copied().find(|r| *r == path);
     let (response, route_label, backend) = match (req.method(), path, route) {
@@ -88,16 +137,21 @@ pub async fn handle(
             status: response.status().as_u16(),
         })
         .inc();
-    Ok(response)
+    response
 }
 
-async fn proxy_route(
+async fn proxy_route<B>(
     shared: &Arc<Shared>,
-    req: Request<Incoming>,
+    req: Request<B>,
     route: &'static str,
     transport: &'static str,
     start: Instant,
-) -> Result<(Response<ResponseBody>, Option<String>), ApiError> {
+) -> Result<(Response<ResponseBody>, Option<String>), ApiError>
+where
+    B: Body + Send,
+    B::Data: Send,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
     authenticate(shared, &req)?;
     let (parts, body) = req.into_parts();
     let body = read_body(shared, &parts.headers, body).await?;
@@ -165,11 +219,15 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// Reads the whole body under the size limit and the client read timeout.
-async fn read_body(
+async fn read_body<B>(
     shared: &Shared,
     headers: &http::HeaderMap,
-    body: Incoming,
-) -> Result<Bytes, ApiError> {
+    body: B,
+) -> Result<Bytes, ApiError>
+where
+    B: Body,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
     let limit = shared.config.max_body_bytes;
     let too_large = || {
         ApiError::new(

@@ -7,6 +7,7 @@
 //! [`render`] at `/metrics` over whatever HTTP front it already has.
 
 mod families;
+pub mod quic;
 mod tracing_setup;
 
 pub use families::{

@@ -22,6 +22,8 @@ enum Command {
     Sim(cmd::sim::SimArgs),
     /// Streaming OpenAI-compatible gateway in front of inference backends.
     Gateway(cmd::gateway::GatewayArgs),
+    /// Local OpenAI-compatible endpoint that tunnels every request to the best gateway.
+    Edge(cmd::edge::EdgeArgs),
     /// Three simulated backends and a gateway on loopback, ready for requests.
     Demo(cmd::demo::DemoArgs),
     /// Side-by-side measurements.
@@ -46,6 +48,7 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::Sim(args) => cmd::sim::run(args).await,
             Command::Gateway(args) => cmd::gateway::run(args).await,
+            Command::Edge(args) => cmd::edge::run(args).await,
             Command::Demo(args) => cmd::demo::run(args).await,
             Command::Bench(command) => cmd::bench::run(command).await,
         }

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod demo;
+pub mod edge;
 pub mod gateway;
 pub mod signal;
 pub mod sim;

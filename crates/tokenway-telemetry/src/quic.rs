@@ -1,0 +1,1 @@
+//! QUIC connection metrics (placeholder until the edge stage fills it).

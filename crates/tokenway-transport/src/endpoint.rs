@@ -1,0 +1,58 @@
+//! QUIC endpoints: servers (gateway HTTP/3 front and tunnel port) and clients (edge).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{Endpoint, EndpointConfig, TokioRuntime};
+
+use crate::certs::Identity;
+use crate::error::TransportError;
+use crate::settings::QuicSettings;
+use crate::socket;
+
+/// A server endpoint on `addr` presenting `identity` over ALPN h3.
+pub fn server_endpoint(
+    addr: SocketAddr,
+    identity: &Identity,
+    settings: &QuicSettings,
+) -> Result<Endpoint, TransportError> {
+    let tls = identity.quic_server_config(settings.zero_rtt)?;
+    let crypto = QuicServerConfig::try_from(tls)
+        .map_err(|e| TransportError::Tls(format!("TLS config unusable for QUIC: {e}")))?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    server.transport_config(Arc::new(settings.transport_config(None)));
+    server.migration(true);
+    let udp = socket::bind_udp(addr, settings.socket_buffer_bytes)?;
+    let socket = socket::async_socket(udp)?;
+    Endpoint::new_with_abstract_socket(
+        EndpointConfig::default(),
+        Some(server),
+        socket,
+        Arc::new(TokioRuntime),
+    )
+    .map_err(|source| TransportError::Socket { addr, source })
+}
+
+/// A client endpoint bound to `bind` (use port 0).
+pub fn client_endpoint(bind: SocketAddr, settings: &QuicSettings) -> Result<Endpoint, TransportError> {
+    let udp = socket::bind_udp(bind, settings.socket_buffer_bytes)?;
+    let socket = socket::async_socket(udp)?;
+    Endpoint::new_with_abstract_socket(EndpointConfig::default(), None, socket, Arc::new(TokioRuntime))
+        .map_err(|source| TransportError::Socket { addr: bind, source })
+}
+
+/// A quinn client configuration from a rustls client configuration (which must offer ALPN h3 and
+/// keep its resumption store across connections for 0-RTT), seeding the RTT estimate.
+pub fn client_config(
+    tls: Arc<rustls::ClientConfig>,
+    settings: &QuicSettings,
+    initial_rtt: Option<Duration>,
+) -> Result<quinn::ClientConfig, TransportError> {
+    let crypto = QuicClientConfig::try_from(tls)
+        .map_err(|e| TransportError::Tls(format!("TLS config unusable for QUIC: {e}")))?;
+    let mut c = quinn::ClientConfig::new(Arc::new(crypto));
+    c.transport_config(Arc::new(settings.transport_config(initial_rtt)));
+    Ok(c)
+}

@@ -1,0 +1,28 @@
+//! tokenway-transport: QUIC endpoints (quinn + rustls), congestion controllers, the UDP socket
+//! plug point for the datagram layer, and the HTTP/2-over-TLS-over-TCP fallback with the dialer
+//! that races the two.
+//!
+//! This crate moves bytes between an edge and a gateway; it knows nothing of HTTP routing or of
+//! OpenAI requests. Server side: [`endpoint::server_endpoint`]; client side:
+//! [`client`], [`dial`], [`fallback`]. Certificates and trust: [`certs`], [`trust`].
+
+pub mod certs;
+pub mod client;
+pub mod dial;
+pub mod endpoint;
+pub mod error;
+pub mod fallback;
+pub mod settings;
+pub mod socket;
+pub mod stats;
+pub mod trust;
+
+pub use error::TransportError;
+pub use settings::{CongestionControl, QuicSettings};
+
+/// ALPN of HTTP/3 (RFC 9114 §3.1). The tunnel uses it too, so it looks like any HTTP/3 site.
+pub const ALPN_H3: &[u8] = b"h3";
+/// ALPN of HTTP/2 over TLS (RFC 9113 §3.2).
+pub const ALPN_H2: &[u8] = b"h2";
+/// ALPN of HTTP/1.1.
+pub const ALPN_HTTP11: &[u8] = b"http/1.1";
