@@ -15,8 +15,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   fi
 fi
 
-if ! python3 -c 'import openai' >/dev/null 2>&1; then
-  python3 -m pip install --quiet --disable-pip-version-check openai \
-    || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages openai
+if ! python3 -c "import openai, aioquic" >/dev/null 2>&1; then
+  python3 -m pip install --quiet --disable-pip-version-check openai aioquic \
+    || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages openai aioquic
 fi
-python3 -c 'import openai; print("setup: openai", openai.__version__)'
+python3 -c 'import openai, aioquic; print("setup: openai", openai.__version__, "aioquic", aioquic.__version__)'

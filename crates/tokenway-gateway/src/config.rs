@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use tokenway_router::{HealthConfig, Policy};
+use tokenway_transport::QuicSettings;
 
 use crate::error::GatewayError;
 
@@ -18,8 +19,15 @@ pub struct GatewayConfig {
     pub listen: Option<SocketAddr>,
     /// TLS listener (HTTP/2 and HTTP/1.1 by ALPN); `None` disables it.
     pub tls_listen: Option<SocketAddr>,
-    /// Certificate and key for the TLS listener; absent means a generated self-signed one.
+    /// Certificate and key for the TLS listener, the HTTP/3 front and the tunnel port; absent
+    /// means a generated self-signed one.
     pub tls: Option<TlsFiles>,
+    /// Public HTTP/3 front (UDP), advertised with `Alt-Svc` on TCP responses; `None` disables it.
+    pub h3_listen: Option<SocketAddr>,
+    /// The authenticated tunnel port for edges; absent disables it.
+    pub tunnel: Option<TunnelConfig>,
+    /// QUIC settings of the HTTP/3 front and the tunnel port.
+    pub quic: QuicSettings,
     /// Accepted Bearer API keys; empty means no authentication.
     pub api_keys: Vec<String>,
     /// Largest accepted request body in bytes (413 beyond).
@@ -45,6 +53,9 @@ impl Default for GatewayConfig {
             listen: Some(SocketAddr::from(([127, 0, 0, 1], 8080))),
             tls_listen: None,
             tls: None,
+            h3_listen: None,
+            tunnel: None,
+            quic: QuicSettings::default(),
             api_keys: Vec::new(),
             max_body_bytes: 32 * 1024 * 1024,
             max_connections: 10_000,
@@ -65,6 +76,47 @@ pub struct TlsFiles {
     pub cert: PathBuf,
     /// Private key, PEM (PKCS#8, PKCS#1 or SEC1).
     pub key: PathBuf,
+}
+
+/// The tunnel port (see docs/tunnel.md).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TunnelConfig {
+    /// UDP address of the tunnel's HTTP/3 endpoint.
+    pub listen: SocketAddr,
+    /// Accepted tunnel tokens (the `tw-auth` header); at least one.
+    pub tokens: Vec<String>,
+    /// How long an idempotency key is remembered, milliseconds.
+    #[serde(default = "default_replay_window_ms")]
+    pub replay_window_ms: u64,
+    /// Most idempotency keys remembered at once.
+    #[serde(default = "default_max_replay_keys")]
+    pub max_replay_keys: usize,
+    /// `host:port` targets that edges may reach with CONNECT (port forwarding).
+    #[serde(default)]
+    pub forward_allow: Vec<String>,
+    /// What unauthenticated visitors see.
+    #[serde(default)]
+    pub masquerade: MasqueradeConfig,
+}
+
+fn default_replay_window_ms() -> u64 {
+    10_000
+}
+
+fn default_max_replay_keys() -> usize {
+    100_000
+}
+
+/// The site shown to requests that fail tunnel authentication: a static directory, a
+/// reverse-proxied `http://` site, or (neither set) a plain default page.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MasqueradeConfig {
+    /// Directory of static files (`index.html` for `/`).
+    pub dir: Option<PathBuf>,
+    /// Base URL of a site to reverse-proxy.
+    pub proxy: Option<String>,
 }
 
 /// Timeouts, all in milliseconds.
@@ -208,10 +260,76 @@ impl GatewayConfig {
         fn bad(key: &str, rule: &str, got: impl std::fmt::Display) -> GatewayError {
             GatewayError::Config(format!("{key} must be {rule} (got {got})"))
         }
-        if self.listen.is_none() && self.tls_listen.is_none() {
+        if self.listen.is_none()
+            && self.tls_listen.is_none()
+            && self.h3_listen.is_none()
+            && self.tunnel.is_none()
+        {
             return Err(GatewayError::Config(
-                "at least one of `listen` or `tls_listen` must be set".into(),
+                "at least one of `listen`, `tls_listen`, `h3_listen` or `tunnel.listen` must be set"
+                    .into(),
             ));
+        }
+        self.quic
+            .validate("quic")
+            .map_err(|e| GatewayError::Config(e.to_string()))?;
+        if let Some(t) = &self.tunnel {
+            if t.tokens.is_empty() || t.tokens.iter().any(|k| k.len() < 16) {
+                return Err(GatewayError::Config(
+                    "tunnel.tokens must list at least one token of 16 or more characters".into(),
+                ));
+            }
+            if t.replay_window_ms == 0 || t.replay_window_ms > 3_600_000 {
+                return Err(bad(
+                    "tunnel.replay_window_ms",
+                    "in 1..=3600000",
+                    t.replay_window_ms,
+                ));
+            }
+            if t.max_replay_keys == 0 || t.max_replay_keys > 10_000_000 {
+                return Err(bad(
+                    "tunnel.max_replay_keys",
+                    "in 1..=10000000",
+                    t.max_replay_keys,
+                ));
+            }
+            for (i, target) in t.forward_allow.iter().enumerate() {
+                let ok = target
+                    .rsplit_once(':')
+                    .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+                if !ok {
+                    return Err(bad(
+                        &format!("tunnel.forward_allow[{i}]"),
+                        "host:port",
+                        format!("{target:?}"),
+                    ));
+                }
+            }
+            let m = &t.masquerade;
+            if m.dir.is_some() && m.proxy.is_some() {
+                return Err(GatewayError::Config(
+                    "tunnel.masquerade: set `dir` or `proxy`, not both".into(),
+                ));
+            }
+            if let Some(p) = &m.proxy {
+                let uri: Result<http::Uri, _> = p.parse();
+                if !uri.is_ok_and(|u| u.scheme_str() == Some("http") && u.authority().is_some()) {
+                    return Err(bad(
+                        "tunnel.masquerade.proxy",
+                        "an http://host[:port] URL",
+                        format!("{p:?}"),
+                    ));
+                }
+            }
+            if let Some(d) = &m.dir {
+                if !d.is_dir() {
+                    return Err(bad(
+                        "tunnel.masquerade.dir",
+                        "an existing directory",
+                        d.display(),
+                    ));
+                }
+            }
         }
         if self.max_body_bytes == 0 || self.max_body_bytes > 1 << 30 {
             return Err(bad(

@@ -12,14 +12,17 @@
 
 pub mod config;
 pub mod error;
+pub mod h3_front;
+pub mod masquerade;
 pub mod probe;
 pub mod proxy;
 pub mod relay;
+pub mod replay;
 pub mod request_meta;
 pub mod server;
 pub mod service;
 pub mod state;
-pub mod tls;
+pub mod tunnel;
 
 pub use config::{BackendConfig, GatewayConfig};
 pub use error::GatewayError;

@@ -18,8 +18,10 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::config::GatewayConfig;
 use crate::error::GatewayError;
+use crate::h3_front::{self, Front};
 use crate::state::Shared;
-use crate::{probe, service, tls};
+use crate::{probe, service};
+use tokenway_transport::certs::Identity;
 
 /// How long open connections get to finish after shutdown is asked.
 const DRAIN: Duration = Duration::from_secs(5);
@@ -29,6 +31,9 @@ pub struct BoundGateway {
     shared: Arc<Shared>,
     plain: Option<TcpListener>,
     tls: Option<(TcpListener, TlsAcceptor)>,
+    h3: Option<quinn::Endpoint>,
+    tunnel: Option<quinn::Endpoint>,
+    fingerprint: Option<String>,
 }
 
 /// Binds the listeners of `config` (port 0 picks a free port; see [`BoundGateway::plain_addr`]).
@@ -38,14 +43,56 @@ pub async fn bind(config: GatewayConfig) -> Result<BoundGateway, GatewayError> {
         Some(addr) => Some(listen(addr).await?),
         None => None,
     };
-    let tls = match shared.config.tls_listen {
-        Some(addr) => {
-            let acceptor = TlsAcceptor::from(tls::server_config(shared.config.tls.as_ref())?);
+    let c = &shared.config;
+    let needs_identity = c.tls_listen.is_some() || c.h3_listen.is_some() || c.tunnel.is_some();
+    let identity = if needs_identity {
+        let files = c.tls.as_ref().map(|t| (t.cert.as_path(), t.key.as_path()));
+        Some(Identity::load_or_generate(files).map_err(|e| GatewayError::Tls(e.to_string()))?)
+    } else {
+        None
+    };
+    let tls_err = |e: tokenway_transport::TransportError| GatewayError::Tls(e.to_string());
+    let tls = match (c.tls_listen, &identity) {
+        (Some(addr), Some(id)) => {
+            let acceptor = TlsAcceptor::from(id.tcp_server_config().map_err(tls_err)?);
             Some((listen(addr).await?, acceptor))
         }
-        None => None,
+        _ => None,
     };
-    Ok(BoundGateway { shared, plain, tls })
+    let quic = |addr: SocketAddr, id: &Identity| {
+        tokenway_transport::endpoint::server_endpoint(addr, id, &c.quic).map_err(|e| match e {
+            tokenway_transport::TransportError::Socket { addr, source } => {
+                GatewayError::Bind { addr, source }
+            }
+            other => GatewayError::Tls(other.to_string()),
+        })
+    };
+    let h3 = match (c.h3_listen, &identity) {
+        (Some(addr), Some(id)) => Some(quic(addr, id)?),
+        _ => None,
+    };
+    let tunnel = match (&c.tunnel, &identity) {
+        (Some(t), Some(id)) => Some(quic(t.listen, id)?),
+        _ => None,
+    };
+    if let Some(port) = h3
+        .as_ref()
+        .and_then(|e| e.local_addr().ok())
+        .map(|a| a.port())
+    {
+        if let Ok(v) = http::HeaderValue::try_from(format!("h3=\":{port}\"; ma=86400")) {
+            let _ = shared.alt_svc.set(v);
+        }
+    }
+    let fingerprint = identity.as_ref().map(Identity::fingerprint);
+    Ok(BoundGateway {
+        shared,
+        plain,
+        tls,
+        h3,
+        tunnel,
+        fingerprint,
+    })
 }
 
 async fn listen(addr: SocketAddr) -> Result<TcpListener, GatewayError> {
@@ -63,6 +110,21 @@ impl BoundGateway {
     /// The TLS listener's address.
     pub fn tls_addr(&self) -> Option<SocketAddr> {
         self.tls.as_ref().and_then(|(l, _)| l.local_addr().ok())
+    }
+
+    /// The public HTTP/3 front's UDP address.
+    pub fn h3_addr(&self) -> Option<SocketAddr> {
+        self.h3.as_ref().and_then(|e| e.local_addr().ok())
+    }
+
+    /// The tunnel port's UDP address.
+    pub fn tunnel_addr(&self) -> Option<SocketAddr> {
+        self.tunnel.as_ref().and_then(|e| e.local_addr().ok())
+    }
+
+    /// `sha256:<hex>` of the certificate the TLS and QUIC fronts present (for edges to pin).
+    pub fn fingerprint(&self) -> Option<&str> {
+        self.fingerprint.as_deref()
     }
 
     /// Serves until `shutdown` resolves, then drains open connections.
@@ -97,6 +159,16 @@ impl BoundGateway {
                 permits.clone(),
                 stop_rx.clone(),
             )));
+        }
+        for (endpoint, front) in [(self.h3, Front::Public), (self.tunnel, Front::Tunnel)] {
+            if let Some(endpoint) = endpoint {
+                tasks.push(tokio::spawn(h3_front::serve(
+                    endpoint,
+                    self.shared.clone(),
+                    front,
+                    stop_rx.clone(),
+                )));
+            }
         }
         shutdown.await;
         let _ = stop_tx.send(true);

@@ -17,6 +17,7 @@ use crate::error::{full, ApiError, ResponseBody};
 use crate::proxy::{self, ProxyRequest};
 use crate::request_meta::RequestMeta;
 use crate::state::Shared;
+use crate::tunnel::AUTH_HEADER;
 
 /// The routes the gateway proxies.
 const PROXIED: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
@@ -57,13 +58,29 @@ impl Transport {
     }
 }
 
-/// Handles one request from a TCP front.
+/// Handles one request from a TCP front. A request carrying the tunnel token is an edge's
+/// request over its TCP fallback; a wrong token sees the masquerade site.
 pub async fn handle(
     shared: Arc<Shared>,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
 ) -> Result<Response<ResponseBody>, Infallible> {
-    let transport = Transport::of_tcp_request(&req);
-    Ok(handle_request(shared, req, transport).await)
+    let mut transport = Transport::of_tcp_request(&req);
+    if let Some(tunnel) = &shared.tunnel {
+        if req.headers().contains_key(AUTH_HEADER) {
+            if !tunnel.is_authenticated(req.headers()) {
+                return Ok(tunnel.masquerade.respond(&req, &shared.client).await);
+            }
+            if let Err(e) = tunnel.admit(req.headers_mut(), Instant::now()) {
+                return Ok(e.into_response());
+            }
+            transport = Transport::TunnelTcp;
+        }
+    }
+    let mut resp = handle_request(shared.clone(), req, transport).await;
+    if let Some(alt_svc) = shared.alt_svc.get() {
+        resp.headers_mut().insert(header::ALT_SVC, alt_svc.clone());
+    }
+    Ok(resp)
 }
 
 /// Handles one request from any front: the one request-handling core.

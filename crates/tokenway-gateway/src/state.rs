@@ -19,6 +19,7 @@ use tokenway_telemetry::{BackendLabels, BackendMetrics, Registry, RequestMetrics
 
 use crate::config::GatewayConfig;
 use crate::error::GatewayError;
+use crate::tunnel::TunnelState;
 
 /// The pooled HTTP/1.1 keep-alive client used for every backend.
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
@@ -56,6 +57,10 @@ pub struct Shared {
     pub backend_metrics: BackendMetrics,
     /// Everything above, for `/metrics`.
     pub registry: Registry,
+    /// The tunnel port's gatekeeping, when the tunnel is configured.
+    pub tunnel: Option<TunnelState>,
+    /// `Alt-Svc` value advertising the HTTP/3 front on TCP responses.
+    pub alt_svc: std::sync::OnceLock<HeaderValue>,
 }
 
 impl Shared {
@@ -125,7 +130,9 @@ impl Shared {
             backend_metrics.healthy.get_or_create(&u.labels).set(1);
             backend_metrics.inflight.get_or_create(&u.labels).set(0);
         }
+        let tunnel = config.tunnel.as_ref().map(TunnelState::new);
         Ok(Arc::new(Self {
+            tunnel,
             config,
             router: Mutex::new(router),
             upstreams,
@@ -133,6 +140,7 @@ impl Shared {
             metrics,
             backend_metrics,
             registry,
+            alt_svc: std::sync::OnceLock::new(),
         }))
     }
 

@@ -18,6 +18,9 @@ pub struct GatewayArgs {
     /// TLS (HTTP/2, HTTP/1.1) listen address (overrides `tls_listen`).
     #[arg(long)]
     pub tls_listen: Option<SocketAddr>,
+    /// Public HTTP/3 listen address, UDP (overrides `h3_listen`).
+    #[arg(long)]
+    pub h3_listen: Option<SocketAddr>,
     /// A backend base URL, e.g. http://127.0.0.1:8000 (repeatable; replaces the config's list).
     #[arg(long = "backend", value_name = "URL")]
     pub backends: Vec<String>,
@@ -46,6 +49,9 @@ pub fn load(args: &GatewayArgs) -> anyhow::Result<GatewayConfig> {
     }
     if let Some(a) = args.tls_listen {
         config.tls_listen = Some(a);
+    }
+    if let Some(a) = args.h3_listen {
+        config.h3_listen = Some(a);
     }
     if !args.backends.is_empty() {
         config.backends = args
@@ -78,6 +84,15 @@ pub async fn run(args: GatewayArgs) -> anyhow::Result<()> {
     }
     if let Some(a) = gateway.tls_addr() {
         println!("tokenway gateway listening on https://{a}");
+    }
+    if let Some(a) = gateway.h3_addr() {
+        println!("tokenway gateway h3 on udp://{a}");
+    }
+    if let Some(a) = gateway.tunnel_addr() {
+        println!(
+            "tokenway gateway tunnel on udp://{a} fingerprint {}",
+            gateway.fingerprint().unwrap_or("-")
+        );
     }
     gateway.serve(super::signal::shutdown()).await;
     Ok(())

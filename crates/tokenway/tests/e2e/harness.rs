@@ -18,6 +18,8 @@ pub struct Proc {
     pub addr: SocketAddr,
     /// The TLS listener, when the process has one.
     pub tls_addr: Option<SocketAddr>,
+    /// Other announced addresses by kind (`h3`, `tunnel`), and the certificate fingerprint.
+    pub extras: std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>,
     _dir: Option<TempDir>,
 }
 
@@ -30,6 +32,35 @@ impl Proc {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// An announced UDP address (`h3`, `tunnel`), waiting briefly for its line.
+    pub fn extra(&self, kind: &str) -> Option<SocketAddr> {
+        self.extra_field(kind, 0)?.parse().ok()
+    }
+
+    /// The fingerprint announced with the tunnel address.
+    pub fn fingerprint(&self) -> Option<String> {
+        self.extra_field("tunnel", 2)
+    }
+
+    fn extra_field(&self, kind: &str, field: usize) -> Option<String> {
+        let end = Instant::now() + Duration::from_secs(5);
+        loop {
+            {
+                let extras = self.extras.lock().expect("extras lock");
+                if let Some((_, v)) = extras.iter().find(|(k, _)| k == kind) {
+                    return v
+                        .split_whitespace()
+                        .nth(field)
+                        .map(|s| s.trim_start_matches("udp://").to_string());
+                }
+            }
+            if Instant::now() > end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 
@@ -82,11 +113,20 @@ fn start(role: &str, toml: &str, extra: &[&str], want_tls: bool) -> Proc {
         .expect("tokenway binary starts");
     let stdout = child.stdout.take().expect("stdout is piped");
     let (tx, rx) = std::sync::mpsc::channel();
+    let extras = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let extras_writer = extras.clone();
     std::thread::spawn(move || {
         // Keep draining stdout so the child never blocks on a full pipe.
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
             if let Some(rest) = line.split("listening on ").nth(1) {
                 let _ = tx.send(rest.trim().to_string());
+            }
+            for kind in ["h3", "tunnel"] {
+                if let Some(rest) = line.split(&format!(" {kind} on ")).nth(1) {
+                    if let Ok(mut e) = extras_writer.lock() {
+                        e.push((kind.to_string(), rest.trim().to_string()));
+                    }
+                }
             }
         }
     });
@@ -108,6 +148,7 @@ fn start(role: &str, toml: &str, extra: &[&str], want_tls: bool) -> Proc {
         child,
         addr: addr.expect("loop ends with an address"),
         tls_addr,
+        extras,
         _dir: Some(dir),
     }
 }

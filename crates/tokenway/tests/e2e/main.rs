@@ -6,5 +6,6 @@
 mod bad_input;
 mod clients;
 mod failover;
+mod h3;
 mod harness;
 mod streaming;

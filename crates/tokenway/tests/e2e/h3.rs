@@ -1,0 +1,222 @@
+//! The gateway's HTTP/3 fronts, seen by an independent HTTP/3 client (aioquic): the public front
+//! serves the API; the tunnel port shows its masquerade site to anyone without the token.
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::Duration;
+
+use crate::harness::*;
+
+const TOKEN: &str = "e2e-tunnel-token-0123456789";
+
+/// Runs tests/python/h3_client.py; `None` when aioquic is missing outside CI.
+fn h3(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[&str],
+) -> Option<serde_json::Value> {
+    let probe = Command::new("python3")
+        .args(["-c", "import aioquic"])
+        .output();
+    if !probe.map(|o| o.status.success()).unwrap_or(false) {
+        assert!(
+            std::env::var_os("TOKENWAY_REQUIRE_PYTHON").is_none(),
+            "TOKENWAY_REQUIRE_PYTHON is set but `import aioquic` fails"
+        );
+        eprintln!("SKIP: aioquic is not installed (scripts/setup.sh installs it)");
+        return None;
+    }
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/python/h3_client.py"
+    );
+    let mut cmd = Command::new("python3");
+    cmd.arg(script)
+        .arg(addr.ip().to_string())
+        .arg(addr.port().to_string())
+        .arg(method)
+        .arg(path);
+    if let Some(b) = body {
+        cmd.arg("--body").arg(b);
+    }
+    for h in headers {
+        cmd.arg("--header").arg(h);
+    }
+    let out = cmd.output().expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "h3 client failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(serde_json::from_slice(&out.stdout).expect("h3 client prints JSON"))
+}
+
+fn quic_gateway(backend: &Proc, tunnel_extra: &str) -> Proc {
+    gateway(
+        &[backend],
+        "h3_listen = \"127.0.0.1:0\"",
+        &format!("[tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n{tunnel_extra}\n"),
+    )
+}
+
+#[tokio::test]
+async fn aioquic_streams_chat_over_the_public_http3_front() {
+    let backend = sim(FAST_SIM);
+    let gw = quic_gateway(&backend, "");
+    let h3_addr = gw.extra("h3").expect("h3 front");
+    let body = chat("over http/3", true, 12);
+    let Some(r) = h3(h3_addr, "POST", "/v1/chat/completions", Some(&body), &[]) else {
+        return;
+    };
+    assert_eq!(r["status"], 200, "{r}");
+    let direct = post(
+        &format!("{}/v1/chat/completions", backend.url()),
+        &body,
+        None,
+    )
+    .await;
+    let want: Vec<_> = data_events(&direct.body)
+        .iter()
+        .map(|e| normalize(e))
+        .collect();
+    let got: Vec<_> = data_events(r["body"].as_str().unwrap_or_default())
+        .iter()
+        .map(|e| normalize(e))
+        .collect();
+    assert_eq!(got, want);
+    // TCP responses advertise the HTTP/3 front.
+    let health = get(&format!("{}/health", gw.url())).await;
+    let alt = health
+        .headers
+        .get("alt-svc")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    assert_eq!(alt, format!("h3=\":{}\"; ma=86400", h3_addr.port()));
+}
+
+#[tokio::test]
+async fn the_tunnel_port_shows_the_masquerade_site_and_never_proxies_without_the_token() {
+    let backend = sim(FAST_SIM);
+    let site = TempDir::new("site");
+    std::fs::write(site.0.join("index.html"), "<h1>Bakery opening hours</h1>").expect("write");
+    let gw = quic_gateway(
+        &backend,
+        &format!("[tunnel.masquerade]\ndir = \"{}\"\n", site.0.display()),
+    );
+    let tunnel = gw.extra("tunnel").expect("tunnel port");
+    let body = chat("let me in", true, 4);
+    for headers in [
+        vec![],
+        vec![
+            "tw-auth:wrong-token",
+            "tw-idempotency-key:00112233445566778899aabbccddeeff",
+        ],
+    ] {
+        let Some(r) = h3(tunnel, "GET", "/", None, &headers) else {
+            return;
+        };
+        assert_eq!(r["status"], 200);
+        assert_eq!(r["body"], "<h1>Bakery opening hours</h1>");
+        let text = r.to_string().to_lowercase();
+        assert!(!text.contains("tokenway"), "{text}");
+        let r = h3(
+            tunnel,
+            "POST",
+            "/v1/chat/completions",
+            Some(&body),
+            &headers,
+        )
+        .expect("aioquic");
+        assert_eq!(r["status"], 405, "{r}");
+        assert!(!r.to_string().to_lowercase().contains("tokenway"), "{r}");
+    }
+    let m = get(&format!("{}/metrics", backend.url())).await.body;
+    assert_eq!(
+        metric_sum(&m, "tokenway_requests_total{route=\"/v1/chat/completions\""),
+        0.0,
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn a_replayed_idempotency_key_is_refused_and_not_executed_twice() {
+    let backend = sim(FAST_SIM);
+    let gw = quic_gateway(&backend, "");
+    let tunnel = gw.extra("tunnel").expect("tunnel port");
+    let auth = format!("tw-auth:{TOKEN}");
+    let headers = [
+        auth.as_str(),
+        "tw-idempotency-key:0123456789abcdef0123456789abcdef",
+    ];
+    let body = chat("once only", false, 3);
+    let Some(first) = h3(
+        tunnel,
+        "POST",
+        "/v1/chat/completions",
+        Some(&body),
+        &headers,
+    ) else {
+        return;
+    };
+    assert_eq!(first["status"], 200, "{first}");
+    let again = h3(
+        tunnel,
+        "POST",
+        "/v1/chat/completions",
+        Some(&body),
+        &headers,
+    )
+    .expect("aioquic");
+    assert_eq!(again["status"], 409, "{again}");
+    let m = get(&format!("{}/metrics", backend.url())).await.body;
+    assert_eq!(
+        metric_sum(&m, "tokenway_requests_total{route=\"/v1/chat/completions\""),
+        1.0,
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn garbage_datagrams_do_not_disturb_live_http3_streams() {
+    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 20.0\n");
+    let gw = quic_gateway(&backend, "");
+    let h3_addr = gw.extra("h3").expect("h3 front");
+    let tunnel = gw.extra("tunnel").expect("tunnel");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flooder = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("udp");
+            let mut i: u32 = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                i = i.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                let len = 1 + (i as usize % 1400);
+                // Random bytes, some shaped like QUIC long-header Initials (half-open handshakes).
+                let mut pkt: Vec<u8> = (0..len)
+                    .map(|j| (i.rotate_left(j as u32 % 32) as u8) ^ j as u8)
+                    .collect();
+                if i % 3 == 0 {
+                    pkt[0] = 0xc0 | (pkt[0] & 0x0f);
+                }
+                let _ = sock.send_to(&pkt, h3_addr);
+                let _ = sock.send_to(&pkt, tunnel);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        })
+    };
+    let body = chat("despite the noise", true, 20);
+    let r = h3(h3_addr, "POST", "/v1/chat/completions", Some(&body), &[]);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = flooder.join();
+    let Some(r) = r else { return };
+    assert_eq!(r["status"], 200, "{r}");
+    let events = data_events(r["body"].as_str().unwrap_or_default());
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(
+        events.len(),
+        1 + 20 + 1 + 1,
+        "role, 20 tokens, finish, [DONE]"
+    );
+}
