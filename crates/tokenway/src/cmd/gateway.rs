@@ -21,6 +21,9 @@ pub struct GatewayArgs {
     /// Public HTTP/3 listen address, UDP (overrides `h3_listen`).
     #[arg(long)]
     pub h3_listen: Option<SocketAddr>,
+    /// Tunnel port listen address, UDP (overrides `tunnel.listen`; needs a `[tunnel]` section).
+    #[arg(long)]
+    pub tunnel_listen: Option<SocketAddr>,
     /// A backend base URL, e.g. http://127.0.0.1:8000 (repeatable; replaces the config's list).
     #[arg(long = "backend", value_name = "URL")]
     pub backends: Vec<String>,
@@ -52,6 +55,14 @@ pub fn load(args: &GatewayArgs) -> anyhow::Result<GatewayConfig> {
     }
     if let Some(a) = args.h3_listen {
         config.h3_listen = Some(a);
+    }
+    if let Some(a) = args.tunnel_listen {
+        match config.tunnel.as_mut() {
+            Some(t) => t.listen = a,
+            None => anyhow::bail!(
+                "--tunnel-listen needs a [tunnel] section (tokens) in the config file"
+            ),
+        }
     }
     if !args.backends.is_empty() {
         config.backends = args

@@ -98,13 +98,21 @@ fn bin() -> &'static str {
 /// Starts `tokenway <role> --config FILE --listen 127.0.0.1:0` and waits for its
 /// `listening on http://ADDR` line.
 fn start(role: &str, toml: &str, extra: &[&str], want_tls: bool) -> Proc {
+    start_inner(role, Some(toml), extra, want_tls)
+}
+
+fn start_inner(role: &str, toml: Option<&str>, extra: &[&str], want_tls: bool) -> Proc {
     let dir = TempDir::new(role);
-    let path = dir.0.join(format!("{role}.toml"));
-    std::fs::write(&path, toml).expect("config is writable");
+    let mut config_args = Vec::new();
+    if let Some(toml) = toml {
+        let path = dir.0.join(format!("{role}.toml"));
+        std::fs::write(&path, toml).expect("config is writable");
+        config_args.push("--config".to_string());
+        config_args.push(path.display().to_string());
+    }
     let mut child = Command::new(bin())
         .arg(role)
-        .arg("--config")
-        .arg(&path)
+        .args(&config_args)
         .args(extra)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
@@ -151,6 +159,12 @@ fn start(role: &str, toml: &str, extra: &[&str], want_tls: bool) -> Proc {
         extras,
         _dir: Some(dir),
     }
+}
+
+/// Starts `tokenway ARGS...` (no generated config) and waits for its address line.
+pub fn start_args(args: &[&str], want_tls: bool) -> Proc {
+    let (role, rest) = args.split_first().expect("a role");
+    start_inner(role, None, rest, want_tls)
 }
 
 /// Starts a simulated backend with `toml` (SimConfig keys).

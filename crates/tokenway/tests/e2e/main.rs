@@ -5,6 +5,7 @@
 
 mod bad_input;
 mod clients;
+mod examples;
 mod failover;
 mod h3;
 mod harness;
