@@ -1,1 +1,447 @@
-//! Placeholder: filled by the edge/client stage.
+//! An HTTP/3 client connection to one gateway (`h3` over `quinn`).
+//!
+//! Requests stream both ways: the request body is written to the QUIC stream as it is read,
+//! and every response DATA frame is handed on as it arrives. Nothing is buffered here.
+//!
+//! 0-RTT: when the shared rustls configuration holds a resumption ticket for the server, the
+//! connection is used at once (`Connecting::into_0rtt`) and the first requests travel as early
+//! data. If the server rejects the early data, quinn discards every stream opened so far and
+//! restarts stream numbering; the HTTP/3 session is then rebuilt on the same (now 1-RTT)
+//! connection, and requests that were in flight fail with a retryable error. A 0-RTT connection
+//! whose handshake does not finish within the connect timeout is closed, so a path that stopped
+//! carrying UDP is given up instead of swallowing requests.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use http::{Request, Response, Uri};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame};
+use tokenway_telemetry::quic::{ConnectLabels, QuicMetrics};
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+
+use crate::error::TransportError;
+use crate::settings::QuicSettings;
+
+/// A boxed error of a body or request.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The streaming response body every client hands back.
+pub type ClientBody = UnsyncBoxBody<Bytes, BoxError>;
+
+type H3Sender = h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>;
+
+/// A request that failed before its response head arrived.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct RequestError {
+    /// What went wrong.
+    pub message: String,
+    /// The request was not processed by the server (the connection died, or 0-RTT data was
+    /// rejected), so it may be sent again, on a fresh connection when this one is closed.
+    pub retryable: bool,
+}
+
+impl RequestError {
+    pub(crate) fn new(message: impl Into<String>, retryable: bool) -> Self {
+        Self {
+            message: message.into(),
+            retryable,
+        }
+    }
+}
+
+/// Where the 0-RTT attempt of a connection stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZeroRtt {
+    /// The connection did a full handshake.
+    NotUsed,
+    /// Early data sent; the handshake has not finished.
+    Pending,
+    /// The server accepted the early data.
+    Accepted,
+    /// The server rejected the early data (requests sent as early data were not processed).
+    Rejected,
+}
+
+/// What [`QuicClient::connect`] needs.
+pub struct QuicConnect<'a> {
+    /// The client endpoint (shared by every connection so a rebind migrates them all).
+    pub endpoint: &'a quinn::Endpoint,
+    /// The gateway's tunnel (UDP) address.
+    pub addr: SocketAddr,
+    /// The TLS server name (SNI).
+    pub server_name: &'a str,
+    /// The rustls client configuration, offering ALPN h3, reused across connections.
+    pub tls: Arc<rustls::ClientConfig>,
+    /// QUIC settings.
+    pub settings: &'a QuicSettings,
+    /// The last RTT measured to this gateway, seeding the new connection's estimate.
+    pub initial_rtt: Option<Duration>,
+    /// The peer's name, for metric labels.
+    pub peer: &'a str,
+    /// Metrics to update (0-RTT outcomes, connection statistics).
+    pub metrics: Option<QuicMetrics>,
+    /// Longest wait for the handshake.
+    pub timeout: Duration,
+}
+
+struct Inner {
+    conn: quinn::Connection,
+    server_name: String,
+    sender: Mutex<H3Sender>,
+    /// Senders of an HTTP/3 session abandoned after a 0-RTT rejection: dropping the last sender
+    /// of a session closes the QUIC connection, so they live as long as the client.
+    retired: Mutex<Vec<H3Sender>>,
+    driver: Mutex<AbortHandle>,
+    sampler: Option<AbortHandle>,
+    zero_rtt: watch::Receiver<ZeroRtt>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        lock(&self.driver).abort();
+        if let Some(s) = &self.sampler {
+            s.abort();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One HTTP/3 connection to a gateway. Cheap to share behind an `Arc`.
+pub struct QuicClient {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for QuicClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuicClient")
+            .field("peer", &self.inner.conn.remote_address())
+            .finish()
+    }
+}
+
+async fn start_h3(conn: &quinn::Connection) -> Result<(AbortHandle, H3Sender), String> {
+    let (mut driver, sender) = h3::client::builder()
+        .send_grease(false)
+        .build::<_, _, Bytes>(h3_quinn::Connection::new(conn.clone()))
+        .await
+        .map_err(|e| format!("HTTP/3 setup failed: {e}"))?;
+    let task = tokio::spawn(async move {
+        let e = driver.wait_idle().await;
+        tracing::debug!(error = %e, "HTTP/3 connection ended");
+    });
+    Ok((task.abort_handle(), sender))
+}
+
+impl QuicClient {
+    /// Connects, sending early data when a resumption ticket allows it.
+    pub async fn connect(p: QuicConnect<'_>) -> Result<Self, TransportError> {
+        let addr = p.addr;
+        let err = |message: String| TransportError::Connect { addr, message };
+        let config = crate::endpoint::client_config(p.tls, p.settings, p.initial_rtt)?;
+        let connecting = p
+            .endpoint
+            .connect_with(config, addr, p.server_name)
+            .map_err(|e| err(e.to_string()))?;
+        let (zero_tx, zero_rx) = watch::channel(ZeroRtt::NotUsed);
+        let (conn, accepted) = match (p.settings.zero_rtt, connecting) {
+            (true, connecting) => match connecting.into_0rtt() {
+                Ok((conn, accepted)) => {
+                    let _ = zero_tx.send(ZeroRtt::Pending);
+                    (conn, Some(accepted))
+                }
+                Err(connecting) => (handshake(connecting, p.timeout, addr).await?, None),
+            },
+            (false, connecting) => (handshake(connecting, p.timeout, addr).await?, None),
+        };
+        let (driver, sender) = start_h3(&conn).await.map_err(err)?;
+        let sampler = p.metrics.as_ref().map(|m| {
+            tokio::spawn(crate::stats::sample_connection(
+                conn.clone(),
+                p.peer.to_string(),
+                m.clone(),
+                Duration::from_secs(1),
+            ))
+            .abort_handle()
+        });
+        let inner = Arc::new(Inner {
+            conn: conn.clone(),
+            server_name: p.server_name.to_string(),
+            sender: Mutex::new(sender),
+            retired: Mutex::new(Vec::new()),
+            driver: Mutex::new(driver),
+            sampler,
+            zero_rtt: zero_rx,
+        });
+        if let Some(m) = &p.metrics {
+            m.connections
+                .get_or_create(&ConnectLabels {
+                    peer: p.peer.to_string(),
+                    transport: "quic".into(),
+                })
+                .inc();
+        }
+        if let Some(accepted) = accepted {
+            let weak = Arc::downgrade(&inner);
+            let metrics = p.metrics.clone();
+            let timeout = p.timeout;
+            tokio::spawn(async move {
+                let ok = match tokio::time::timeout(timeout, accepted).await {
+                    Ok(ok) => ok,
+                    Err(_) => {
+                        conn.close(0u32.into(), b"handshake timeout");
+                        let _ = zero_tx.send(ZeroRtt::Rejected);
+                        return;
+                    }
+                };
+                if conn.close_reason().is_some() {
+                    let _ = zero_tx.send(ZeroRtt::Rejected);
+                    return;
+                }
+                if let Some(m) = &metrics {
+                    m.zero_rtt_result(ok);
+                }
+                if !ok {
+                    tracing::debug!(%addr, "0-RTT rejected; restarting HTTP/3 on the 1-RTT connection");
+                    if let Some(inner) = weak.upgrade() {
+                        lock(&inner.driver).abort();
+                        match start_h3(&conn).await {
+                            Ok((driver, sender)) => {
+                                *lock(&inner.driver) = driver;
+                                let old = std::mem::replace(&mut *lock(&inner.sender), sender);
+                                lock(&inner.retired).push(old);
+                            }
+                            Err(e) => {
+                                tracing::info!(%addr, error = %e, "cannot restart HTTP/3 after a 0-RTT rejection");
+                                conn.close(0u32.into(), b"");
+                            }
+                        }
+                    }
+                }
+                let _ = zero_tx.send(if ok {
+                    ZeroRtt::Accepted
+                } else {
+                    ZeroRtt::Rejected
+                });
+            });
+        }
+        Ok(Self { inner })
+    }
+
+    /// The underlying QUIC connection (statistics, RTT, close reason).
+    pub fn connection(&self) -> &quinn::Connection {
+        &self.inner.conn
+    }
+
+    /// The current RTT estimate.
+    pub fn rtt(&self) -> Duration {
+        self.inner.conn.rtt()
+    }
+
+    /// Whether the connection has closed (for any reason).
+    pub fn is_closed(&self) -> bool {
+        self.inner.conn.close_reason().is_some()
+    }
+
+    /// Where the connection's 0-RTT attempt stands.
+    pub fn zero_rtt(&self) -> ZeroRtt {
+        *self.inner.zero_rtt.borrow()
+    }
+
+    /// Closes the connection at once.
+    pub fn close(&self) {
+        self.inner.conn.close(0u32.into(), b"");
+    }
+
+    /// Sends one request; the request body streams to the server as it is read, and the
+    /// response body streams back frame by frame. A URI without an authority gets the server
+    /// name.
+    pub async fn send_request<B>(
+        &self,
+        req: Request<B>,
+    ) -> Result<Response<ClientBody>, RequestError>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let (mut parts, body) = req.into_parts();
+        parts.uri = absolute_uri(parts.uri, &self.inner.server_name)?;
+        parts.headers.remove(http::header::HOST);
+        let started_early = *self.inner.zero_rtt.borrow() == ZeroRtt::Pending;
+        let mut sender = lock(&self.inner.sender).clone();
+        let result = async {
+            let stream = sender
+                .send_request(Request::from_parts(parts, ()))
+                .await
+                .map_err(|e| (format!("cannot open a request stream: {e}"), true))?;
+            let (send, mut recv) = stream.split();
+            tokio::spawn(pump_request(body, send));
+            let head = recv
+                .recv_response()
+                .await
+                .map_err(|e| (format!("no response: {e}"), is_rejected(&e)))?;
+            Ok::<_, (String, bool)>((head, recv))
+        };
+        let mut zero = self.inner.zero_rtt.clone();
+        let outcome = if started_early {
+            tokio::select! {
+                r = result => r,
+                _ = zero.wait_for(|z| *z == ZeroRtt::Rejected) => {
+                    Err(("0-RTT early data was rejected".to_string(), true))
+                }
+            }
+        } else {
+            result.await
+        };
+        match outcome {
+            Ok((head, recv)) => {
+                let (parts, ()) = head.into_parts();
+                let body = H3Body {
+                    recv,
+                    _client: self.inner.clone(),
+                    done: false,
+                };
+                Ok(Response::from_parts(parts, body.boxed_unsync()))
+            }
+            Err((message, retryable)) => {
+                // An error may be the first sign of a 0-RTT rejection: wait for the verdict so
+                // that a retry goes to the rebuilt session.
+                if *self.inner.zero_rtt.borrow() == ZeroRtt::Pending {
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(5),
+                        zero.wait_for(|z| *z != ZeroRtt::Pending),
+                    )
+                    .await;
+                }
+                let rejected = started_early && *self.inner.zero_rtt.borrow() == ZeroRtt::Rejected;
+                Err(RequestError::new(
+                    message,
+                    retryable || rejected || self.is_closed(),
+                ))
+            }
+        }
+    }
+}
+
+async fn handshake(
+    connecting: quinn::Connecting,
+    timeout: Duration,
+    addr: SocketAddr,
+) -> Result<quinn::Connection, TransportError> {
+    match tokio::time::timeout(timeout, connecting).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(TransportError::Connect {
+            addr,
+            message: format!("QUIC handshake failed: {e}"),
+        }),
+        Err(_) => Err(TransportError::Connect {
+            addr,
+            message: format!("QUIC handshake did not finish within {timeout:?}"),
+        }),
+    }
+}
+
+/// Whether a stream error means the server did not process the request (RFC 9114 §4.1.1:
+/// H3_REQUEST_REJECTED), or the connection is gone.
+fn is_rejected(e: &h3::error::StreamError) -> bool {
+    match e {
+        h3::error::StreamError::RemoteTerminate { code, .. } => {
+            *code == h3::error::Code::H3_REQUEST_REJECTED
+        }
+        h3::error::StreamError::ConnectionError { .. } => true,
+        _ => false,
+    }
+}
+
+/// Fills in `https://server_name` when a URI has no authority.
+pub(crate) fn absolute_uri(uri: Uri, server_name: &str) -> Result<Uri, RequestError> {
+    if uri.authority().is_some() {
+        return Ok(uri);
+    }
+    let pq = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    format!("https://{server_name}{pq}")
+        .parse()
+        .map_err(|e| RequestError::new(format!("bad request URI: {e}"), false))
+}
+
+async fn pump_request<B>(
+    body: B,
+    mut send: h3::client::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>,
+) where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let body = body.map_err(Into::<BoxError>::into);
+    let mut body = std::pin::pin!(body);
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(frame) => {
+                if let Ok(data) = frame.into_data() {
+                    if data.is_empty() {
+                        continue;
+                    }
+                    if send.send_data(data).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "request body failed; cancelling the stream");
+                send.stop_stream(h3::error::Code::H3_REQUEST_CANCELLED);
+                return;
+            }
+        }
+    }
+    let _ = send.finish().await;
+}
+
+/// A response body read from an HTTP/3 request stream.
+struct H3Body {
+    recv: h3::client::RequestStream<h3_quinn::RecvStream, Bytes>,
+    /// Keeps the session's senders alive while the body streams.
+    _client: Arc<Inner>,
+    done: bool,
+}
+
+impl Body for H3Body {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        match self.recv.poll_recv_data(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(Some(mut buf))) => {
+                let data = buf.copy_to_bytes(buf.remaining());
+                Poll::Ready(Some(Ok(Frame::data(data))))
+            }
+            Poll::Ready(Ok(None)) => {
+                self.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Ready(Err(e)) => {
+                self.done = true;
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+}

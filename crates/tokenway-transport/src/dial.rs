@@ -1,1 +1,235 @@
-//! Placeholder: filled by the edge/client stage.
+//! The dialer: races QUIC against HTTP/2-over-TLS-over-TCP, happy-eyeballs style (RFC 8305 §5
+//! spirit, with transports instead of address families).
+//!
+//! QUIC starts first; TCP starts after a head start (250 ms by default) unless QUIC has already
+//! failed; the first connection to be established wins and the other attempt is dropped. A win
+//! by TCP is counted as a fallback. Moving back to QUIC later is the caller's job
+//! ([`Dialer::quic`] in the background, then swapping connections), since only the caller knows
+//! when requests may move.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use hyper::body::Body;
+use tokenway_telemetry::quic::{PeerLabels, QuicMetrics};
+
+use crate::client::{BoxError, ClientBody, QuicClient, QuicConnect, RequestError};
+use crate::error::TransportError;
+use crate::fallback::TcpClient;
+use crate::settings::QuicSettings;
+
+/// An established tunnel connection of either kind.
+#[derive(Clone, Debug)]
+pub enum Conn {
+    /// HTTP/3 over QUIC.
+    Quic(Arc<QuicClient>),
+    /// HTTP/2 over TLS over TCP.
+    Tcp(Arc<TcpClient>),
+}
+
+impl Conn {
+    /// Sends one request over whichever transport this is.
+    pub async fn send_request<B>(
+        &self,
+        req: Request<B>,
+    ) -> Result<Response<ClientBody>, RequestError>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        match self {
+            Conn::Quic(c) => c.send_request(req).await,
+            Conn::Tcp(c) => c.send_request(req).await,
+        }
+    }
+
+    /// Whether the connection has closed.
+    pub fn is_closed(&self) -> bool {
+        match self {
+            Conn::Quic(c) => c.is_closed(),
+            Conn::Tcp(c) => c.is_closed(),
+        }
+    }
+
+    /// Closes the connection.
+    pub fn close(&self) {
+        match self {
+            Conn::Quic(c) => c.close(),
+            Conn::Tcp(c) => c.close(),
+        }
+    }
+
+    /// Whether this is the QUIC transport.
+    pub fn is_quic(&self) -> bool {
+        matches!(self, Conn::Quic(_))
+    }
+
+    /// The `transport` metric label of requests carried by this connection.
+    pub fn transport_label(&self) -> &'static str {
+        match self {
+            Conn::Quic(_) => "tunnel",
+            Conn::Tcp(_) => "tunnel-tcp",
+        }
+    }
+
+    /// Whether two handles refer to the same connection.
+    pub fn same(&self, other: &Conn) -> bool {
+        match (self, other) {
+            (Conn::Quic(a), Conn::Quic(b)) => Arc::ptr_eq(a, b),
+            (Conn::Tcp(a), Conn::Tcp(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+/// One gateway as the dialer sees it.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// Name, for logs and metric labels.
+    pub name: String,
+    /// The tunnel's UDP address.
+    pub quic: Option<SocketAddr>,
+    /// The TLS TCP address of the fallback.
+    pub tcp: Option<SocketAddr>,
+    /// TLS server name.
+    pub server_name: String,
+}
+
+/// Builds connections to gateways.
+#[derive(Clone)]
+pub struct Dialer {
+    /// The client endpoint shared by every QUIC connection.
+    pub endpoint: quinn::Endpoint,
+    /// TLS for QUIC (ALPN h3, early data), shared so resumption tickets are reused.
+    pub quic_tls: Arc<rustls::ClientConfig>,
+    /// TLS for the TCP fallback (ALPN h2).
+    pub tcp_tls: Arc<rustls::ClientConfig>,
+    /// QUIC settings.
+    pub settings: QuicSettings,
+    /// How long QUIC runs alone before TCP joins the race.
+    pub head_start: Duration,
+    /// Longest wait for one connection attempt.
+    pub connect_timeout: Duration,
+    /// Metrics.
+    pub metrics: Option<QuicMetrics>,
+}
+
+impl Dialer {
+    /// A QUIC connection to `target`.
+    pub async fn quic(
+        &self,
+        target: &Target,
+        initial_rtt: Option<Duration>,
+    ) -> Result<Conn, TransportError> {
+        let addr = target.quic.ok_or_else(|| {
+            TransportError::Config(format!("gateway {} has no quic address", target.name))
+        })?;
+        let client = QuicClient::connect(QuicConnect {
+            endpoint: &self.endpoint,
+            addr,
+            server_name: &target.server_name,
+            tls: self.quic_tls.clone(),
+            settings: &self.settings,
+            initial_rtt,
+            peer: &target.name,
+            metrics: self.metrics.clone(),
+            timeout: self.connect_timeout,
+        })
+        .await?;
+        Ok(Conn::Quic(Arc::new(client)))
+    }
+
+    /// An HTTP/2-over-TLS connection to `target`.
+    pub async fn tcp(&self, target: &Target) -> Result<Conn, TransportError> {
+        let addr = target.tcp.ok_or_else(|| {
+            TransportError::Config(format!("gateway {} has no tcp address", target.name))
+        })?;
+        let client = TcpClient::connect(
+            addr,
+            &target.server_name,
+            self.tcp_tls.clone(),
+            self.connect_timeout,
+            &target.name,
+            self.metrics.as_ref(),
+        )
+        .await?;
+        Ok(Conn::Tcp(Arc::new(client)))
+    }
+
+    /// Races QUIC and TCP to `target`; returns the winner.
+    pub async fn race(
+        &self,
+        target: &Target,
+        initial_rtt: Option<Duration>,
+    ) -> Result<Conn, TransportError> {
+        match (target.quic.is_some(), target.tcp.is_some()) {
+            (true, false) => return self.quic(target, initial_rtt).await,
+            (false, true) => return self.tcp(target).await,
+            (false, false) => {
+                return Err(TransportError::Config(format!(
+                    "gateway {} has neither a quic nor a tcp address",
+                    target.name
+                )))
+            }
+            (true, true) => {}
+        }
+        let quic = self.quic(target, initial_rtt);
+        tokio::pin!(quic);
+        let head_start = tokio::time::sleep(self.head_start);
+        tokio::pin!(head_start);
+        // Phase 1: QUIC alone.
+        let quic_error = tokio::select! {
+            r = &mut quic => match r {
+                Ok(c) => return Ok(c),
+                Err(e) => Some(e),
+            },
+            _ = &mut head_start => None,
+        };
+        let tcp = self.tcp(target);
+        tokio::pin!(tcp);
+        if let Some(qe) = quic_error {
+            tracing::info!(gateway = %target.name, error = %qe, "QUIC failed; using TCP");
+            return self.count_fallback(target, tcp.await);
+        }
+        // Phase 2: both; the first success wins.
+        tokio::select! {
+            r = &mut quic => match r {
+                Ok(c) => Ok(c),
+                Err(qe) => {
+                    tracing::info!(gateway = %target.name, error = %qe, "QUIC failed; waiting for TCP");
+                    self.count_fallback(target, tcp.await)
+                }
+            },
+            r = &mut tcp => match r {
+                Ok(c) => {
+                    tracing::info!(gateway = %target.name, "TCP won the race against QUIC");
+                    self.count_fallback(target, Ok(c))
+                }
+                Err(te) => {
+                    tracing::debug!(gateway = %target.name, error = %te, "TCP failed; waiting for QUIC");
+                    quic.await
+                }
+            },
+        }
+    }
+
+    fn count_fallback(
+        &self,
+        target: &Target,
+        r: Result<Conn, TransportError>,
+    ) -> Result<Conn, TransportError> {
+        if r.is_ok() {
+            if let Some(m) = &self.metrics {
+                m.tcp_fallback
+                    .get_or_create(&PeerLabels {
+                        peer: target.name.clone(),
+                    })
+                    .inc();
+            }
+        }
+        r
+    }
+}

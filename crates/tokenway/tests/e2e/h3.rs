@@ -197,7 +197,7 @@ async fn garbage_datagrams_do_not_disturb_live_http3_streams() {
                 let mut pkt: Vec<u8> = (0..len)
                     .map(|j| (i.rotate_left(j as u32 % 32) as u8) ^ j as u8)
                     .collect();
-                if i % 3 == 0 {
+                if i.is_multiple_of(3) {
                     pkt[0] = 0xc0 | (pkt[0] & 0x0f);
                 }
                 let _ = sock.send_to(&pkt, h3_addr);

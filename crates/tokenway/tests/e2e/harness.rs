@@ -311,3 +311,9 @@ where
     }
     false
 }
+
+/// Starts an edge with `toml` (EdgeConfig keys; `--listen 127.0.0.1:0` overrides `listen`) and
+/// waits for its `listening on http://ADDR` line.
+pub fn edge(toml: &str) -> Proc {
+    start("edge", toml, &["--listen", "127.0.0.1:0"], false)
+}

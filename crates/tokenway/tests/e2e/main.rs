@@ -10,3 +10,4 @@ mod failover;
 mod h3;
 mod harness;
 mod streaming;
+mod tunnel;

@@ -1,0 +1,413 @@
+//! The tunnel: one connection manager per gateway, and the choice of gateway per request.
+//!
+//! Each gateway has a link task that keeps a connection up: it dials (QUIC raced against the TCP
+//! fallback), measures RTT (QUIC's own estimate, or a timed `GET /health` over TCP), feeds the
+//! [`Selector`], redials at once when the connection dies, and while on TCP tries QUIC again
+//! every `quic_retry`, moving new requests back to QUIC when it works. Requests already running
+//! on the old connection finish there.
+//!
+//! A request that fails before its response head because the connection died (or its 0-RTT
+//! data was refused) is sent once more, on a fresh connection, to another gateway if one is up.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri};
+use http_body_util::{BodyExt, Empty, Full};
+use tokenway_telemetry::quic::QuicMetrics;
+use tokenway_transport::client::{ClientBody, RequestError, ZeroRtt};
+use tokenway_transport::dial::{Conn, Dialer, Target};
+use tokio::sync::{watch, Notify};
+
+use crate::config::{EdgeConfig, GatewayEntry};
+use crate::error::EdgeError;
+use crate::select::Selector;
+
+/// Header carrying the tunnel token (docs/tunnel.md).
+pub const AUTH_HEADER: &str = "tw-auth";
+/// Header carrying the per-request idempotency key (docs/tunnel.md).
+pub const IDEMPOTENCY_HEADER: &str = "tw-idempotency-key";
+
+/// How often each link measures its gateway.
+const PROBE_EVERY: Duration = Duration::from_millis(500);
+/// Longest pause between redials of an unreachable gateway.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// A fresh idempotency key: 32 lowercase hex characters.
+pub fn idempotency_key() -> String {
+    hex::encode(rand::random::<[u8; 16]>())
+}
+
+struct Link {
+    target: Target,
+    conn: Mutex<Option<Conn>>,
+    last_rtt: Mutex<Option<Duration>>,
+    wake: Notify,
+}
+
+impl Link {
+    fn current(&self) -> Option<Conn> {
+        lock(&self.conn).clone()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A request ready to be sent (any number of times).
+#[derive(Clone)]
+pub struct Outgoing {
+    /// Method.
+    pub method: Method,
+    /// Path and query.
+    pub path: String,
+    /// Headers, without hop-by-hop ones and without the tunnel headers.
+    pub headers: HeaderMap,
+    /// The whole body.
+    pub body: Bytes,
+}
+
+/// A response on its way back, with where it came from.
+pub struct Answer {
+    /// The response; its body streams.
+    pub response: Response<ClientBody>,
+    /// The gateway's name.
+    pub gateway: String,
+    /// `tunnel` or `tunnel-tcp`.
+    pub transport: &'static str,
+}
+
+/// All gateways and their connections.
+pub struct Tunnel {
+    links: Vec<Arc<Link>>,
+    selector: Mutex<Selector>,
+    changed: watch::Sender<u64>,
+    dialer: Dialer,
+    token: HeaderValue,
+    wait_for_link: Duration,
+    quic_retry: Duration,
+}
+
+async fn resolve(s: &str, key: &str) -> Result<SocketAddr, EdgeError> {
+    tokio::net::lookup_host(s)
+        .await
+        .map_err(|e| EdgeError::Config(format!("{key} {s:?} does not resolve: {e}")))?
+        .next()
+        .ok_or_else(|| EdgeError::Config(format!("{key} {s:?} resolves to no address")))
+}
+
+async fn target(i: usize, g: &GatewayEntry) -> Result<Target, EdgeError> {
+    let quic = resolve(&g.quic, &format!("gateways[{i}].quic")).await?;
+    let tcp = match &g.tcp {
+        Some(t) => Some(resolve(t, &format!("gateways[{i}].tcp")).await?),
+        None => None,
+    };
+    Ok(Target {
+        name: g.name.clone(),
+        quic: Some(quic),
+        tcp,
+        server_name: g.server_name.clone(),
+    })
+}
+
+impl Tunnel {
+    /// Resolves the gateways, opens the QUIC client endpoint and starts one link per gateway.
+    pub async fn start(config: &EdgeConfig, metrics: QuicMetrics) -> Result<Arc<Self>, EdgeError> {
+        let mut targets = Vec::new();
+        for (i, g) in config.gateways.iter().enumerate() {
+            targets.push(target(i, g).await?);
+        }
+        let v6 = targets.iter().any(|t| t.quic.is_some_and(|a| a.is_ipv6()));
+        let bind = if v6 {
+            SocketAddr::from(([0u16; 8], 0))
+        } else {
+            SocketAddr::from(([0, 0, 0, 0], 0))
+        };
+        let endpoint = tokenway_transport::endpoint::client_endpoint(bind, &config.quic)?;
+        let trust = config.trust()?;
+        let dialer = Dialer {
+            endpoint,
+            quic_tls: tokenway_transport::trust::client_tls(
+                &trust,
+                &[tokenway_transport::ALPN_H3],
+                config.quic.zero_rtt,
+            )?,
+            tcp_tls: tokenway_transport::trust::client_tls(
+                &trust,
+                &[tokenway_transport::ALPN_H2],
+                false,
+            )?,
+            settings: config.quic.clone(),
+            head_start: config.head_start(),
+            connect_timeout: config.connect_timeout(),
+            metrics: Some(metrics),
+        };
+        let token = HeaderValue::from_str(&config.token)
+            .map_err(|_| EdgeError::Config("token must be printable ASCII".into()))?;
+        let links: Vec<_> = targets
+            .into_iter()
+            .map(|target| {
+                Arc::new(Link {
+                    target,
+                    conn: Mutex::new(None),
+                    last_rtt: Mutex::new(None),
+                    wake: Notify::new(),
+                })
+            })
+            .collect();
+        let (changed, _) = watch::channel(0);
+        let tunnel = Arc::new(Self {
+            selector: Mutex::new(Selector::new(links.len(), config.reevaluate())),
+            links,
+            changed,
+            dialer,
+            token,
+            wait_for_link: config.head_start() + config.connect_timeout() * 2,
+            quic_retry: config.quic_retry(),
+        });
+        for i in 0..tunnel.links.len() {
+            tokio::spawn(run_link(Arc::downgrade(&tunnel), i));
+        }
+        Ok(tunnel)
+    }
+
+    /// Moves the QUIC endpoint to a fresh UDP socket; open connections migrate.
+    pub fn rebind(&self) -> Result<SocketAddr, EdgeError> {
+        let ep = &self.dialer.endpoint;
+        let local = ep.local_addr().map_err(|source| EdgeError::Bind {
+            addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            source,
+        })?;
+        let bind = SocketAddr::new(local.ip(), 0);
+        let udp =
+            tokenway_transport::socket::bind_udp(bind, self.dialer.settings.socket_buffer_bytes)?;
+        let socket = tokenway_transport::socket::async_socket(udp)?;
+        ep.rebind_abstract(socket)
+            .map_err(|source| EdgeError::Bind { addr: bind, source })?;
+        let now = ep
+            .local_addr()
+            .map_err(|source| EdgeError::Bind { addr: bind, source })?;
+        tracing::info!(from = %local, to = %now, "QUIC endpoint rebound");
+        Ok(now)
+    }
+
+    /// Closes every connection; the links redial (a test knob for 0-RTT resumption).
+    pub fn reconnect(&self) {
+        for l in &self.links {
+            if let Some(c) = lock(&l.conn).take() {
+                c.close();
+            }
+            l.wake.notify_one();
+        }
+    }
+
+    fn set_conn(&self, i: usize, conn: Option<Conn>) {
+        let up = conn.is_some();
+        *lock(&self.links[i].conn) = conn;
+        lock(&self.selector).set_up(i, up);
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// Drops `conn` of gateway `i` when it is dead, and wakes the link to redial.
+    fn report_failure(&self, i: usize, conn: &Conn) {
+        if !conn.is_closed() {
+            return;
+        }
+        let same = lock(&self.links[i].conn)
+            .as_ref()
+            .is_some_and(|c| c.same(conn));
+        if same {
+            self.set_conn(i, None);
+        }
+        self.links[i].wake.notify_one();
+    }
+
+    /// A live connection to the best gateway, waiting for a link to come up.
+    async fn acquire(&self, avoid: Option<usize>) -> Option<(usize, Conn)> {
+        let deadline = tokio::time::Instant::now() + self.wait_for_link;
+        let mut changed = self.changed.subscribe();
+        loop {
+            let pick = {
+                let mut sel = lock(&self.selector);
+                let now = Instant::now();
+                avoid
+                    .and_then(|_| sel.pick(now, avoid))
+                    .or_else(|| sel.pick(now, None))
+            };
+            if let Some(i) = pick {
+                match self.links[i].current() {
+                    Some(c) if !c.is_closed() => return Some((i, c)),
+                    Some(c) => self.report_failure(i, &c),
+                    None => self.set_conn(i, None),
+                }
+                continue;
+            }
+            changed.borrow_and_update();
+            if tokio::time::timeout_at(deadline, changed.changed())
+                .await
+                .is_err()
+            {
+                return None;
+            }
+        }
+    }
+
+    fn request<B>(&self, out: &Outgoing, body: B) -> Result<Request<B>, RequestError> {
+        let uri: Uri = out.path.parse().map_err(|e| RequestError {
+            message: format!("bad path: {e}"),
+            retryable: false,
+        })?;
+        let mut req = Request::new(body);
+        *req.method_mut() = out.method.clone();
+        *req.uri_mut() = uri;
+        *req.headers_mut() = out.headers.clone();
+        let h = req.headers_mut();
+        h.insert(AUTH_HEADER, self.token.clone());
+        h.insert(
+            IDEMPOTENCY_HEADER,
+            HeaderValue::from_str(&idempotency_key()).expect("hex is a valid header value"),
+        );
+        Ok(req)
+    }
+
+    /// Sends `out` to the best gateway, retrying once on a fresh connection when the first
+    /// attempt failed before any response byte because its connection died.
+    pub async fn send(&self, out: &Outgoing) -> Result<Answer, RequestError> {
+        let mut avoid = None;
+        let mut last = None;
+        // One retry after a dead connection; one more after a failure on a connection that is
+        // still open (0-RTT data refused: the same connection carries the retry as 1-RTT).
+        let (mut fresh_retries, mut same_retries) = (1, 1);
+        loop {
+            let Some((i, conn)) = self.acquire(avoid).await else {
+                return Err(last.unwrap_or(RequestError {
+                    message: "no gateway is reachable".into(),
+                    retryable: false,
+                }));
+            };
+            let req = self.request(out, Full::new(out.body.clone()))?;
+            match conn.send_request(req).await {
+                Ok(response) => {
+                    return Ok(Answer {
+                        response,
+                        gateway: self.links[i].target.name.clone(),
+                        transport: conn.transport_label(),
+                    })
+                }
+                Err(e) if e.retryable && !conn.is_closed() && same_retries > 0 => {
+                    same_retries -= 1;
+                    tracing::info!(gateway = %self.links[i].target.name, error = %e, "request refused before the first byte; retrying");
+                    last = Some(e);
+                }
+                Err(e) if e.retryable && fresh_retries > 0 => {
+                    fresh_retries -= 1;
+                    tracing::info!(gateway = %self.links[i].target.name, error = %e, "request failed before the first byte; retrying on a fresh connection");
+                    self.report_failure(i, &conn);
+                    avoid = Some(i);
+                    last = Some(e);
+                }
+                Err(e) => {
+                    self.report_failure(i, &conn);
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// The connection and the tunnel token for a CONNECT (port forwarding).
+    pub async fn connection(&self) -> Option<(Conn, HeaderValue)> {
+        self.acquire(None)
+            .await
+            .map(|(_, c)| (c, self.token.clone()))
+    }
+}
+
+async fn health_rtt(conn: &Conn) -> Option<Duration> {
+    let start = Instant::now();
+    let req = Request::get("/health").body(Empty::<Bytes>::new()).ok()?;
+    let resp = tokio::time::timeout(Duration::from_secs(2), conn.send_request(req))
+        .await
+        .ok()?
+        .ok()?;
+    let _ = tokio::time::timeout(Duration::from_secs(2), resp.into_body().collect()).await;
+    Some(start.elapsed())
+}
+
+async fn quic_established(conn: &Conn) -> bool {
+    let Conn::Quic(q) = conn else { return false };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while q.zero_rtt() == ZeroRtt::Pending && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    !q.is_closed() && q.zero_rtt() != ZeroRtt::Pending
+}
+
+async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
+    let mut backoff = Duration::from_millis(100);
+    let mut next_quic_try = Instant::now();
+    loop {
+        let Some(t) = tunnel.upgrade() else { return };
+        let link = t.links[i].clone();
+        match link.current() {
+            None => {
+                let last_rtt = *lock(&link.last_rtt);
+                match t.dialer.race(&link.target, last_rtt).await {
+                    Ok(c) => {
+                        tracing::info!(gateway = %link.target.name, transport = c.transport_label(), "tunnel connected");
+                        if !c.is_quic() {
+                            next_quic_try = Instant::now() + t.quic_retry;
+                        }
+                        t.set_conn(i, Some(c));
+                        backoff = Duration::from_millis(100);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(gateway = %link.target.name, error = %e, "cannot reach the gateway");
+                        let wait = backoff;
+                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                        drop(t);
+                        tokio::select! {
+                            _ = tokio::time::sleep(wait) => {}
+                            _ = link.wake.notified() => {}
+                        }
+                        continue;
+                    }
+                }
+            }
+            Some(c) if c.is_closed() => {
+                tracing::info!(gateway = %link.target.name, "tunnel connection closed; redialing");
+                t.report_failure(i, &c);
+                continue;
+            }
+            Some(c) => {
+                let rtt = match &c {
+                    Conn::Quic(q) => Some(q.rtt()),
+                    Conn::Tcp(_) => health_rtt(&c).await,
+                };
+                if let Some(rtt) = rtt {
+                    *lock(&link.last_rtt) = Some(rtt);
+                    lock(&t.selector).observe_rtt(i, rtt);
+                }
+                if !c.is_quic() && Instant::now() >= next_quic_try {
+                    next_quic_try = Instant::now() + t.quic_retry;
+                    let last_rtt = *lock(&link.last_rtt);
+                    if let Ok(q) = t.dialer.quic(&link.target, last_rtt).await {
+                        if quic_established(&q).await {
+                            tracing::info!(gateway = %link.target.name, "QUIC works again; new requests move back to it");
+                            t.set_conn(i, Some(q));
+                            continue;
+                        }
+                    }
+                }
+            }
+        }
+        drop(t);
+        tokio::select! {
+            _ = tokio::time::sleep(PROBE_EVERY) => {}
+            _ = link.wake.notified() => {}
+        }
+    }
+}

@@ -1,0 +1,472 @@
+//! The edge and the tunnel: edge → gateway → sim over QUIC on loopback (and over the TCP
+//! fallback), as real processes.
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::harness::*;
+
+const TOKEN: &str = "e2e-tunnel-token-0123456789";
+
+/// A gateway with a tunnel port (and a TLS TCP port for the fallback) in front of `backend`.
+fn tunnel_gateway(backend: &Proc, top: &str, tunnel_extra: &str) -> Proc {
+    gateway(
+        &[backend],
+        &format!("tls_listen = \"127.0.0.1:0\"\n{top}"),
+        &format!("[tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n{tunnel_extra}\n"),
+    )
+}
+
+fn tunnel_addr(gw: &Proc) -> SocketAddr {
+    gw.extra("tunnel")
+        .expect("the gateway announces its tunnel port")
+}
+
+fn fingerprint(gw: &Proc) -> String {
+    gw.fingerprint()
+        .expect("the gateway announces its certificate fingerprint")
+}
+
+/// Edge config for one gateway: `quic` and optional `tcp` addresses, extra top-level keys
+/// `top`, and extra tables `tables`.
+fn edge_config(
+    fp: &str,
+    quic: SocketAddr,
+    tcp: Option<SocketAddr>,
+    top: &str,
+    tables: &str,
+) -> String {
+    let tcp = tcp.map(|a| format!("tcp = \"{a}\"\n")).unwrap_or_default();
+    format!(
+        "token = \"{TOKEN}\"\n{top}\n[trust]\npin_sha256 = [\"{fp}\"]\n\
+         [[gateways]]\nname = \"gw\"\nquic = \"{quic}\"\n{tcp}\n{tables}\n"
+    )
+}
+
+fn edge_for(gw: &Proc, top: &str, tables: &str) -> Proc {
+    edge(&edge_config(
+        &fingerprint(gw),
+        tunnel_addr(gw),
+        gw.tls_addr,
+        top,
+        tables,
+    ))
+}
+
+fn normalized(body: &str) -> Vec<String> {
+    data_events(body).iter().map(|e| normalize(e)).collect()
+}
+
+async fn metrics(p: &Proc) -> String {
+    get(&format!("{}/metrics", p.url())).await.body
+}
+
+#[tokio::test]
+async fn streamed_chat_through_the_edge_over_quic_equals_the_backends_own() {
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", "");
+    let edge = edge_for(&gw, "", "");
+    for stream in [true, false] {
+        let body = chat("tunnels and head-of-line blocking", stream, 24);
+        let direct = post(
+            &format!("{}/v1/chat/completions", backend.url()),
+            &body,
+            None,
+        )
+        .await;
+        let via = post(&format!("{}/v1/chat/completions", edge.url()), &body, None).await;
+        assert_eq!(via.status, 200, "{}", via.body);
+        if stream {
+            assert_eq!(
+                via.headers
+                    .get("content-type")
+                    .and_then(|v| v.to_str().ok()),
+                Some("text/event-stream")
+            );
+            let (d, v) = (normalized(&direct.body), normalized(&via.body));
+            assert!(d.len() >= 25, "{d:?}");
+            assert_eq!(d, v);
+        } else {
+            assert_eq!(normalize(&direct.body), normalize(&via.body));
+        }
+    }
+    let text = metrics(&edge).await;
+    assert_eq!(
+        metric_sum(
+            &text,
+            "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"gw\",transport=\"tunnel\"}"
+        ),
+        2.0,
+        "{text}"
+    );
+    assert_eq!(
+        metric_sum(&text, "tokenway_tcp_fallback_total"),
+        0.0,
+        "{text}"
+    );
+    assert!(
+        metric_sum(&text, "tokenway_quic_rtt_seconds{peer=\"gw\"}") > 0.0,
+        "{text}"
+    );
+    // The gateway saw tunnel requests, not plain HTTP/3 ones.
+    let gw_text = metrics(&gw).await;
+    assert!(
+        metric_sum(&gw_text, "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"b0\",transport=\"tunnel\"}") >= 2.0,
+        "{gw_text}"
+    );
+}
+
+#[tokio::test]
+async fn official_openai_python_client_streams_through_the_edge() {
+    let probe = Command::new("python3")
+        .args(["-c", "import openai"])
+        .output();
+    if !probe.map(|o| o.status.success()).unwrap_or(false) {
+        assert!(
+            std::env::var_os("TOKENWAY_REQUIRE_PYTHON").is_none(),
+            "TOKENWAY_REQUIRE_PYTHON is set but `import openai` fails"
+        );
+        eprintln!("SKIP: the `openai` Python package is not installed");
+        return;
+    }
+    let backend = sim(FAST_SIM);
+    // The API key travels through the tunnel untouched and the gateway checks it.
+    let gw = tunnel_gateway(&backend, "api_keys = [\"sk-e2e\"]", "");
+    let edge = edge_for(&gw, "", "");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/python/openai_client.py"
+    );
+    let out = Command::new("python3")
+        .arg(script)
+        .arg("--gateway")
+        .arg(format!("{}/v1", edge.url()))
+        .arg("--backend")
+        .arg(format!("{}/v1", backend.url()))
+        .arg("--key")
+        .arg("sk-e2e")
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "openai client through the edge failed:\nstdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A UDP port on loopback with nothing listening.
+fn closed_udp_port() -> SocketAddr {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind UDP");
+    s.local_addr().expect("local addr")
+}
+
+#[tokio::test]
+async fn with_udp_unusable_the_edge_falls_back_to_tcp_and_requests_succeed() {
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", "");
+    let edge = edge(&edge_config(
+        &fingerprint(&gw),
+        closed_udp_port(),
+        gw.tls_addr,
+        "",
+        "",
+    ));
+    let body = chat("over tcp", true, 8);
+    let start = Instant::now();
+    let via = post(&format!("{}/v1/chat/completions", edge.url()), &body, None).await;
+    let took = start.elapsed();
+    assert_eq!(via.status, 200, "{}", via.body);
+    assert!(took < Duration::from_secs(2), "fallback took {took:?}");
+    let direct = post(
+        &format!("{}/v1/chat/completions", backend.url()),
+        &body,
+        None,
+    )
+    .await;
+    assert_eq!(normalized(&direct.body), normalized(&via.body));
+    let text = metrics(&edge).await;
+    assert!(
+        metric_sum(&text, "tokenway_tcp_fallback_total") >= 1.0,
+        "{text}"
+    );
+    assert_eq!(
+        metric_sum(
+            &text,
+            "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"gw\",transport=\"tunnel-tcp\"}"
+        ),
+        1.0,
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_second_connection_resumes_with_0rtt() {
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", "");
+    let edge = edge_for(&gw, "", "");
+    let url = format!("{}/v1/chat/completions", edge.url());
+    assert_eq!(post(&url, &chat("first", true, 4), None).await.status, 200);
+    let r = post(&format!("{}/admin/reconnect", edge.url()), "", None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(post(&url, &chat("second", true, 4), None).await.status, 200);
+    let resumed = eventually(Duration::from_secs(5), || async {
+        metric_sum(
+            &metrics(&edge).await,
+            "tokenway_quic_0rtt_total{result=\"accepted\"}",
+        ) >= 1.0
+    })
+    .await;
+    assert!(resumed, "{}", metrics(&edge).await);
+    let text = metrics(&edge).await;
+    assert!(
+        metric_sum(
+            &text,
+            "tokenway_tunnel_connections_total{peer=\"gw\",transport=\"quic\"}"
+        ) >= 2.0,
+        "{text}"
+    );
+}
+
+/// Opens a streaming chat through `base` and returns the response body.
+async fn open_stream(base: &str, prompt: &str, tokens: u32) -> hyper::body::Incoming {
+    let req = http::Request::post(format!("{base}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(chat(prompt, true, tokens))))
+        .expect("request");
+    let resp = tokio::time::timeout(Duration::from_secs(10), client().request(req))
+        .await
+        .expect("response head in time")
+        .expect("response");
+    assert_eq!(resp.status(), 200);
+    resp.into_body()
+}
+
+/// Reads frames until `body` has at least `events` data events; returns the text so far.
+async fn read_events(body: &mut hyper::body::Incoming, text: &mut String, events: usize) {
+    while text.matches("data:").count() < events {
+        let frame = tokio::time::timeout(Duration::from_secs(10), body.frame())
+            .await
+            .expect("a frame in time");
+        match frame {
+            Some(Ok(f)) => {
+                if let Some(d) = f.data_ref() {
+                    text.push_str(&String::from_utf8_lossy(d));
+                }
+            }
+            _ => return,
+        }
+    }
+}
+
+async fn read_to_end(body: &mut hyper::body::Incoming, text: &mut String) {
+    read_events(body, text, usize::MAX).await
+}
+
+#[tokio::test]
+async fn rebinding_the_edges_socket_mid_stream_loses_no_events() {
+    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 25.0\n");
+    let gw = tunnel_gateway(&backend, "", "");
+    let edge = edge_for(&gw, "", "");
+    let prompt = "migrate me";
+    let mut body = open_stream(&edge.url(), prompt, 40).await;
+    let mut text = String::new();
+    read_events(&mut body, &mut text, 3).await;
+    let r = post(&format!("{}/admin/rebind", edge.url()), "", None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    read_to_end(&mut body, &mut text).await;
+    let direct = post(
+        &format!("{}/v1/chat/completions", backend.url()),
+        &chat(prompt, true, 40),
+        None,
+    )
+    .await;
+    assert_eq!(normalized(&text), normalized(&direct.body));
+    // New requests use the migrated connection.
+    let after = post(
+        &format!("{}/v1/chat/completions", edge.url()),
+        &chat("after", true, 4),
+        None,
+    )
+    .await;
+    assert_eq!(after.status, 200);
+    let text = metrics(&edge).await;
+    assert_eq!(
+        metric_sum(
+            &text,
+            "tokenway_tunnel_connections_total{peer=\"gw\",transport=\"quic\"}"
+        ),
+        1.0,
+        "the connection migrated instead of reconnecting: {text}"
+    );
+}
+
+/// A self-signed certificate and key in `dir`, made with openssl; `None` without openssl.
+fn cert_files(dir: &TempDir) -> Option<(String, String)> {
+    let cert = dir.0.join("cert.pem");
+    let key = dir.0.join("key.pem");
+    let out = Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+        ])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .args(["-days", "2", "-subj", "/CN=localhost"])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| (cert.display().to_string(), key.display().to_string()))
+}
+
+#[tokio::test]
+async fn after_a_gateway_restart_the_edge_reconnects_and_in_flight_streams_end_cleanly() {
+    let dir = TempDir::new("restart-cert");
+    let Some((cert, key)) = cert_files(&dir) else {
+        eprintln!("SKIP: openssl is not installed");
+        return;
+    };
+    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 20.0\n");
+    let tls = format!("[tls]\ncert = \"{cert}\"\nkey = \"{key}\"\n");
+    let start_gw = |listen: &str| {
+        gateway(
+            &[&backend],
+            "",
+            &format!("{tls}[tunnel]\nlisten = \"{listen}\"\ntokens = [\"{TOKEN}\"]\n"),
+        )
+    };
+    let mut gw = start_gw("127.0.0.1:0");
+    let tunnel = tunnel_addr(&gw);
+    let edge = edge(&edge_config(
+        &fingerprint(&gw),
+        tunnel,
+        None,
+        "",
+        "[quic]\nidle_timeout_ms = 1500\nkeep_alive_ms = 300\n",
+    ));
+    let url = format!("{}/v1/chat/completions", edge.url());
+    assert_eq!(post(&url, &chat("before", true, 4), None).await.status, 200);
+
+    // A stream in flight when the gateway dies ends with an error event, not a hang.
+    let mut body = open_stream(&edge.url(), "in flight", 200).await;
+    let mut text = String::new();
+    read_events(&mut body, &mut text, 2).await;
+    gw.kill();
+    let ended =
+        tokio::time::timeout(Duration::from_secs(10), read_to_end(&mut body, &mut text)).await;
+    assert!(ended.is_ok(), "the in-flight stream did not end");
+    let last = data_events(&text).last().cloned().unwrap_or_default();
+    assert!(last.contains("\"error\""), "last event: {last}");
+
+    let _gw2 = start_gw(&tunnel.to_string());
+    let after = post(&url, &chat("after restart", true, 4), None).await;
+    assert_eq!(after.status, 200, "{}", after.body);
+    assert_eq!(
+        data_events(&after.body).last().map(String::as_str),
+        Some("[DONE]")
+    );
+}
+
+async fn echo_server() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    addr
+}
+
+fn free_tcp_port() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr")
+}
+
+#[tokio::test]
+async fn port_forwarding_reaches_an_allowed_echo_server_and_refuses_other_targets() {
+    let echo = echo_server().await;
+    let other = echo_server().await;
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", &format!("forward_allow = [\"{echo}\"]"));
+    let (allowed, refused) = (free_tcp_port(), free_tcp_port());
+    let _edge = edge_for(
+        &gw,
+        "",
+        &format!(
+            "[[forwards]]\nlisten = \"{allowed}\"\ntarget = \"{echo}\"\n\
+             [[forwards]]\nlisten = \"{refused}\"\ntarget = \"{other}\"\n"
+        ),
+    );
+    let mut s = tokio::net::TcpStream::connect(allowed)
+        .await
+        .expect("connect");
+    for msg in [&b"hello through the tunnel"[..], &b"and again"[..]] {
+        s.write_all(msg).await.expect("write");
+        let mut got = vec![0u8; msg.len()];
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got))
+            .await
+            .expect("echo in time")
+            .expect("echo");
+        assert_eq!(got, msg);
+    }
+    let mut s = tokio::net::TcpStream::connect(refused)
+        .await
+        .expect("connect");
+    let _ = s.write_all(b"let me in").await;
+    let mut buf = [0u8; 16];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("closed in time")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "a refused target must not answer");
+}
+
+#[tokio::test]
+async fn an_edge_pinning_another_certificate_never_sends_the_request() {
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", "");
+    let wrong = format!("sha256:{}", "ab".repeat(32));
+    let edge = edge(&edge_config(
+        &wrong,
+        tunnel_addr(&gw),
+        gw.tls_addr,
+        "connect_timeout_ms = 500",
+        "",
+    ));
+    let r = post(
+        &format!("{}/v1/chat/completions", edge.url()),
+        &chat("should not arrive", true, 4),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 502, "{}", r.body);
+    assert!(r.body.contains("gateway_unreachable"), "{}", r.body);
+    let gw_text = metrics(&gw).await;
+    assert_eq!(
+        metric_sum(
+            &gw_text,
+            "tokenway_requests_total{route=\"/v1/chat/completions\""
+        ),
+        0.0,
+        "{gw_text}"
+    );
+}
