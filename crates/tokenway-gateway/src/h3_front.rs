@@ -37,6 +37,16 @@ pub enum Front {
     Tunnel,
 }
 
+impl Front {
+    /// The metric label of this front.
+    pub fn label(self) -> &'static str {
+        match self {
+            Front::Public => "h3",
+            Front::Tunnel => "tunnel",
+        }
+    }
+}
+
 /// Accepts connections on `endpoint` until `stop` fires.
 pub async fn serve(
     endpoint: quinn::Endpoint,
@@ -77,6 +87,12 @@ async fn connection(
     } else {
         connecting.await.map_err(|e| e.to_string())?
     };
+    tokio::spawn(tokenway_transport::stats::sample_connection(
+        conn.clone(),
+        front.label().to_string(),
+        shared.quic_metrics.clone(),
+        Duration::from_secs(1),
+    ));
     let mut h3 = h3::server::builder()
         .enable_extended_connect(false)
         .build::<_, Bytes>(h3_quinn::Connection::new(conn))

@@ -15,6 +15,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokenway_router::{BackendId, BackendSpec, HealthTransition, Outcome, Router};
+use tokenway_telemetry::quic::QuicMetrics;
 use tokenway_telemetry::{BackendLabels, BackendMetrics, Registry, RequestMetrics};
 
 use crate::config::GatewayConfig;
@@ -55,6 +56,9 @@ pub struct Shared {
     pub metrics: RequestMetrics,
     /// Backend gauges.
     pub backend_metrics: BackendMetrics,
+    /// QUIC connection statistics of the HTTP/3 front and the tunnel port (peer label `h3` or
+    /// `tunnel`: one series per front, not per client, to keep cardinality bounded).
+    pub quic_metrics: QuicMetrics,
     /// Everything above, for `/metrics`.
     pub registry: Registry,
     /// The tunnel port's gatekeeping, when the tunnel is configured.
@@ -126,6 +130,7 @@ impl Shared {
         let mut registry = tokenway_telemetry::new_registry();
         let metrics = RequestMetrics::register(&mut registry);
         let backend_metrics = BackendMetrics::register(&mut registry);
+        let quic_metrics = QuicMetrics::register(&mut registry);
         for u in &upstreams {
             backend_metrics.healthy.get_or_create(&u.labels).set(1);
             backend_metrics.inflight.get_or_create(&u.labels).set(0);
@@ -139,6 +144,7 @@ impl Shared {
             client,
             metrics,
             backend_metrics,
+            quic_metrics,
             registry,
             alt_svc: std::sync::OnceLock::new(),
         }))

@@ -11,7 +11,10 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+
+use crate::LatencyHistogram;
 
 /// A gauge holding seconds (or any fractional value).
 pub type FloatGauge = Gauge<f64, AtomicU64>;
@@ -40,7 +43,7 @@ pub struct ConnectLabels {
 }
 
 /// QUIC and dialing metrics.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct QuicMetrics {
     /// `tokenway_quic_rtt_seconds{peer}`: smoothed RTT.
     pub rtt: Family<PeerLabels, FloatGauge>,
@@ -56,6 +59,9 @@ pub struct QuicMetrics {
     pub lost_packets: Family<PeerLabels, Counter>,
     /// `tokenway_quic_congestion_events_total{peer}`.
     pub congestion_events: Family<PeerLabels, Counter>,
+    /// `tokenway_quic_rtt_samples_seconds{peer}`: distribution of sampled smoothed RTTs (for
+    /// percentiles across many connections, e.g. all clients of a gateway front).
+    pub rtt_samples: Family<PeerLabels, Histogram, LatencyHistogram>,
     /// `tokenway_quic_0rtt_total{result}`: resumed connections that sent early data, by outcome.
     pub zero_rtt: Family<ZeroRttLabels, Counter>,
     /// `tokenway_tcp_fallback_total{peer}`: dials won by the TCP fallback.
@@ -67,7 +73,19 @@ pub struct QuicMetrics {
 impl QuicMetrics {
     /// Creates the families and registers them in `registry`.
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
+        let m = Self {
+            rtt: Family::default(),
+            min_rtt: Family::default(),
+            rtt_var: Family::default(),
+            rtt_samples: Family::new_with_constructor(LatencyHistogram),
+            path_mtu: Family::default(),
+            cwnd: Family::default(),
+            lost_packets: Family::default(),
+            congestion_events: Family::default(),
+            zero_rtt: Family::default(),
+            tcp_fallback: Family::default(),
+            connections: Family::default(),
+        };
         registry.register("quic_rtt_seconds", "Smoothed QUIC RTT", m.rtt.clone());
         registry.register(
             "quic_min_rtt_seconds",
@@ -78,6 +96,11 @@ impl QuicMetrics {
             "quic_rtt_variance_seconds",
             "Mean deviation of the sampled QUIC RTT",
             m.rtt_var.clone(),
+        );
+        registry.register(
+            "quic_rtt_samples_seconds",
+            "Sampled smoothed QUIC RTTs, one per connection per sampling interval",
+            m.rtt_samples.clone(),
         );
         registry.register(
             "quic_path_mtu_bytes",

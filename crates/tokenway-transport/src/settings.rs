@@ -82,7 +82,11 @@ impl QuicSettings {
             TransportError::Config(format!("{section}.{key} must be {rule} (got {got})"))
         };
         if self.idle_timeout_ms == 0 || self.idle_timeout_ms > 600_000 {
-            return Err(bad("idle_timeout_ms", "in 1..=600000", &self.idle_timeout_ms));
+            return Err(bad(
+                "idle_timeout_ms",
+                "in 1..=600000",
+                &self.idle_timeout_ms,
+            ));
         }
         if self.keep_alive_ms >= self.idle_timeout_ms {
             return Err(bad(
@@ -151,7 +155,9 @@ mod tests {
 
     #[test]
     fn defaults_are_valid_and_bad_values_name_the_key() {
-        QuicSettings::default().validate("quic").expect("defaults valid");
+        QuicSettings::default()
+            .validate("quic")
+            .expect("defaults valid");
         let s = QuicSettings {
             keep_alive_ms: 40_000,
             ..QuicSettings::default()
@@ -159,6 +165,9 @@ mod tests {
         let e = s.validate("quic").unwrap_err().to_string();
         assert!(e.contains("quic.keep_alive_ms"), "{e}");
         assert!("vegas".parse::<CongestionControl>().is_err());
-        assert_eq!("bbr".parse::<CongestionControl>().ok(), Some(CongestionControl::Bbr));
+        assert_eq!(
+            "bbr".parse::<CongestionControl>().ok(),
+            Some(CongestionControl::Bbr)
+        );
     }
 }

@@ -16,7 +16,8 @@ use crate::error::TransportError;
 /// kernel may clamp it to `net.core.{r,w}mem_max`; that is logged, not fatal).
 pub fn bind_udp(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, TransportError> {
     let err = |source| TransportError::Socket { addr, source };
-    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(err)?;
+    let socket =
+        Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(err)?;
     if addr.is_ipv6() {
         let _ = socket.set_only_v6(false);
     }
@@ -35,7 +36,9 @@ pub fn bind_udp(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, 
 
 /// Wraps a bound UDP socket into the `AsyncUdpSocket` an endpoint runs on. The datagram layer
 /// plugs in here.
-pub fn async_socket(socket: std::net::UdpSocket) -> Result<Arc<dyn AsyncUdpSocket>, TransportError> {
+pub fn async_socket(
+    socket: std::net::UdpSocket,
+) -> Result<Arc<dyn AsyncUdpSocket>, TransportError> {
     let addr = socket
         .local_addr()
         .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));

@@ -55,6 +55,10 @@ pub async fn sample_connection(
         let s = conn.stats();
         let var = tracker.sample(s.path.rtt);
         metrics
+            .rtt_samples
+            .get_or_create(&labels)
+            .observe(s.path.rtt.as_secs_f64());
+        metrics
             .rtt
             .get_or_create(&labels)
             .set(s.path.rtt.as_secs_f64());

@@ -86,6 +86,12 @@ async fn aioquic_streams_chat_over_the_public_http3_front() {
         .map(|e| normalize(e))
         .collect();
     assert_eq!(got, want);
+    // The front's QUIC statistics are exported.
+    let m = get(&format!("{}/metrics", gw.url())).await.body;
+    assert!(
+        metric_sum(&m, "tokenway_quic_rtt_samples_seconds_count{peer=\"h3\"}") >= 1.0,
+        "{m}"
+    );
     // TCP responses advertise the HTTP/3 front.
     let health = get(&format!("{}/health", gw.url())).await;
     let alt = health
