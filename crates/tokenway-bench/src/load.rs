@@ -29,6 +29,8 @@ pub struct Sample {
     pub ttft: Option<Duration>,
     /// From sending the request to the end of the body (or the error).
     pub total: Duration,
+    /// Gaps between consecutive body chunks that carried `data:` events (inter-token gaps).
+    pub gaps: Vec<Duration>,
     /// Why the request failed, if it did.
     pub error: Option<String>,
 }
@@ -75,9 +77,12 @@ impl LoadClient {
             .expect("method, URI and static headers are valid");
         let start = Instant::now();
         let mut ttft = None;
+        let mut gaps = Vec::new();
+        let mut last_event: Option<Instant> = None;
         let fail = |ttft, error: String| Sample {
             ttft,
             total: start.elapsed(),
+            gaps: Vec::new(),
             error: Some(error),
         };
         let response = match self.client.request(request).await {
@@ -92,7 +97,15 @@ impl LoadClient {
                 None => break,
                 Some(Err(e)) => return fail(ttft, format!("body error: {e}")),
                 Some(Ok(frame)) => {
-                    let Ok(chunk) = frame.into_data() else { continue };
+                    let Ok(chunk) = frame.into_data() else {
+                        continue;
+                    };
+                    if contains(&chunk, b"data:") {
+                        let now = Instant::now();
+                        if let Some(prev) = last_event.replace(now) {
+                            gaps.push(now - prev);
+                        }
+                    }
                     if ttft.is_none() && contains(&chunk, b"data:") {
                         ttft = Some(start.elapsed());
                         if let Some(counter) = first_token {
@@ -115,6 +128,7 @@ impl LoadClient {
         Sample {
             ttft,
             total: start.elapsed(),
+            gaps,
             error: None,
         }
     }
@@ -179,6 +193,7 @@ pub async fn closed_loop(
             Err(e) => all.push(Sample {
                 ttft: None,
                 total: Duration::ZERO,
+                gaps: Vec::new(),
                 error: Some(format!("worker task failed: {e}")),
             }),
         }

@@ -124,9 +124,7 @@ impl ChildProcess {
     fn pids(&self) -> Vec<u32> {
         let pid = self.pid();
         let mut pids = vec![pid];
-        if let Ok(children) = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
-            pids.extend(children.split_whitespace().filter_map(|p| p.parse::<u32>().ok()));
-        }
+        pids.extend(children_of(pid));
         pids
     }
 
@@ -149,17 +147,36 @@ impl ChildProcess {
 
 impl Drop for ChildProcess {
     fn drop(&mut self) {
-        // Children first: if the parent dies first they are re-parented and harder to find.
+        // Note the workers first, then kill the parent (so it cannot fork replacements), then
+        // the workers, which would otherwise live on re-parented to init.
         let pid = self.pid();
-        for child in self.pids().into_iter().filter(|&p| p != pid) {
+        let workers = children_of(pid);
+        let _ = self.child.kill();
+        for worker in workers {
             let _ = Command::new("kill")
-                .args(["-KILL", &child.to_string()])
+                .args(["-KILL", &worker.to_string()])
                 .stderr(Stdio::null())
                 .status();
         }
-        let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Processes whose parent is `pid`. `/proc/PID/task/TID/children` would be cheaper but needs
+/// CONFIG_PROC_CHILDREN, which some kernels lack, so this scans `/proc/*/stat`.
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|stat| parse_stat_ppid(&stat))
+                == Some(pid)
+        })
+        .collect()
 }
 
 /// Resident memory of a process, KiB.
@@ -205,6 +222,15 @@ pub fn own_cpu_seconds() -> Option<f64> {
     parse_stat_cpu(&stat)
 }
 
+fn parse_stat_ppid(stat: &str) -> Option<u32> {
+    // Field 4 (ppid) is the second field after the command name's closing ')'.
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
 fn parse_stat_cpu(stat: &str) -> Option<f64> {
     // The command name (field 2) may contain spaces; fields after its closing ')' start at
     // field 3 (state); utime and stime are fields 14 and 15.
@@ -236,5 +262,6 @@ mod tests {
     fn stat_cpu_skips_a_command_name_with_spaces() {
         let stat = "42 (a b) c) S 1 42 42 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0";
         assert_eq!(parse_stat_cpu(stat), Some(3.0));
+        assert_eq!(parse_stat_ppid(stat), Some(1));
     }
 }

@@ -59,6 +59,8 @@ pub struct Machine {
     pub git_commit: Option<String>,
     /// `nginx -v`, when nginx took part.
     pub nginx_version: Option<String>,
+    /// `/proc/loadavg` before the run: other work on the machine skews every number.
+    pub loadavg_before: Option<String>,
 }
 
 /// The knobs of the run.
@@ -233,13 +235,12 @@ impl GatewayBenchReport {
         let mut v = Vec::new();
         let (gw50, gw99) = self.added_ttft(Gateway);
         let (ng50, ng99) = self.added_ttft(Nginx);
-        let check = |target: String, measured: Option<f64>, unit: &str, ok: &dyn Fn(f64) -> bool| {
-            Verdict {
+        let check =
+            |target: String, measured: Option<f64>, unit: &str, ok: &dyn Fn(f64) -> bool| Verdict {
                 target,
                 measured: measured.map_or("not measured".to_owned(), |m| format!("{m:+.3}{unit}")),
                 pass: measured.map(ok),
-            }
-        };
+            };
         v.push(check(
             format!("gateway added TTFT p50 <= {TARGET_ADDED_P50_MS} ms"),
             gw50,
@@ -287,9 +288,9 @@ impl GatewayBenchReport {
                 pass: g.zip(n).map(|(g, n)| g >= n),
             });
         }
-        let errors = self.target(Gateway).map(|t| {
-            t.sequential.errors + t.load.iter().map(|l| l.scenario.errors).sum::<usize>()
-        });
+        let errors = self
+            .target(Gateway)
+            .map(|t| t.sequential.errors + t.load.iter().map(|l| l.scenario.errors).sum::<usize>());
         v.push(Verdict {
             target: "no failed requests through the gateway".to_owned(),
             measured: errors.map_or("not measured".to_owned(), |e| format!("{e} errors")),
@@ -345,18 +346,24 @@ impl GatewayBenchReport {
         let st = &self.settings;
         let _ = writeln!(
             s,
-            "- when: {}; {} sequential requests; {} s per concurrency level; max_tokens {}; \
+            "- when: {}; load average before the run: {}\n\
+             - {} sequential requests; {} s per concurrency level; max_tokens {}; \
              load generator, sim and proxy share the machine\n",
-            self.timestamp, st.sequential_requests, st.duration_secs, st.max_tokens
+            self.timestamp,
+            m.loadavg_before.as_deref().unwrap_or("unknown"),
+            st.sequential_requests,
+            st.duration_secs,
+            st.max_tokens
         );
 
-        let mut header = "| target | single TTFT p50 | p99 | added p50 vs direct | added p99 |".to_owned();
+        let mut header =
+            "| target | single TTFT p50 | p99 | added p50 vs direct | added p99 |".to_owned();
         for c in &st.concurrency {
             let _ = write!(header, " rps@{c} |");
         }
         header.push_str(" % of direct | errors | RSS |");
         let _ = writeln!(s, "{header}");
-        let _ = writeln!(s, "|{}", "---|".repeat(9 + st.concurrency.len()));
+        let _ = writeln!(s, "|{}", "---|".repeat(8 + st.concurrency.len()));
         for t in &self.targets {
             let (a50, a99) = if t.target == TargetKind::Direct {
                 (None, None)
@@ -376,7 +383,11 @@ impl GatewayBenchReport {
             let mut pct = Vec::new();
             for c in &st.concurrency {
                 let rps = self.rps(t.target, *c);
-                let _ = write!(s, " {} |", rps.map_or("—".to_owned(), |r| format!("{r:.0}")));
+                let _ = write!(
+                    s,
+                    " {} |",
+                    rps.map_or("—".to_owned(), |r| format!("{r:.0}"))
+                );
                 pct.push(match (rps, self.rps(TargetKind::Direct, *c)) {
                     (Some(r), Some(d)) if d > 0.0 => format!("{:.0}%", r / d * 100.0),
                     _ => "—".to_owned(),
@@ -384,13 +395,17 @@ impl GatewayBenchReport {
             }
             let errors =
                 t.sequential.errors + t.load.iter().map(|l| l.scenario.errors).sum::<usize>();
-            let rss = t
-                .proxy_memory
-                .map_or("—".to_owned(), |m| format!("{:.1} MiB peak", mib(m.hwm_kib)));
+            let rss = t.proxy_memory.map_or("—".to_owned(), |m| {
+                format!("{:.1} MiB peak", mib(m.hwm_kib))
+            });
             let _ = writeln!(s, " {} | {errors} | {rss} |", pct.join(" / "));
         }
 
-        let _ = writeln!(s, "\n### Under load (closed loop, {} s per level)\n", st.duration_secs);
+        let _ = writeln!(
+            s,
+            "\n### Under load (closed loop, {} s per level)\n",
+            st.duration_secs
+        );
         let _ = writeln!(
             s,
             "| target | concurrency | requests | rps | TTFT p50 | TTFT p99 | total p50 | total p99 | errors | CPU load gen | CPU sim | CPU proxy |"
@@ -418,7 +433,10 @@ impl GatewayBenchReport {
                 );
             }
         }
-        let _ = writeln!(s, "\nCPU is percent of one core over the level's wall time.");
+        let _ = writeln!(
+            s,
+            "\nCPU is percent of one core over the level's wall time."
+        );
 
         if let Some(o) = &self.open_streams {
             let _ = writeln!(
@@ -568,6 +586,7 @@ mod tests {
                 kernel: Some("6.1.0".to_owned()),
                 git_commit: Some("abc1234".to_owned()),
                 nginx_version: None,
+                loadavg_before: Some("0.10 0.20 0.30 1/100 42".to_owned()),
             },
             command_line: "tokenway bench gateway --quick".to_owned(),
             timestamp: "2024-01-01T00:00:00Z".to_owned(),
@@ -629,7 +648,10 @@ mod tests {
             ],
             80,
         );
-        assert_eq!(verdict(&r, "gateway added TTFT p50 <= 0.3").pass, Some(false));
+        assert_eq!(
+            verdict(&r, "gateway added TTFT p50 <= 0.3").pass,
+            Some(false)
+        );
         assert_eq!(verdict(&r, "gateway added TTFT p99 <= 2").pass, Some(false));
         assert_eq!(
             verdict(&r, "gateway throughput >= 70% of direct at concurrency 64").pass,
@@ -639,8 +661,14 @@ mod tests {
             verdict(&r, "gateway throughput >= 70% of direct at concurrency 256").pass,
             Some(true)
         );
-        assert_eq!(verdict(&r, "gateway rps >= nginx's at concurrency 64").pass, Some(false));
-        assert_eq!(verdict(&r, "gateway rps >= nginx's at concurrency 256").pass, Some(true));
+        assert_eq!(
+            verdict(&r, "gateway rps >= nginx's at concurrency 64").pass,
+            Some(false)
+        );
+        assert_eq!(
+            verdict(&r, "gateway rps >= nginx's at concurrency 256").pass,
+            Some(true)
+        );
         assert_eq!(verdict(&r, "gateway peak RSS").pass, Some(false));
         assert_eq!(verdict(&r, "gateway RSS <= 64 MiB").pass, Some(false));
     }
@@ -672,16 +700,21 @@ mod tests {
         assert!(md.contains(
             "| target | single TTFT p50 | p99 | added p50 vs direct | added p99 | rps@64 | rps@256 | % of direct | errors | RSS |"
         ));
-        assert!(md.contains("|---|---|---|---|---|---|---|---|---|---|---|"));
+        assert!(md.contains("\n|---|---|---|---|---|---|---|---|---|---|\n"));
         assert!(md.contains(
             "| tokenway gateway | 1.250 ms | 2.500 ms | +0.250 ms | +0.500 ms | 900 | 1000 | 90% / 50% | 0 | 20.0 MiB peak |"
         ));
-        assert!(md.contains("| direct (sim) | 1.000 ms | 2.000 ms | — | — | 1000 | 2000 | 100% / 100% | 0 | — |"));
+        assert!(md.contains(
+            "| direct (sim) | 1.000 ms | 2.000 ms | — | — | 1000 | 2000 | 100% / 100% | 0 | — |"
+        ));
     }
 
     #[test]
     fn json_names_targets_in_snake_case() {
-        let r = report(vec![target(TargetKind::Gateway, 1.0, 2.0, [1.0, 1.0], 1)], 1);
+        let r = report(
+            vec![target(TargetKind::Gateway, 1.0, 2.0, [1.0, 1.0], 1)],
+            1,
+        );
         let json = serde_json::to_value(&r).expect("serializable");
         assert_eq!(json["targets"][0]["target"], "gateway");
         assert_eq!(json["machine"]["nproc"], 2);

@@ -1,4 +1,5 @@
-//! `tokenway demo`: three simulated backends and a gateway on loopback, ready for requests.
+//! `tokenway demo`: three simulated backends, a gateway and an edge on loopback, ready for
+//! requests.
 //!
 //! The backends differ on purpose (one fast, one average, one slow and busy) so that routing has
 //! something to decide. `--smoke` sends a batch of streaming requests through the gateway, prints
@@ -7,6 +8,8 @@
 use std::net::SocketAddr;
 
 use anyhow::Context;
+use tokenway_edge::EdgeConfig;
+use tokenway_gateway::config::TunnelConfig;
 use tokenway_gateway::{BackendConfig, GatewayConfig};
 use tokenway_sim::SimConfig;
 
@@ -16,9 +19,16 @@ pub struct DemoArgs {
     /// Gateway listen address (HTTP/1.1 and h2c).
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
-    /// Gateway TLS listen address (HTTP/2 and HTTP/1.1, self-signed certificate).
+    /// Gateway TLS listen address (HTTP/2 and HTTP/1.1, self-signed certificate); the same port
+    /// number serves HTTP/3 over UDP.
     #[arg(long, default_value = "127.0.0.1:8443")]
     pub tls_listen: SocketAddr,
+    /// Gateway tunnel port (UDP) that the demo edge connects to.
+    #[arg(long, default_value = "127.0.0.1:4433")]
+    pub tunnel_listen: SocketAddr,
+    /// The demo edge's local OpenAI endpoint (requests reach the gateway through the tunnel).
+    #[arg(long, default_value = "127.0.0.1:8081")]
+    pub edge_listen: SocketAddr,
     /// Send a batch of streaming requests, print latency percentiles, and exit (0 only if every
     /// request succeeded). Uses free ports instead of the listen addresses.
     #[arg(long)]
@@ -73,17 +83,31 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             "backend  {name:<9} http://{addr}  (base {base} ms, {tpot} ms/token, {slots} slots)"
         );
     }
-    let (listen, tls_listen) = if args.smoke {
-        (
-            SocketAddr::from(([127, 0, 0, 1], 0)),
-            SocketAddr::from(([127, 0, 0, 1], 0)),
-        )
+    let any = SocketAddr::from(([127, 0, 0, 1], 0));
+    let (listen, tls_listen, tunnel_listen, edge_listen) = if args.smoke {
+        (any, any, any, any)
     } else {
-        (args.listen, args.tls_listen)
+        (
+            args.listen,
+            args.tls_listen,
+            args.tunnel_listen,
+            args.edge_listen,
+        )
     };
+    let token = tunnel_token();
     let config = GatewayConfig {
         listen: Some(listen),
         tls_listen: Some(tls_listen),
+        // HTTP/3 on the TLS port's number, over UDP, as clients expect from Alt-Svc.
+        h3_listen: Some(tls_listen),
+        tunnel: Some(TunnelConfig {
+            listen: tunnel_listen,
+            tokens: vec![token.clone()],
+            replay_window_ms: 10_000,
+            max_replay_keys: 100_000,
+            forward_allow: Vec::new(),
+            masquerade: Default::default(),
+        }),
         backends,
         ..GatewayConfig::default()
     };
@@ -94,31 +118,68 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let tls = gateway
         .tls_addr()
         .context("the demo gateway has no TLS listener")?;
+    let tunnel = gateway
+        .tunnel_addr()
+        .context("the demo gateway has no tunnel port")?;
+    let fingerprint = gateway
+        .fingerprint()
+        .context("the demo gateway has no certificate")?
+        .to_string();
     let mut stop = stop_rx.clone();
     let serving = tokio::spawn(gateway.serve(async move {
         let _ = stop.changed().await;
     }));
-    println!("gateway  http://{plain}  (HTTP/1.1 and h2c)   https://{tls}  (HTTP/2, self-signed)");
-    println!("metrics  http://{plain}/metrics");
+    println!("gateway  http://{plain}  (HTTP/1.1, h2c)");
+    println!("         https://{tls}  (HTTP/2 over TLS and HTTP/3 over UDP; self-signed)");
+    println!("tunnel   udp://{tunnel}  (certificate {fingerprint})");
+
+    let edge_config: EdgeConfig = toml::from_str(&format!(
+        "listen = \"{edge_listen}\"\ntoken = \"{token}\"\n[trust]\npin_sha256 = [\"{fingerprint}\"]\n\
+         [[gateways]]\nname = \"demo-gateway\"\nquic = \"{tunnel}\"\ntcp = \"{tls}\"\n"
+    ))
+    .context("demo edge configuration")?;
+    let edge = tokenway_edge::bind(edge_config).await?;
+    let edge_addr = edge.local_addr().context("the demo edge has no listener")?;
+    let mut stop = stop_rx.clone();
+    let edge_serving = tokio::spawn(edge.serve(async move {
+        let _ = stop.changed().await;
+    }));
+    println!("edge     http://{edge_addr}  (OpenAI endpoint; requests tunnelled over QUIC to the gateway)");
+    println!("metrics  http://{plain}/metrics   http://{edge_addr}/metrics");
 
     let result = if args.smoke {
-        anyhow::bail!("TEMP {}", args.smoke_requests)
+        super::smoke::run(
+            &[("gateway", plain), ("edge", edge_addr)],
+            args.smoke_requests,
+        )
+        .await
     } else {
-        print_usage(plain);
+        print_usage(plain, edge_addr);
         super::signal::shutdown().await;
         Ok(())
     };
     let _ = stop_tx.send(true);
     let _ = serving.await;
+    let _ = edge_serving.await;
     result
 }
 
-fn print_usage(addr: SocketAddr) {
+/// A fresh random tunnel token for this demo run.
+fn tunnel_token() -> String {
+    let bytes: [u8; 16] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn print_usage(addr: SocketAddr, edge: SocketAddr) {
     println!(
         r#"
 Try it:
 
   curl -N http://{addr}/v1/chat/completions -H 'content-type: application/json' \
+    -d '{{"model":"sim-model","stream":true,"messages":[{{"role":"user","content":"Hello!"}}]}}'
+
+  # the same through the edge and the QUIC tunnel:
+  curl -N http://{edge}/v1/chat/completions -H 'content-type: application/json' \
     -d '{{"model":"sim-model","stream":true,"messages":[{{"role":"user","content":"Hello!"}}]}}'
 
   python3 - <<'PY'

@@ -6,4 +6,4 @@ pub mod edge;
 pub mod gateway;
 pub mod signal;
 pub mod sim;
-// TEMP pub mod smoke;
+pub mod smoke;

@@ -1,71 +1,67 @@
-//! `tokenway demo --smoke`: a batch of streaming chat requests through the demo gateway.
+//! `tokenway demo --smoke`: a batch of streaming chat requests through each demo entry point,
+//! with time-to-first-token and inter-token percentiles.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use tokenway_bench::load::{stream_chat, LoadClient};
-use tokenway_bench::stats::percentile;
+use tokenway_bench::load::{chat_body, LoadClient};
+use tokenway_bench::stats::LatencySummary;
 
-/// Concurrent streams the smoke test keeps open.
+/// Concurrent streams per entry point.
 const CONCURRENCY: usize = 8;
+/// Tokens asked for per request.
+const TOKENS: u32 = 16;
 
-/// Sends `requests` streaming requests to `gateway`, prints percentiles, fails if any failed.
-pub async fn run(gateway: SocketAddr, requests: usize) -> anyhow::Result<()> {
-    let client = LoadClient::new();
-    let url = format!("http://{gateway}/v1/chat/completions");
-    let started = Instant::now();
-    let mut tasks = tokio::task::JoinSet::new();
-    let per_worker = requests.div_ceil(CONCURRENCY);
-    for w in 0..CONCURRENCY {
-        let client = client.clone();
-        let url = url.clone();
-        let n = per_worker.min(requests.saturating_sub(w * per_worker));
-        tasks.spawn(async move {
-            let mut out = Vec::with_capacity(n);
-            for i in 0..n {
-                let prompt = format!("smoke test request {w}-{i}: say something");
-                out.push(stream_chat(&client, &url, "sim-model", &prompt, 16).await);
-            }
-            out
-        });
-    }
-    let mut ttft = Vec::new();
-    let mut gaps = Vec::new();
-    let mut failures = Vec::new();
-    while let Some(joined) = tasks.join_next().await {
-        for r in joined? {
-            match r {
-                Ok(s) => {
-                    ttft.push(s.ttft);
-                    gaps.extend(s.gaps);
+/// Sends `requests` streaming requests to each of `targets`, prints percentiles, and fails if
+/// any request failed.
+pub async fn run(targets: &[(&str, SocketAddr)], requests: usize) -> anyhow::Result<()> {
+    let mut failed = 0;
+    let mut first_error = None;
+    for (name, addr) in targets {
+        let client = LoadClient::new(*addr);
+        let mut tasks = tokio::task::JoinSet::new();
+        for w in 0..CONCURRENCY {
+            let client = client.clone();
+            let n = requests / CONCURRENCY + usize::from(w < requests % CONCURRENCY);
+            tasks.spawn(async move {
+                let mut out = Vec::with_capacity(n);
+                for _ in 0..n {
+                    out.push(client.chat(chat_body(TOKENS), None).await);
                 }
-                Err(e) => failures.push(e.to_string()),
+                out
+            });
+        }
+        let mut ttft = Vec::new();
+        let mut gaps: Vec<Duration> = Vec::new();
+        let mut errors = 0;
+        while let Some(joined) = tasks.join_next().await {
+            for s in joined? {
+                match &s.error {
+                    None => {
+                        ttft.extend(s.ttft);
+                        gaps.extend(s.gaps.iter().copied());
+                    }
+                    Some(e) => {
+                        errors += 1;
+                        first_error.get_or_insert_with(|| format!("{name}: {e}"));
+                    }
+                }
             }
         }
-    }
-    let ms = |d: Option<Duration>| {
-        d.map_or("-".to_string(), |d| {
-            format!("{:.1} ms", d.as_secs_f64() * 1e3)
-        })
-    };
-    println!(
-        "smoke: {} requests in {:.2} s, {} failed",
-        ttft.len() + failures.len(),
-        started.elapsed().as_secs_f64(),
-        failures.len()
-    );
-    println!(
-        "smoke: TTFT p50 {}  p99 {}   inter-token p50 {}  p99 {}",
-        ms(percentile(&mut ttft, 50.0)),
-        ms(percentile(&mut ttft, 99.0)),
-        ms(percentile(&mut gaps, 50.0)),
-        ms(percentile(&mut gaps, 99.0)),
-    );
-    if let Some(first) = failures.first() {
-        anyhow::bail!(
-            "{} of {requests} smoke requests failed; first: {first}",
-            failures.len()
+        failed += errors;
+        let fmt = |s: Option<LatencySummary>| {
+            s.map_or("-".to_string(), |s| {
+                format!("p50 {:.1} ms  p99 {:.1} ms", s.p50_ms, s.p99_ms)
+            })
+        };
+        println!(
+            "smoke {name:<8} {requests} requests, {errors} failed   TTFT {}   inter-token {}",
+            fmt(LatencySummary::from_durations(&ttft)),
+            fmt(LatencySummary::from_durations(&gaps)),
         );
+    }
+    if let Some(e) = first_error {
+        anyhow::bail!("{failed} smoke requests failed; first: {e}");
     }
     Ok(())
 }

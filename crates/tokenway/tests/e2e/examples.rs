@@ -42,3 +42,25 @@ async fn the_example_configs_start_and_serve() {
     assert!(gw.extra("tunnel").is_some());
     assert!(gw.extra("h3").is_some());
 }
+
+#[test]
+fn the_demo_smoke_run_succeeds_through_gateway_and_edge() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenway"))
+        .args(["demo", "--smoke", "--smoke-requests", "16"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("tokenway demo runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo --smoke failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for entry in ["smoke gateway", "smoke edge"] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(entry))
+            .unwrap_or_else(|| panic!("no `{entry}` line in:\n{stdout}"));
+        assert!(line.contains("16 requests, 0 failed"), "{line}");
+    }
+}
