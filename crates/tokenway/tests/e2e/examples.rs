@@ -41,6 +41,11 @@ async fn the_example_configs_start_and_serve() {
     assert_eq!(get(&format!("{}/health", gw.url())).await.status, 200);
     assert!(gw.extra("tunnel").is_some());
     assert!(gw.extra("h3").is_some());
+
+    // The edge starts even while its gateway is unreachable, and keeps answering locally.
+    let edge_cfg = example("edge.toml");
+    let edge = start_args(&["edge", "--config", &edge_cfg, "--listen", "127.0.0.1:0"], false);
+    assert_eq!(get(&format!("{}/metrics", edge.url())).await.status, 200);
 }
 
 #[test]
