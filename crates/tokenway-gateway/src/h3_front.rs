@@ -5,6 +5,9 @@
 //! masquerade site and are never proxied), refuses replayed idempotency keys, and serves CONNECT
 //! port forwarding to allow-listed targets. Each connection and each request stream runs in its
 //! own task, so garbage datagrams, half-open handshakes and slow streams never hold up others.
+//!
+//! Every response stream gets a priority class (ARCHITECTURE, "The tunnel, layer by layer",
+//! item 1) before its head is sent; see [`response_priority`].
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -13,20 +16,23 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes};
+use h3::quic::StreamId;
 use h3::server::RequestStream;
-use http::{Method, Request, Response, StatusCode};
+use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
+use tokenway_transport::h3_quinn_prio::{self, Priority, PriorityMap, BULK_BODY_BYTES};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::error::{ApiError, ResponseBody};
+use crate::proxy::is_event_stream;
 use crate::service::{self, Transport};
 use crate::state::Shared;
 
-type SendHalf = RequestStream<h3_quinn::SendStream<Bytes>, Bytes>;
-type RecvHalf = RequestStream<h3_quinn::RecvStream, Bytes>;
+type SendHalf = RequestStream<h3_quinn_prio::SendStream<Bytes>, Bytes>;
+type RecvHalf = RequestStream<h3_quinn_prio::RecvStream, Bytes>;
 
 /// Which HTTP/3 front an endpoint is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,18 +99,27 @@ async fn connection(
         shared.quic_metrics.clone(),
         Duration::from_secs(1),
     ));
+    let h3_conn = h3_quinn_prio::Connection::new(conn);
+    let priorities = h3_conn.priorities();
     let mut h3 = h3::server::builder()
         .enable_extended_connect(false)
-        .build::<_, Bytes>(h3_quinn::Connection::new(conn))
+        .build::<_, Bytes>(h3_conn)
         .await
         .map_err(|e| e.to_string())?;
     loop {
         match h3.accept().await {
             Ok(Some(resolver)) => {
                 let shared = shared.clone();
+                let priorities = priorities.clone();
                 tokio::spawn(async move {
                     match resolver.resolve_request().await {
-                        Ok((req, stream)) => request(req, stream, shared, front, remote).await,
+                        Ok((req, stream)) => {
+                            let prio = StreamPriority {
+                                map: priorities,
+                                id: stream.id(),
+                            };
+                            request(req, stream, prio, shared, front, remote).await
+                        }
                         Err(e) => tracing::debug!(%remote, error = %e, "bad HTTP/3 request"),
                     }
                 });
@@ -115,9 +130,60 @@ async fn connection(
     }
 }
 
+/// Where to set the priority of one request's response stream.
+struct StreamPriority {
+    map: PriorityMap,
+    id: StreamId,
+}
+
+impl StreamPriority {
+    fn set(&self, priority: Priority) {
+        self.map.set(self.id, priority);
+    }
+}
+
+/// The class of a response stream as far as the request head decides it: control endpoints and
+/// port forwarding first, long prompts' answers (request body over [`BULK_BODY_BYTES`]) last.
+/// `None` leaves it to [`response_priority`].
+fn request_priority(parts: &http::request::Parts) -> Option<Priority> {
+    let path = parts.uri.path();
+    if parts.method == Method::CONNECT || matches!(path, "/health" | "/metrics" | "/v1/models") {
+        Some(Priority::Control)
+    } else if content_length(&parts.headers) > BULK_BODY_BYTES {
+        Some(Priority::Bulk)
+    } else {
+        None
+    }
+}
+
+/// The class of any other response stream: Server-Sent-Events token streams and bodies known
+/// to be short are interactive, every other non-streaming body is bulk.
+fn response_priority(response: &Response<ResponseBody>) -> Priority {
+    let short = response
+        .body()
+        .size_hint()
+        .upper()
+        .is_some_and(|n| n <= BULK_BODY_BYTES);
+    if is_event_stream(response.headers()) || short {
+        Priority::Interactive
+    } else {
+        Priority::Bulk
+    }
+}
+
+/// The request's declared `Content-Length` (0 when absent or unreadable).
+fn content_length(headers: &HeaderMap) -> u64 {
+    headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 async fn request(
     req: Request<()>,
-    stream: RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>,
+    stream: RequestStream<h3_quinn_prio::BidiStream<Bytes>, Bytes>,
+    prio: StreamPriority,
     shared: Arc<Shared>,
     front: Front,
     remote: SocketAddr,
@@ -144,13 +210,16 @@ async fn request(
             Transport::Tunnel
         }
     };
+    let class = request_priority(&parts);
     if parts.method == Method::CONNECT {
+        prio.set(Priority::Control);
         forward(parts, send, recv, &shared, front).await;
         return;
     }
     let head = parts.method == Method::HEAD;
     let req = Request::from_parts(parts, H3Body { recv });
     let resp = service::handle_request(shared, req, transport).await;
+    prio.set(class.unwrap_or_else(|| response_priority(&resp)));
     write_response(&mut send, resp, head).await;
 }
 
@@ -283,5 +352,71 @@ impl Body for H3Body {
             Poll::Ready(Err(e)) => Poll::Ready(Some(Err(e))),
             Poll::Pending => Poll::Pending,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(method: Method, path: &str, content_length: Option<u64>) -> http::request::Parts {
+        let mut req = Request::builder().method(method).uri(path);
+        if let Some(n) = content_length {
+            req = req.header(http::header::CONTENT_LENGTH, n);
+        }
+        req.body(()).expect("valid request").into_parts().0
+    }
+
+    fn response(content_type: &str, body: ResponseBody) -> Response<ResponseBody> {
+        Response::builder()
+            .header(http::header::CONTENT_TYPE, content_type)
+            .body(body)
+            .expect("valid response")
+    }
+
+    fn unknown_length() -> ResponseBody {
+        let chunks = futures_util::stream::iter([Ok::<_, crate::error::BoxError>(Frame::data(
+            Bytes::from_static(b"x"),
+        ))]);
+        http_body_util::StreamBody::new(chunks).boxed()
+    }
+
+    #[test]
+    fn control_endpoints_and_connect_are_control() {
+        for path in ["/health", "/metrics", "/v1/models"] {
+            assert_eq!(
+                request_priority(&head(Method::GET, path, None)),
+                Some(Priority::Control)
+            );
+        }
+        let connect = Request::builder()
+            .method(Method::CONNECT)
+            .uri("db.internal:5432")
+            .body(())
+            .expect("valid request")
+            .into_parts()
+            .0;
+        assert_eq!(request_priority(&connect), Some(Priority::Control));
+    }
+
+    #[test]
+    fn long_prompts_are_bulk_and_others_wait_for_the_response() {
+        let big = BULK_BODY_BYTES + 1;
+        let path = "/v1/chat/completions";
+        assert_eq!(
+            request_priority(&head(Method::POST, path, Some(big))),
+            Some(Priority::Bulk)
+        );
+        assert_eq!(request_priority(&head(Method::POST, path, Some(100))), None);
+    }
+
+    #[test]
+    fn event_streams_and_short_bodies_are_interactive_other_bodies_bulk() {
+        let sse = response("text/event-stream", unknown_length());
+        assert_eq!(response_priority(&sse), Priority::Interactive);
+        let short = response("application/json", crate::error::full("{}"));
+        assert_eq!(response_priority(&short), Priority::Interactive);
+        let unknown = response("application/json", unknown_length());
+        assert_eq!(response_priority(&unknown), Priority::Bulk);
     }
 }

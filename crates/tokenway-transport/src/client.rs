@@ -10,6 +10,10 @@
 //! connection, and requests that were in flight fail with a retryable error. A 0-RTT connection
 //! whose handshake does not finish within the connect timeout is closed, so a path that stopped
 //! carrying UDP is given up instead of swallowing requests.
+//!
+//! Priority: a request whose body is known to exceed [`BULK_BODY_BYTES`] is uploaded as
+//! [`Priority::Bulk`], every other one as [`Priority::Interactive`], so a short message is not
+//! queued behind a long prompt on the same connection.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -27,6 +31,7 @@ use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
 use crate::error::TransportError;
+use crate::h3_quinn_prio::{self, Priority, PriorityMap, BULK_BODY_BYTES};
 use crate::settings::QuicSettings;
 
 /// A boxed error of a body or request.
@@ -35,7 +40,14 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The streaming response body every client hands back.
 pub type ClientBody = UnsyncBoxBody<Bytes, BoxError>;
 
-type H3Sender = h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>;
+type H3Sender = h3::client::SendRequest<h3_quinn_prio::OpenStreams, Bytes>;
+
+/// One HTTP/3 session on the QUIC connection: its request sender and its streams' priorities.
+#[derive(Clone)]
+struct Session {
+    sender: H3Sender,
+    priorities: PriorityMap,
+}
 
 /// A request that failed before its response head arrived.
 #[derive(Debug, thiserror::Error)]
@@ -95,10 +107,10 @@ pub struct QuicConnect<'a> {
 struct Inner {
     conn: quinn::Connection,
     server_name: String,
-    sender: Mutex<H3Sender>,
-    /// Senders of an HTTP/3 session abandoned after a 0-RTT rejection: dropping the last sender
-    /// of a session closes the QUIC connection, so they live as long as the client.
-    retired: Mutex<Vec<H3Sender>>,
+    session: Mutex<Session>,
+    /// Sessions abandoned after a 0-RTT rejection: dropping the last sender of a session closes
+    /// the QUIC connection, so they live as long as the client.
+    retired: Mutex<Vec<Session>>,
     driver: Mutex<AbortHandle>,
     sampler: Option<AbortHandle>,
     zero_rtt: watch::Receiver<ZeroRtt>,
@@ -130,17 +142,19 @@ impl std::fmt::Debug for QuicClient {
     }
 }
 
-async fn start_h3(conn: &quinn::Connection) -> Result<(AbortHandle, H3Sender), String> {
+async fn start_h3(conn: &quinn::Connection) -> Result<(AbortHandle, Session), String> {
+    let h3_conn = h3_quinn_prio::Connection::new(conn.clone());
+    let priorities = h3_conn.priorities();
     let (mut driver, sender) = h3::client::builder()
         .send_grease(false)
-        .build::<_, _, Bytes>(h3_quinn::Connection::new(conn.clone()))
+        .build::<_, _, Bytes>(h3_conn)
         .await
         .map_err(|e| format!("HTTP/3 setup failed: {e}"))?;
     let task = tokio::spawn(async move {
         let e = driver.wait_idle().await;
         tracing::debug!(error = %e, "HTTP/3 connection ended");
     });
-    Ok((task.abort_handle(), sender))
+    Ok((task.abort_handle(), Session { sender, priorities }))
 }
 
 impl QuicClient {
@@ -164,7 +178,7 @@ impl QuicClient {
             },
             (false, connecting) => (handshake(connecting, p.timeout, addr).await?, None),
         };
-        let (driver, sender) = start_h3(&conn).await.map_err(err)?;
+        let (driver, session) = start_h3(&conn).await.map_err(err)?;
         let sampler = p.metrics.as_ref().map(|m| {
             tokio::spawn(crate::stats::sample_connection(
                 conn.clone(),
@@ -177,7 +191,7 @@ impl QuicClient {
         let inner = Arc::new(Inner {
             conn: conn.clone(),
             server_name: p.server_name.to_string(),
-            sender: Mutex::new(sender),
+            session: Mutex::new(session),
             retired: Mutex::new(Vec::new()),
             driver: Mutex::new(driver),
             sampler,
@@ -216,9 +230,9 @@ impl QuicClient {
                     if let Some(inner) = weak.upgrade() {
                         lock(&inner.driver).abort();
                         match start_h3(&conn).await {
-                            Ok((driver, sender)) => {
+                            Ok((driver, session)) => {
                                 *lock(&inner.driver) = driver;
-                                let old = std::mem::replace(&mut *lock(&inner.sender), sender);
+                                let old = std::mem::replace(&mut *lock(&inner.session), session);
                                 lock(&inner.retired).push(old);
                             }
                             Err(e) => {
@@ -265,10 +279,29 @@ impl QuicClient {
 
     /// Sends one request; the request body streams to the server as it is read, and the
     /// response body streams back frame by frame. A URI without an authority gets the server
-    /// name.
+    /// name. The body is uploaded as [`Priority::Bulk`] when its length (`Content-Length` or the
+    /// body's size hint) exceeds [`BULK_BODY_BYTES`], else as [`Priority::Interactive`].
     pub async fn send_request<B>(
         &self,
         req: Request<B>,
+    ) -> Result<Response<ClientBody>, RequestError>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let priority = if body_len(&req) > BULK_BODY_BYTES {
+            Priority::Bulk
+        } else {
+            Priority::Interactive
+        };
+        self.send_request_with_priority(req, priority).await
+    }
+
+    /// [`send_request`](Self::send_request) with the upload's priority chosen by the caller.
+    pub async fn send_request_with_priority<B>(
+        &self,
+        req: Request<B>,
+        priority: Priority,
     ) -> Result<Response<ClientBody>, RequestError>
     where
         B: Body<Data = Bytes> + Send + 'static,
@@ -278,12 +311,17 @@ impl QuicClient {
         parts.uri = absolute_uri(parts.uri, &self.inner.server_name)?;
         parts.headers.remove(http::header::HOST);
         let started_early = *self.inner.zero_rtt.borrow() == ZeroRtt::Pending;
-        let mut sender = lock(&self.inner.sender).clone();
+        let Session {
+            mut sender,
+            priorities,
+        } = lock(&self.inner.session).clone();
         let result = async {
             let stream = sender
                 .send_request(Request::from_parts(parts, ()))
                 .await
                 .map_err(|e| (format!("cannot open a request stream: {e}"), true))?;
+            // The head has gone out at the default class; the body follows at the chosen one.
+            priorities.set(stream.id(), priority);
             let (send, mut recv) = stream.split();
             tokio::spawn(pump_request(body, send));
             let head = recv
@@ -363,6 +401,18 @@ fn is_rejected(e: &h3::error::StreamError) -> bool {
     }
 }
 
+/// The request body's length as far as it is known up front: `Content-Length`, else the
+/// body's lower size bound.
+fn body_len<B: Body>(req: &Request<B>) -> u64 {
+    let declared = req
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    declared.max(req.body().size_hint().lower())
+}
+
 /// Fills in `https://server_name` when a URI has no authority.
 pub(crate) fn absolute_uri(uri: Uri, server_name: &str) -> Result<Uri, RequestError> {
     if uri.authority().is_some() {
@@ -376,7 +426,7 @@ pub(crate) fn absolute_uri(uri: Uri, server_name: &str) -> Result<Uri, RequestEr
 
 async fn pump_request<B>(
     body: B,
-    mut send: h3::client::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>,
+    mut send: h3::client::RequestStream<h3_quinn_prio::SendStream<Bytes>, Bytes>,
 ) where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -407,7 +457,7 @@ async fn pump_request<B>(
 
 /// A response body read from an HTTP/3 request stream.
 struct H3Body {
-    recv: h3::client::RequestStream<h3_quinn::RecvStream, Bytes>,
+    recv: h3::client::RequestStream<h3_quinn_prio::RecvStream, Bytes>,
     /// Keeps the session's senders alive while the body streams.
     _client: Arc<Inner>,
     done: bool,
@@ -443,5 +493,22 @@ impl Body for H3Body {
 
     fn is_end_stream(&self) -> bool {
         self.done
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_length_comes_from_content_length_or_the_size_hint() {
+        let declared = Request::builder()
+            .header(http::header::CONTENT_LENGTH, "70000")
+            .body(http_body_util::Empty::<Bytes>::new())
+            .expect("request");
+        assert_eq!(body_len(&declared), 70_000);
+        let hinted = Request::new(http_body_util::Full::new(Bytes::from(vec![0u8; 100])));
+        assert_eq!(body_len(&hinted), 100);
+        assert!(body_len(&hinted) <= BULK_BODY_BYTES);
     }
 }

@@ -12,6 +12,7 @@ pub mod dial;
 pub mod endpoint;
 pub mod error;
 pub mod fallback;
+pub mod h3_quinn_prio;
 pub mod settings;
 pub mod socket;
 pub mod stats;

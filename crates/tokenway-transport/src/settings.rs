@@ -1,8 +1,9 @@
 //! QUIC settings shared by both ends: congestion controller, keep-alive, idle timeout, buffers.
 //!
-//! Tuned for latency: `send_fairness(false)` so a small message is not interleaved behind a big
-//! one on another stream, keep-alives well inside NAT binding lifetimes, and large socket buffers
-//! so bursts of tokens are not dropped by the kernel.
+//! Tuned for latency: stream priority classes (control > interactive > bulk, see
+//! `h3_quinn_prio`) decide what goes out first, so a small message is never queued behind a big
+//! one on another stream; keep-alives well inside NAT binding lifetimes; large socket buffers so
+//! bursts of tokens are not dropped by the kernel.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -119,7 +120,11 @@ impl QuicSettings {
     /// passes its last measurement to this server).
     pub fn transport_config(&self, initial_rtt: Option<Duration>) -> TransportConfig {
         let mut t = TransportConfig::default();
-        t.send_fairness(false);
+        // Fairness on: quinn then sends strictly by priority class and round-robins within a
+        // class. With fairness off quinn keeps writing a started stream until its buffer is empty,
+        // whatever the priorities, so a bulk upload would hold back a small interactive request
+        // (measured in tests/transport.rs `report_priority_races`).
+        t.send_fairness(true);
         if self.keep_alive_ms > 0 {
             t.keep_alive_interval(Some(Duration::from_millis(self.keep_alive_ms)));
         }
