@@ -96,10 +96,19 @@ pub async fn run(opts: &GatewayBenchOptions) -> Result<GatewayBenchReport, Bench
     let mut nginx_version = None;
     if let Some(binary) = &nginx_binary {
         nginx_version = command_output(Command::new(binary).arg("-v"), true);
-        let (proxy, addr) = nginx::start(binary, &opts.out_dir.join("nginx"), sim_addr).await?;
-        progress("nginx at", addr);
-        let result = run_target(opts, TargetKind::Nginx, addr, &sim, Some(&proxy)).await?;
-        targets.push(result);
+        // A broken nginx installation costs the comparison, not the gateway's results.
+        match nginx::start(binary, &opts.out_dir.join("nginx"), sim_addr).await {
+            Ok((proxy, addr)) => {
+                progress("nginx at", addr);
+                let result = run_target(opts, TargetKind::Nginx, addr, &sim, Some(&proxy)).await?;
+                targets.push(result);
+            }
+            Err(e) => {
+                let note = format!("nginx comparison skipped: {e}");
+                println!("note: {note}");
+                notes.push(note);
+            }
+        }
     }
     drop(sim);
 

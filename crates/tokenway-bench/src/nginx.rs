@@ -83,6 +83,8 @@ pub async fn start(
     upstream: SocketAddr,
 ) -> Result<(ChildProcess, SocketAddr), BenchError> {
     let io = |context: String| move |source| BenchError::Io { context, source };
+    // nginx resolves relative paths against its prefix, not the working directory.
+    let dir = &std::path::absolute(dir).map_err(io(format!("cannot resolve {}", dir.display())))?;
     std::fs::create_dir_all(dir.join("tmp"))
         .map_err(io(format!("cannot create {}", dir.display())))?;
     // nginx takes no port 0, so borrow a free port from the kernel and hand it over.
