@@ -59,7 +59,7 @@ impl Default for GatewayConfig {
             api_keys: Vec::new(),
             max_body_bytes: 32 * 1024 * 1024,
             max_connections: 10_000,
-            policy: Policy::default(),
+            policy: Policy::P2cEwma,
             max_attempts: 3,
             timeouts: Timeouts::default(),
             health: HealthSettings::default(),

@@ -21,6 +21,7 @@ pub mod replay;
 pub mod request_meta;
 pub mod server;
 pub mod service;
+pub mod stall_io;
 pub mod state;
 pub mod tunnel;
 

@@ -10,17 +10,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderName};
 use http::request::Parts;
 use http::{Request, Response, StatusCode, Uri};
 use http_body::Frame;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use tokenway_router::{BackendId, Outcome};
-use tokenway_telemetry::StreamLabels;
 
 use crate::error::{ApiError, ResponseBody};
-use crate::relay::{self, Meter, RelayLimits};
+use crate::relay::{Meter, RelayBody};
 use crate::state::{Attempt, Shared, Upstream};
 
 /// Header naming the backend that served a response.
@@ -104,27 +103,27 @@ pub async fn forward(
             // counts against the backend's health.
             attempt.finish(Outcome::ServerError);
         }
-        let sse = is_event_stream(&parts.headers);
+        let [ttft, gap, duration] = shared.stream_histograms(id, req.route, req.transport);
         let meter = Meter {
-            labels: StreamLabels {
-                route: req.route.to_string(),
-                backend: upstream.name.clone(),
-                transport: req.transport.to_string(),
-            },
+            ttft,
+            gap,
+            duration,
             start: req.start,
-            sse,
+            sse: is_event_stream(&parts.headers),
         };
-        let limits = RelayLimits {
-            stream_idle: shared.config.timeouts.stream_idle(),
-            client_write: shared.config.timeouts.client_write(),
-        };
-        let body = relay::start(first, body, attempt, meter, limits);
+        let body = RelayBody::new(
+            first,
+            body,
+            attempt,
+            meter,
+            shared.config.timeouts.stream_idle(),
+        );
         let mut resp = Response::new(BodyExt::boxed(body));
         *resp.status_mut() = parts.status;
         copy_end_to_end_headers(&parts.headers, resp.headers_mut());
-        if let Ok(v) = HeaderValue::from_str(&upstream.name) {
+        if let Some(v) = &upstream.name_header {
             resp.headers_mut()
-                .insert(HeaderName::from_static(BACKEND_HEADER), v);
+                .insert(HeaderName::from_static(BACKEND_HEADER), v.clone());
         }
         return (resp, Some(upstream.name.clone()));
     }

@@ -1,59 +1,165 @@
 //! Streams a backend's response body to the client, frame by frame, as it arrives.
 //!
-//! A pump task owns the upstream body and a bounded channel to the client's body. Every frame is
-//! handed on the moment it arrives (no coalescing, no buffering beyond the channel's few slots),
-//! and the pump measures SSE events on the way: time to first token and inter-token gaps. The task
-//! exists, rather than a body adapter, because it must keep watching when the client stops
-//! reading: a stalled client (its window or socket full for `client_write` time) or a stalled
-//! backend (silent for `stream_idle` time) ends the stream instead of pinning a backend slot.
+//! [`RelayBody`] wraps the upstream body: the client connection polls it directly, so a frame
+//! goes from the backend's socket to the client's without a task hop. Frames that have already
+//! arrived together are merged into one write (up to [`COALESCE_BYTES`]); nothing ever waits for
+//! more bytes, so the first token leaves the moment it arrives. On the way the relay measures
+//! SSE events: time to first token and inter-token gaps.
+//!
+//! A silent backend (no bytes for `stream_idle`) ends the stream. A client that stops reading is
+//! handled below this layer, by the connection's write-stall guard (`stall_io`).
 //!
 //! After the first byte has reached the client nothing can be retried. An upstream failure in an
 //! event stream then becomes a final SSE error event and a clean end; in any other body it becomes
 //! a body error so that the client sees a truncated response, never a silently short one.
 
+use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokenway_router::Outcome;
-use tokenway_telemetry::{Histogram, StreamLabels};
+use tokenway_telemetry::Histogram;
 use tokenway_wire::sse::SseScanner;
-use tokio::sync::mpsc;
+use tokio::time::Sleep;
 
 use crate::error::BoxError;
 use crate::state::Attempt;
 
-/// Frames queued between the pump and the client connection.
-const CHANNEL_FRAMES: usize = 16;
+/// Most bytes merged from frames that arrived together.
+pub const COALESCE_BYTES: usize = 16 * 1024;
 
-/// How a relay ends when things go wrong.
-pub struct RelayLimits {
-    /// Longest upstream silence inside a response.
-    pub stream_idle: Duration,
-    /// Longest time the client may leave a frame unread.
-    pub client_write: Duration,
-}
-
-/// What the pump measures.
+/// The latency histograms one response feeds.
 pub struct Meter {
-    /// Labels of the latency histograms.
-    pub labels: StreamLabels,
+    /// `tokenway_ttft_seconds` of this route, backend and transport.
+    pub ttft: Histogram,
+    /// `tokenway_inter_token_seconds`.
+    pub gap: Histogram,
+    /// `tokenway_request_duration_seconds`.
+    pub duration: Histogram,
     /// When the client's request arrived.
     pub start: Instant,
     /// Whether the body is an event stream.
     pub sse: bool,
 }
 
-/// The client-facing half: a body fed by the pump.
+/// What the relay does after the upstream body ended or failed.
+enum Tail {
+    /// Still streaming.
+    Open,
+    /// Upstream ended or failed while frames were being merged: finish at the next poll.
+    Pending(Option<Result<Frame<Bytes>, String>>),
+    /// Done: only `None` from now on.
+    Closed,
+}
+
+/// The client-facing body of a proxied response.
 pub struct RelayBody {
-    rx: mpsc::Receiver<Frame<Bytes>>,
-    aborted: Arc<AtomicBool>,
+    upstream: Incoming,
+    first: Option<Frame<Bytes>>,
+    attempt: Attempt,
+    clock: EventClock,
+    idle: Pin<Box<Sleep>>,
+    idle_timeout: Duration,
+    last_activity: tokio::time::Instant,
+    tail: Tail,
+}
+
+impl RelayBody {
+    /// Relays `upstream`, whose first frame (already read while the attempt could still be
+    /// retried) is `first`.
+    pub fn new(
+        first: Option<Frame<Bytes>>,
+        upstream: Incoming,
+        attempt: Attempt,
+        meter: Meter,
+        stream_idle: Duration,
+    ) -> Self {
+        let now = tokio::time::Instant::now();
+        Self {
+            upstream,
+            first,
+            attempt,
+            clock: EventClock::new(meter),
+            idle: Box::pin(tokio::time::sleep_until(now + stream_idle)),
+            idle_timeout: stream_idle,
+            last_activity: now,
+            tail: Tail::Open,
+        }
+    }
+
+    /// Ends the relay after an upstream failure or stall.
+    fn fail(&mut self, stalled: bool, why: &str) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.tail = Tail::Closed;
+        let backend = self.attempt.backend_name().to_string();
+        let (outcome, message) = if stalled {
+            (
+                Outcome::Timeout,
+                format!("backend {backend} stopped sending in the middle of the response"),
+            )
+        } else {
+            (
+                Outcome::ServerError,
+                format!("backend {backend} failed in the middle of the response: {why}"),
+            )
+        };
+        tracing::warn!(%backend, %message, "upstream failure after the first byte");
+        self.attempt.finish(outcome);
+        self.clock.finish();
+        if self.clock.sse() {
+            let event = tokenway_wire::sse::error_event(&message, "upstream_error");
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
+        } else {
+            Poll::Ready(Some(Err(message.into())))
+        }
+    }
+
+    fn complete(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.tail = Tail::Closed;
+        self.attempt.finish(Outcome::Success);
+        self.clock.finish();
+        Poll::Ready(None)
+    }
+
+    /// Merges data frames that are ready right now onto `first`, up to [`COALESCE_BYTES`].
+    fn coalesce(&mut self, cx: &mut Context<'_>, first: Bytes) -> Bytes {
+        let mut merged: Option<BytesMut> = None;
+        loop {
+            let len = merged.as_ref().map_or(first.len(), BytesMut::len);
+            if len >= COALESCE_BYTES {
+                break;
+            }
+            match Pin::new(&mut self.upstream).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => {
+                        let buf = merged.get_or_insert_with(|| {
+                            let mut b = BytesMut::with_capacity(COALESCE_BYTES);
+                            b.extend_from_slice(&first);
+                            b
+                        });
+                        buf.extend_from_slice(&data);
+                    }
+                    Err(trailers) => {
+                        self.tail = Tail::Pending(Some(Ok(trailers)));
+                        break;
+                    }
+                },
+                Poll::Ready(Some(Err(e))) => {
+                    self.tail = Tail::Pending(Some(Err(e.to_string())));
+                    break;
+                }
+                Poll::Ready(None) => {
+                    self.tail = Tail::Pending(None);
+                    break;
+                }
+                Poll::Pending => break,
+            }
+        }
+        merged.map_or(first, BytesMut::freeze)
+    }
 }
 
 impl Body for RelayBody {
@@ -64,162 +170,105 @@ impl Body for RelayBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(frame)) => Poll::Ready(Some(Ok(frame))),
-            Poll::Ready(None) if self.aborted.load(Ordering::Acquire) => Poll::Ready(Some(Err(
-                "upstream response failed after the first byte".into(),
-            ))),
-            Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
+        let this = &mut *self;
+        if let Some(frame) = this.first.take() {
+            if let Some(data) = frame.data_ref() {
+                this.clock.observe(data);
+            }
+            return Poll::Ready(Some(Ok(frame)));
         }
+        match std::mem::replace(&mut this.tail, Tail::Open) {
+            Tail::Open => {}
+            Tail::Closed => {
+                this.tail = Tail::Closed;
+                return Poll::Ready(None);
+            }
+            Tail::Pending(None) => return this.complete(),
+            Tail::Pending(Some(Ok(trailers))) => {
+                this.tail = Tail::Pending(None);
+                return Poll::Ready(Some(Ok(trailers)));
+            }
+            Tail::Pending(Some(Err(why))) => return this.fail(false, &why),
+        }
+        match Pin::new(&mut this.upstream).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                this.last_activity = tokio::time::Instant::now();
+                match frame.into_data() {
+                    Ok(data) => {
+                        let data = this.coalesce(cx, data);
+                        this.clock.observe(&data);
+                        Poll::Ready(Some(Ok(Frame::data(data))))
+                    }
+                    Err(trailers) => Poll::Ready(Some(Ok(trailers))),
+                }
+            }
+            Poll::Ready(Some(Err(e))) => this.fail(false, &e.to_string()),
+            Poll::Ready(None) => this.complete(),
+            Poll::Pending => {
+                let deadline = this.last_activity + this.idle_timeout;
+                if this.idle.deadline() != deadline {
+                    this.idle.as_mut().reset(deadline);
+                }
+                match this.idle.as_mut().poll(cx) {
+                    Poll::Ready(()) => this.fail(true, ""),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.tail, Tail::Closed)
     }
 
     fn size_hint(&self) -> SizeHint {
-        SizeHint::default()
-    }
-}
-
-/// Starts relaying `upstream` (whose first frame, already read while the attempt could still be
-/// retried, is `first`) and returns the client's body.
-pub fn start(
-    first: Option<Frame<Bytes>>,
-    upstream: Incoming,
-    attempt: Attempt,
-    meter: Meter,
-    limits: RelayLimits,
-) -> RelayBody {
-    let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
-    let aborted = Arc::new(AtomicBool::new(false));
-    tokio::spawn(pump(
-        first,
-        upstream,
-        attempt,
-        meter,
-        limits,
-        tx,
-        aborted.clone(),
-    ));
-    RelayBody { rx, aborted }
-}
-
-enum End {
-    Complete,
-    UpstreamFailed(String),
-    UpstreamStalled,
-    ClientGone,
-    ClientStalled,
-}
-
-async fn pump(
-    first: Option<Frame<Bytes>>,
-    mut upstream: Incoming,
-    mut attempt: Attempt,
-    meter: Meter,
-    limits: RelayLimits,
-    tx: mpsc::Sender<Frame<Bytes>>,
-    aborted: Arc<AtomicBool>,
-) {
-    let mut events = EventClock::new(&meter, &attempt);
-    let mut pending = first;
-    let end = loop {
-        let frame = match pending.take() {
-            Some(f) => f,
-            None => {
-                let next = tokio::select! {
-                    biased;
-                    _ = tx.closed() => break End::ClientGone,
-                    r = tokio::time::timeout(limits.stream_idle, upstream.frame()) => r,
-                };
-                match next {
-                    Err(_) => break End::UpstreamStalled,
-                    Ok(None) => break End::Complete,
-                    Ok(Some(Err(e))) => break End::UpstreamFailed(e.to_string()),
-                    Ok(Some(Ok(f))) => f,
-                }
-            }
-        };
-        if let Some(data) = frame.data_ref() {
-            events.observe(data);
+        // An event stream may end with an error event the upstream never sent.
+        if self.clock.sse() {
+            return SizeHint::default();
         }
-        match tx.send_timeout(frame, limits.client_write).await {
-            Ok(()) => {}
-            Err(mpsc::error::SendTimeoutError::Closed(_)) => break End::ClientGone,
-            Err(mpsc::error::SendTimeoutError::Timeout(_)) => break End::ClientStalled,
+        let upstream = self.upstream.size_hint();
+        let n = self
+            .first
+            .as_ref()
+            .and_then(|f| f.data_ref())
+            .map_or(0, |d| d.len() as u64);
+        let mut hint = SizeHint::new();
+        if let Some(upper) = upstream.upper() {
+            hint.set_upper(upper + n);
         }
-    };
-    let backend = attempt.shared().upstream(attempt.backend()).name.clone();
-    match end {
-        End::Complete => attempt.finish(Outcome::Success),
-        End::ClientGone => attempt.finish(Outcome::ClientCancelled),
-        End::ClientStalled => {
-            tracing::info!(%backend, "client stopped reading; stream closed");
-            attempt.finish(Outcome::ClientCancelled);
-            aborted.store(true, Ordering::Release);
-        }
-        End::UpstreamFailed(_) | End::UpstreamStalled if meter.sse => {
-            let (outcome, message) = describe(&end, &backend);
-            tracing::warn!(%backend, %message, "stream ended by an upstream failure after the first byte");
-            attempt.finish(outcome);
-            let event = tokenway_wire::sse::error_event(&message, "upstream_error");
-            // The client is still reading; if it is not, nothing is lost by dropping the event.
-            let _ = tx
-                .send_timeout(Frame::data(Bytes::from(event)), limits.client_write)
-                .await;
-        }
-        End::UpstreamFailed(_) | End::UpstreamStalled => {
-            let (outcome, message) = describe(&end, &backend);
-            tracing::warn!(%backend, %message, "response truncated by an upstream failure after the first byte");
-            attempt.finish(outcome);
-            aborted.store(true, Ordering::Release);
-        }
-    }
-    events.finish();
-}
-
-fn describe(end: &End, backend: &str) -> (Outcome, String) {
-    match end {
-        End::UpstreamStalled => (
-            Outcome::Timeout,
-            format!("backend {backend} stopped sending in the middle of the response"),
-        ),
-        End::UpstreamFailed(why) => (
-            Outcome::ServerError,
-            format!("backend {backend} failed in the middle of the response: {why}"),
-        ),
-        _ => (Outcome::ClientCancelled, String::new()),
+        hint.set_lower(upstream.lower() + n);
+        hint
     }
 }
 
 /// Event timing of one response, recorded into the latency histograms as frames pass.
 struct EventClock {
+    meter: Meter,
     scanner: Option<SseScanner>,
-    start: Instant,
     last_event: Option<Instant>,
-    ttft: Histogram,
-    gap: Histogram,
-    duration: Histogram,
+    finished: bool,
 }
 
 impl EventClock {
-    fn new(meter: &Meter, attempt: &Attempt) -> Self {
-        let m = &attempt.shared().metrics;
+    fn new(meter: Meter) -> Self {
         Self {
             scanner: meter.sse.then(SseScanner::new),
-            start: meter.start,
+            meter,
             last_event: None,
-            ttft: m.ttft.get_or_create(&meter.labels).clone(),
-            gap: m.inter_token.get_or_create(&meter.labels).clone(),
-            duration: m.duration.get_or_create(&meter.labels).clone(),
+            finished: false,
         }
+    }
+
+    fn sse(&self) -> bool {
+        self.meter.sse
     }
 
     /// Notes a data frame. In an event stream a token is a data event other than `[DONE]`;
     /// otherwise the first byte stands for the first token.
-    fn observe(&mut self, data: &Bytes) {
+    fn observe(&mut self, data: &[u8]) {
         if data.is_empty() {
             return;
         }
-        let now = Instant::now();
         let tokens = match self.scanner.as_mut() {
             Some(scanner) => {
                 let r = scanner.feed(data);
@@ -230,15 +279,24 @@ impl EventClock {
         if tokens == 0 {
             return;
         }
+        let now = Instant::now();
         match self.last_event {
-            None => self.ttft.observe((now - self.start).as_secs_f64()),
+            None => self
+                .meter
+                .ttft
+                .observe((now - self.meter.start).as_secs_f64()),
             // Events that arrive in one chunk arrived together: one gap per chunk.
-            Some(prev) => self.gap.observe((now - prev).as_secs_f64()),
+            Some(prev) => self.meter.gap.observe((now - prev).as_secs_f64()),
         }
         self.last_event = Some(now);
     }
 
-    fn finish(self) {
-        self.duration.observe(self.start.elapsed().as_secs_f64());
+    fn finish(&mut self) {
+        if !self.finished {
+            self.finished = true;
+            self.meter
+                .duration
+                .observe(self.meter.start.elapsed().as_secs_f64());
+        }
     }
 }

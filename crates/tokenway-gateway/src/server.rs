@@ -19,6 +19,7 @@ use tokio_rustls::TlsAcceptor;
 use crate::config::GatewayConfig;
 use crate::error::GatewayError;
 use crate::h3_front::{self, Front};
+use crate::stall_io::StallGuard;
 use crate::state::Shared;
 use crate::{probe, service};
 use tokenway_transport::certs::Identity;
@@ -254,6 +255,7 @@ async fn serve_connection<S>(
         .timer(TokioTimer::new())
         .max_concurrent_streams(1024)
         .keep_alive_interval(Some(Duration::from_secs(20)));
+    let stream = StallGuard::new(stream, shared.config.timeouts.client_write());
     let svc = service_fn(move |req| service::handle(shared.clone(), req));
     let conn = builder.serve_connection(TokioIo::new(stream), svc);
     if let Err(e) = watcher.watch(conn.into_owned()).await {

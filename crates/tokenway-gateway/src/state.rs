@@ -4,6 +4,7 @@
 //! for one request sent to one backend: it counts in-flight work and reports exactly one outcome
 //! to the router, even when the client goes away and the guard is simply dropped.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -16,7 +17,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokenway_router::{BackendId, BackendSpec, HealthTransition, Outcome, Router};
 use tokenway_telemetry::quic::QuicMetrics;
-use tokenway_telemetry::{BackendLabels, BackendMetrics, Registry, RequestMetrics};
+use tokenway_telemetry::{
+    BackendLabels, BackendMetrics, Histogram, Registry, RequestMetrics, StreamLabels,
+};
 
 use crate::config::GatewayConfig;
 use crate::error::GatewayError;
@@ -24,6 +27,9 @@ use crate::tunnel::TunnelState;
 
 /// The pooled HTTP/1.1 keep-alive client used for every backend.
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+
+/// (backend index, route, transport) of a set of latency histograms.
+type StreamKey = (usize, &'static str, &'static str);
 
 /// One backend as the proxy sees it.
 pub struct Upstream {
@@ -41,6 +47,8 @@ pub struct Upstream {
     pub models_known: AtomicBool,
     /// Whether models come from the config (then never re-learned).
     pub models_configured: bool,
+    /// The name as a response header value (`x-tokenway-backend`), when it is a valid one.
+    pub name_header: Option<HeaderValue>,
 }
 
 /// State shared by every connection and task of one gateway.
@@ -61,6 +69,9 @@ pub struct Shared {
     pub quic_metrics: QuicMetrics,
     /// Everything above, for `/metrics`.
     pub registry: Registry,
+    /// Latency histogram handles by (backend, route, transport), resolved once: looking them up
+    /// in the metric families per request would allocate label strings every time.
+    stream_histograms: std::sync::RwLock<HashMap<StreamKey, [Histogram; 3]>>,
     /// The tunnel port's gatekeeping, when the tunnel is configured.
     pub tunnel: Option<TunnelState>,
     /// `Alt-Svc` value advertising the HTTP/3 front on TCP responses.
@@ -109,6 +120,7 @@ impl Shared {
                     backend: name.clone(),
                     region: b.region.clone(),
                 },
+                name_header: HeaderValue::from_str(&name).ok(),
                 name,
                 base,
                 authorization,
@@ -146,8 +158,43 @@ impl Shared {
             backend_metrics,
             quic_metrics,
             registry,
+            stream_histograms: std::sync::RwLock::new(HashMap::new()),
             alt_svc: std::sync::OnceLock::new(),
         }))
+    }
+
+    /// The TTFT, inter-token and duration histograms of responses from `id` on `route` over
+    /// `transport`.
+    pub fn stream_histograms(
+        &self,
+        id: BackendId,
+        route: &'static str,
+        transport: &'static str,
+    ) -> [Histogram; 3] {
+        let key = (id.0, route, transport);
+        if let Some(h) = self
+            .stream_histograms
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return h.clone();
+        }
+        let labels = StreamLabels {
+            route: route.to_string(),
+            backend: self.upstream(id).name.clone(),
+            transport: transport.to_string(),
+        };
+        let handles = [
+            self.metrics.ttft.get_or_create(&labels).clone(),
+            self.metrics.inter_token.get_or_create(&labels).clone(),
+            self.metrics.duration.get_or_create(&labels).clone(),
+        ];
+        self.stream_histograms
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, handles.clone());
+        handles
     }
 
     /// Locks the router. A poisoned lock means a router call panicked, which is a bug; the state
@@ -222,6 +269,11 @@ impl Attempt {
     /// The shared state.
     pub fn shared(&self) -> &Arc<Shared> {
         &self.shared
+    }
+
+    /// The backend's name.
+    pub fn backend_name(&self) -> &str {
+        &self.shared.upstream(self.id).name
     }
 
     /// Reports the time to first byte.

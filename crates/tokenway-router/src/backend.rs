@@ -1,15 +1,19 @@
 //! Backends as the router sees them: identity, static description and live state.
 //!
-//! The router owns one private state record per backend (health, in-flight count,
-//! latency estimate) and hands out read-only [`BackendView`]s for metrics and status pages.
-//! This module must never do I/O: what it knows about a backend arrives through the
-//! [`Router`](crate::Router) event methods.
+//! The router owns one private state record per backend (health, in-flight work, latency and
+//! rate estimates, prefix index) and hands out read-only [`BackendView`]s for metrics and
+//! [`snapshots`](crate::snapshot) for status pages. This module must never do I/O: what it
+//! knows about a backend arrives through the [`Router`](crate::Router) event methods.
 
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use crate::affinity::backend_hash;
+use crate::cost::{CostConfig, RateModel, TimedSignal};
 use crate::ewma::PeakEwma;
 use crate::health::HealthState;
+use crate::latency::RecentTtfts;
+use crate::prefix::PrefixIndex;
 
 /// Index of a backend inside one [`Router`](crate::Router), as returned by
 /// [`Router::add_backend`](crate::Router::add_backend).
@@ -25,9 +29,10 @@ impl fmt::Display for BackendId {
 /// The static description of a backend, from configuration or discovery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BackendSpec {
-    /// Human-readable name used in logs and metrics (for example its address).
+    /// Name used in logs and metrics, and the backend's identity for session placement: it
+    /// must be the same on every gateway replica (use its configured address).
     pub name: String,
-    /// Region label, for metrics and, later, cross-region penalties.
+    /// Region label, for metrics, the cross-region penalty and in-region session placement.
     pub region: String,
     /// Models it serves. Empty means "not known yet": the backend serves nothing until
     /// [`Router::set_models`](crate::Router::set_models) fills it in.
@@ -36,35 +41,103 @@ pub struct BackendSpec {
     pub max_inflight: u32,
 }
 
+/// Smoothing of the RTT EWMA: weight of a new sample.
+const RTT_ALPHA: f64 = 0.3;
+
 /// Live state of one backend, owned by the router.
 #[derive(Debug, Clone)]
 pub(crate) struct BackendState {
     pub(crate) spec: BackendSpec,
+    pub(crate) name_hash: u64,
+    pub(crate) removed: bool,
     pub(crate) health: HealthState,
     pub(crate) inflight: u32,
+    /// Of those, attempts started with their size (ticket API); the others are priced at
+    /// `avg_attempt_work` each.
+    pub(crate) sized_inflight: u32,
+    /// Token work of the attempts in flight (see [`crate::cost`]).
+    pub(crate) work_tokens: u64,
+    /// EWMA of the token work of one attempt, to price requests other gateways sent.
+    pub(crate) avg_attempt_work: f64,
     pub(crate) ttft: PeakEwma,
+    pub(crate) recent: RecentTtfts,
+    /// The p95 that TTFT outliers are judged against during a streak.
+    pub(crate) outlier_baseline: Option<Duration>,
+    pub(crate) rates: RateModel,
+    /// RTT EWMA in seconds and the time of the last sample.
+    pub(crate) rtt: Option<(f64, Instant)>,
+    pub(crate) load: Option<TimedSignal>,
+    pub(crate) prefix: PrefixIndex,
+    pub(crate) cache_lookup_blocks: u64,
+    pub(crate) cache_hit_blocks: u64,
+    pub(crate) hedges_won: u64,
+    pub(crate) hedges_lost: u64,
 }
 
 impl BackendState {
-    pub(crate) fn new(mut spec: BackendSpec) -> Self {
+    pub(crate) fn new(mut spec: BackendSpec, cost: &CostConfig, prefix_capacity: usize) -> Self {
         normalize(&mut spec.models);
         Self {
+            name_hash: backend_hash(&spec.name),
             spec,
+            removed: false,
             health: HealthState::new(),
             inflight: 0,
+            sized_inflight: 0,
+            work_tokens: 0,
+            avg_attempt_work: f64::from(cost.default_output_tokens) + 512.0,
             ttft: PeakEwma::default(),
+            recent: RecentTtfts::default(),
+            outlier_baseline: None,
+            rates: RateModel::new(cost),
+            rtt: None,
+            load: None,
+            prefix: PrefixIndex::new(prefix_capacity),
+            cache_lookup_blocks: 0,
+            cache_hit_blocks: 0,
+            hedges_won: 0,
+            hedges_lost: 0,
         }
     }
 
     pub(crate) fn serves(&self, model: &str) -> bool {
-        self.spec
-            .models
-            .binary_search_by(|m| m.as_str().cmp(model))
-            .is_ok()
+        !self.removed
+            && self
+                .spec
+                .models
+                .binary_search_by(|m| m.as_str().cmp(model))
+                .is_ok()
     }
 
     pub(crate) fn has_headroom(&self) -> bool {
         self.spec.max_inflight == 0 || self.inflight < self.spec.max_inflight
+    }
+
+    pub(crate) fn observe_rtt(&mut self, rtt: Duration, now: Instant) {
+        let s = rtt.as_secs_f64();
+        let v = match self.rtt {
+            None => s,
+            Some((v, _)) => v + RTT_ALPHA * (s - v),
+        };
+        self.rtt = Some((v, now));
+    }
+
+    pub(crate) fn rtt_secs(&self) -> f64 {
+        self.rtt.map_or(0.0, |(v, _)| v)
+    }
+
+    /// In-flight token work: the known work of sized attempts, the average work for each
+    /// attempt of unknown size, and, when a fresh load signal shows more requests than this
+    /// router has in flight, the average work of each extra one.
+    pub(crate) fn effective_work(&self, now: Instant, cfg: &CostConfig) -> f64 {
+        let unsized_attempts = self.inflight.saturating_sub(self.sized_inflight);
+        let mut w = self.work_tokens as f64 + f64::from(unsized_attempts) * self.avg_attempt_work;
+        if let Some(sig) = self.load.as_ref().and_then(|l| l.fresh(now, cfg)) {
+            let external = u64::from(sig.waiting) + u64::from(sig.running);
+            let extra = external.saturating_sub(u64::from(self.inflight));
+            w += extra as f64 * self.avg_attempt_work;
+        }
+        w
     }
 
     pub(crate) fn view(&self, id: BackendId) -> BackendView<'_> {
@@ -78,6 +151,8 @@ impl BackendState {
             inflight: self.inflight,
             max_inflight: self.spec.max_inflight,
             ewma_ttft: self.ttft.get(),
+            rtt: self.rtt.map(|(v, _)| Duration::from_secs_f64(v)),
+            work_tokens: self.work_tokens,
         }
     }
 }
@@ -101,7 +176,7 @@ pub struct BackendView<'a> {
     pub models: &'a [String],
     /// Not ejected by health checks.
     pub healthy: bool,
-    /// The full health state (counters, ejection time and reason).
+    /// The full health state (counters, ejection time and reason, trial).
     pub health: HealthState,
     /// Attempts started and not yet ended.
     pub inflight: u32,
@@ -109,4 +184,8 @@ pub struct BackendView<'a> {
     pub max_inflight: u32,
     /// Peak-EWMA time to first token, `None` before the first sample.
     pub ewma_ttft: Option<Duration>,
+    /// EWMA of the active RTT probes, `None` before the first sample.
+    pub rtt: Option<Duration>,
+    /// Token work of the attempts in flight.
+    pub work_tokens: u64,
 }

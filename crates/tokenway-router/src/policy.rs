@@ -1,5 +1,8 @@
 //! Load-balancing policies: which eligible backend goes first, and the order of the rest.
 //!
+//! - `cost` (default): lowest expected seconds to first token first (the model of
+//!   [`crate::cost`]), ties broken by rotation; the router then moves a session's rendezvous
+//!   backend to the front. The others are baselines for comparison:
 //! - `round_robin`: a cursor over backend ids; each decision takes the next eligible backend
 //!   after the previous pick, so picks rotate fairly even when model sets differ.
 //! - `least_inflight`: fewest in-flight attempts first, ties broken by that same rotation.
@@ -22,26 +25,36 @@ use serde::{Deserialize, Serialize};
 use crate::backend::BackendId;
 use crate::error::RouteError;
 
-/// A load-balancing policy. Parsed from `round_robin`, `least_inflight` or `p2c_ewma`.
+/// A load-balancing policy. Parsed from `cost`, `round_robin`, `least_inflight` or `p2c_ewma`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Policy {
+    /// Lowest expected time to first token (RTT, queue, uncached prefill, region), with
+    /// session affinity.
+    #[default]
+    #[serde(rename = "cost")]
+    CostAware,
     /// Rotate over eligible backends.
     RoundRobin,
     /// Fewest in-flight attempts first.
     LeastInflight,
     /// Power of two choices over peak-EWMA TTFT × (in-flight + 1).
-    #[default]
     P2cEwma,
 }
 
 impl Policy {
     /// Every policy, in documentation order.
-    pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastInflight, Policy::P2cEwma];
+    pub const ALL: [Policy; 4] = [
+        Policy::CostAware,
+        Policy::RoundRobin,
+        Policy::LeastInflight,
+        Policy::P2cEwma,
+    ];
 
     /// The configuration name.
     pub fn as_str(self) -> &'static str {
         match self {
+            Policy::CostAware => "cost",
             Policy::RoundRobin => "round_robin",
             Policy::LeastInflight => "least_inflight",
             Policy::P2cEwma => "p2c_ewma",
@@ -73,7 +86,8 @@ impl FromStr for Policy {
 pub(crate) struct Candidate {
     pub(crate) id: BackendId,
     pub(crate) inflight: u32,
-    /// Expected seconds to first token, for `p2c_ewma`.
+    /// The policy's cost: expected seconds to first token for `cost`, peak-EWMA TTFT ×
+    /// (in-flight + 1) for `p2c_ewma`, unused otherwise.
     pub(crate) cost: f64,
 }
 
@@ -102,6 +116,9 @@ impl Selector {
         // Distance of an id after the cursor, wrapping: the rotation order.
         let rot = |c: &Candidate| (c.id.0 % n + n - cursor) % n;
         match policy {
+            Policy::CostAware => {
+                cands.sort_by(|a, b| a.cost.total_cmp(&b.cost).then(rot(a).cmp(&rot(b))));
+            }
             Policy::RoundRobin => cands.sort_by_key(rot),
             Policy::LeastInflight => cands.sort_by_key(|c| (c.inflight, rot(c))),
             Policy::P2cEwma => {

@@ -1,43 +1,170 @@
 //! The [`Router`]: backends, events in, ranked backends out.
+//!
+//! Two ways to report attempts exist. The ticket API ([`Router::start_attempt`] →
+//! [`Router::first_token`] / [`Router::stalled`] → [`Router::end_attempt`]) carries the request's
+//! size and the half-open trial flag from start to end, which the `cost` policy needs to learn
+//! rates and which makes trial verdicts exact. The id API ([`Router::on_attempt_start`],
+//! [`Router::on_first_byte`], [`Router::on_attempt_end`], [`Router::on_stall`]) is the older,
+//! size-blind form, kept so existing callers work: it counts load and health but teaches the
+//! cost model nothing, and it attributes a trial verdict to whichever attempt on that backend
+//! ends first.
 
 use std::collections::BTreeSet;
+use std::fmt;
 use std::time::{Duration, Instant};
 
+use crate::affinity::{self, Slot};
 use crate::backend::{normalize, BackendId, BackendSpec, BackendState, BackendView};
+use crate::config::RouterConfig;
+use crate::cost::{kv_penalty, LoadSignal, TimedSignal};
 use crate::error::RouteError;
 use crate::health::{HealthConfig, HealthTransition, Outcome};
+use crate::hedge::{HedgeBudget, HedgeWinner};
 use crate::policy::{Candidate, Policy, Selector};
+use crate::prefix::BlockHash;
+use crate::request::{RouteRequest, SessionKind};
+use crate::snapshot::{BackendSnapshot, RouterSnapshot};
 
 /// TTFT assumed for a backend before its first sample, so new backends get traffic (and hence
 /// samples) without being preferred over every measured one.
 pub const DEFAULT_TTFT_ESTIMATE: Duration = Duration::from_millis(100);
 
+/// Why the first backend of a [`Route`] was chosen (for logs and the `server-timing` header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RouteReason {
+    /// Lowest expected time to first token (`cost` policy).
+    LowestCost,
+    /// The session's rendezvous backend (`spilled`: its home backend was over the load bound,
+    /// this is the next one in rendezvous order).
+    Session {
+        /// Where the key came from.
+        kind: SessionKind,
+        /// Not the session's first choice because of the load bound.
+        spilled: bool,
+    },
+    /// An ejected backend's half-open trial request.
+    HalfOpenTrial,
+    /// A baseline policy's pick.
+    Policy(Policy),
+}
+
+impl fmt::Display for RouteReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::LowestCost => f.write_str("cost"),
+            Self::Session {
+                kind,
+                spilled: false,
+            } => write!(f, "session-{kind}"),
+            Self::Session {
+                kind,
+                spilled: true,
+            } => write!(f, "session-{kind}-spilled"),
+            Self::HalfOpenTrial => f.write_str("trial"),
+            Self::Policy(p) => f.write_str(p.as_str()),
+        }
+    }
+}
+
+/// The answer of [`Router::route`]: backends best first and why the first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    /// Every eligible backend, no duplicates, best first; the rest are the retry and hedge
+    /// order.
+    pub backends: Vec<BackendId>,
+    /// Why the first one.
+    pub reason: RouteReason,
+    /// The `cost` model's expected time to first token on the first backend (also computed
+    /// under the baselines, for comparison).
+    pub expected_ttft: Duration,
+    /// Leading prompt blocks the first backend is estimated to hold.
+    pub cached_blocks: usize,
+}
+
+/// One attempt in flight, from [`Router::start_attempt`] to [`Router::end_attempt`]. It
+/// carries what the router needs to learn from the attempt; end every ticket exactly once.
+#[derive(Debug, PartialEq)]
+#[must_use = "end the attempt with Router::end_attempt, or in-flight counts leak"]
+pub struct AttemptTicket {
+    id: BackendId,
+    prefill_tokens: u64,
+    output_tokens: u64,
+    work_ahead: f64,
+    predicted: f64,
+    trial: bool,
+    first_token: bool,
+    stalled: bool,
+}
+
+impl AttemptTicket {
+    /// The backend of the attempt.
+    pub fn backend(&self) -> BackendId {
+        self.id
+    }
+
+    /// Whether this attempt is its (ejected) backend's half-open trial.
+    pub fn is_trial(&self) -> bool {
+        self.trial
+    }
+
+    /// The cost model's expected time to first token for it, RTT included.
+    pub fn expected_ttft(&self) -> Duration {
+        Duration::try_from_secs_f64(self.predicted).unwrap_or(Duration::MAX)
+    }
+
+    /// Uncached prompt tokens it was estimated to prefill.
+    pub fn uncached_tokens(&self) -> u64 {
+        self.prefill_tokens
+    }
+}
+
+/// The parts of a cost estimate, seconds.
+#[derive(Debug, Clone, Copy)]
+struct Estimate {
+    /// Expected TTFT (RTT + overhead + queue + prefill + KV penalty).
+    ttft: f64,
+    /// `ttft` plus the region penalty: what ranking compares.
+    score: f64,
+    cached_blocks: usize,
+    uncached_tokens: f64,
+    work_ahead: f64,
+}
+
 /// Sans-IO router over a set of backends. See the [crate docs](crate).
 #[derive(Debug, Clone)]
 pub struct Router {
     policy: Policy,
-    health: HealthConfig,
-    default_ttft: Duration,
+    cfg: RouterConfig,
     backends: Vec<BackendState>,
     selector: Selector,
+    hedge_budget: HedgeBudget,
+    hedges_sent: u64,
 }
 
 impl Router {
-    /// A router with no backends. `seed` seeds the random choices of `p2c_ewma`.
+    /// A router with no backends and default settings apart from `health`. `seed` seeds the
+    /// random choices of `p2c_ewma`.
     pub fn new(policy: Policy, health: HealthConfig, seed: u64) -> Self {
+        Self::with_config(policy, RouterConfig::with_health(health), seed)
+    }
+
+    /// A router with no backends and the given settings (validate them first with
+    /// [`RouterConfig::validate`]; out-of-range values are used as given).
+    pub fn with_config(policy: Policy, cfg: RouterConfig, seed: u64) -> Self {
         Self {
             policy,
-            health,
-            default_ttft: DEFAULT_TTFT_ESTIMATE,
+            hedge_budget: HedgeBudget::new(&cfg.hedge),
+            cfg,
             backends: Vec::new(),
             selector: Selector::new(seed),
+            hedges_sent: 0,
         }
     }
 
     /// Replace the TTFT assumed for backends without samples (default
     /// [`DEFAULT_TTFT_ESTIMATE`]).
     pub fn with_default_ttft(mut self, ttft: Duration) -> Self {
-        self.default_ttft = ttft;
+        self.cfg.default_ttft = ttft;
         self
     }
 
@@ -48,17 +175,40 @@ impl Router {
 
     /// The health thresholds in use.
     pub fn health_config(&self) -> &HealthConfig {
-        &self.health
+        &self.cfg.health
     }
 
-    /// Add a backend; it starts healthy and idle. Ids are dense: the n-th backend added gets
-    /// `BackendId(n)`.
+    /// All settings in use.
+    pub fn config(&self) -> &RouterConfig {
+        &self.cfg
+    }
+
+    /// Add a backend; it starts healthy and idle. Ids are dense and never reused: the n-th
+    /// backend added gets `BackendId(n)`.
     pub fn add_backend(&mut self, spec: BackendSpec) -> BackendId {
-        self.backends.push(BackendState::new(spec));
+        self.backends.push(BackendState::new(
+            spec,
+            &self.cfg.cost,
+            self.cfg.prefix_capacity_blocks,
+        ));
         BackendId(self.backends.len() - 1)
     }
 
-    /// Number of backends added.
+    /// Remove a backend (discovery dropped it): it is never ranked again and disappears from
+    /// [`Router::backends`] and [`Router::backend`]. Attempts already in flight may still be
+    /// ended. Returns false for an unknown or already removed id.
+    pub fn remove_backend(&mut self, id: BackendId) -> bool {
+        match self.backends.get_mut(id.0) {
+            Some(b) if !b.removed => {
+                b.removed = true;
+                b.prefix.clear();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Number of backends added (removed ones included: ids are never reused).
     pub fn len(&self) -> usize {
         self.backends.len()
     }
@@ -79,36 +229,67 @@ impl Router {
 
     /// Rank the backends for a request for `model` at `now`: the first is the one to use, the
     /// rest (all other eligible backends, no duplicates) are the order for retries and hedges.
-    ///
-    /// Eligible means: serves `model`, not ejected, and below its `max_inflight`.
+    /// Same as [`Router::route`] with a request that carries only the model.
     ///
     /// # Errors
     ///
-    /// [`RouteError::UnknownModel`] if no backend serves `model`,
-    /// [`RouteError::NoHealthyBackend`] if all that serve it are ejected,
-    /// [`RouteError::Saturated`] if all healthy ones that serve it are full.
-    pub fn rank(&mut self, model: &str, _now: Instant) -> Result<Vec<BackendId>, RouteError> {
+    /// As [`Router::route`].
+    pub fn rank(&mut self, model: &str, now: Instant) -> Result<Vec<BackendId>, RouteError> {
+        self.route(&RouteRequest::new(model), now)
+            .map(|r| r.backends)
+    }
+
+    /// Rank the backends for `req` at `now`.
+    ///
+    /// Eligible means: serves the model, not removed, below its `max_inflight`, and either
+    /// healthy or an ejected backend whose half-open trial is due (at most one such backend
+    /// is included, first, and its trial is reserved for this request). Under the `cost`
+    /// policy the rest are ordered by expected time to first token, and a session key puts its
+    /// rendezvous backend (bounded load) first.
+    ///
+    /// # Errors
+    ///
+    /// [`RouteError::UnknownModel`] if no backend serves the model,
+    /// [`RouteError::NoHealthyBackend`] if all that serve it are ejected (and none is due a
+    /// trial), [`RouteError::Saturated`] if all healthy ones that serve it are full.
+    pub fn route(&mut self, req: &RouteRequest, now: Instant) -> Result<Route, RouteError> {
+        let model = req.model.as_str();
         let (mut serving, mut healthy) = (false, false);
+        let mut trial: Option<BackendId> = None;
         let mut cands = Vec::with_capacity(self.backends.len());
         for (i, b) in self.backends.iter().enumerate() {
             if !b.serves(model) {
                 continue;
             }
             serving = true;
-            if !b.health.is_healthy() {
+            let due_trial = trial.is_none()
+                && !b.health.is_healthy()
+                && b.health.trial_available(now, &self.cfg.outlier);
+            if !b.health.is_healthy() && !due_trial {
                 continue;
             }
             healthy = true;
             if !b.has_headroom() {
                 continue;
             }
+            if due_trial {
+                trial = Some(BackendId(i));
+                continue;
+            }
+            let cost = match self.policy {
+                Policy::CostAware => self.estimate(b, req, now).score,
+                Policy::P2cEwma => {
+                    b.ttft.secs_or(self.cfg.default_ttft) * (f64::from(b.inflight) + 1.0)
+                }
+                Policy::RoundRobin | Policy::LeastInflight => 0.0,
+            };
             cands.push(Candidate {
                 id: BackendId(i),
                 inflight: b.inflight,
-                cost: b.ttft.secs_or(self.default_ttft) * (f64::from(b.inflight) + 1.0),
+                cost,
             });
         }
-        if cands.is_empty() {
+        if cands.is_empty() && trial.is_none() {
             let model = model.to_owned();
             return Err(if !serving {
                 RouteError::UnknownModel { model }
@@ -118,55 +299,435 @@ impl Router {
                 RouteError::Saturated { model }
             });
         }
-        self.selector
-            .order(self.policy, &mut cands, self.backends.len());
-        Ok(cands.into_iter().map(|c| c.id).collect())
+        self.hedge_budget.earn(&self.cfg.hedge);
+        let mut reason = match self.policy {
+            Policy::CostAware => RouteReason::LowestCost,
+            p => RouteReason::Policy(p),
+        };
+        if !cands.is_empty() {
+            self.selector
+                .order(self.policy, &mut cands, self.backends.len());
+            if let Some((pos, r)) = self.session_pick(req, &cands) {
+                cands[..=pos].rotate_right(1);
+                reason = r;
+            }
+        }
+        let mut ranked: Vec<BackendId> = Vec::with_capacity(cands.len() + 1);
+        if let Some(t) = trial {
+            let b = &mut self.backends[t.0];
+            if b.health
+                .reserve_trial(now, &self.cfg.health, &self.cfg.outlier)
+            {
+                ranked.push(t);
+                reason = RouteReason::HalfOpenTrial;
+            }
+        }
+        ranked.extend(cands.iter().map(|c| c.id));
+        let Some(first) = ranked.first().map(|id| &self.backends[id.0]) else {
+            // Only reachable if the due trial could not be reserved, which the filter above
+            // rules out; answer as if it were not due.
+            return Err(RouteError::NoHealthyBackend {
+                model: model.to_owned(),
+            });
+        };
+        let est = self.estimate(first, req, now);
+        Ok(Route {
+            backends: ranked,
+            reason,
+            expected_ttft: Duration::try_from_secs_f64(est.ttft).unwrap_or(Duration::MAX),
+            cached_blocks: est.cached_blocks,
+        })
     }
 
-    /// An attempt was sent to `id`: one more in flight.
-    pub fn on_attempt_start(&mut self, id: BackendId, _now: Instant) {
+    /// The position in `cands` of the session's rendezvous backend, and the reason.
+    fn session_pick(
+        &self,
+        req: &RouteRequest,
+        cands: &[Candidate],
+    ) -> Option<(usize, RouteReason)> {
+        let session = req.session.as_ref()?;
+        if self.policy != Policy::CostAware || !self.cfg.affinity.enabled {
+            return None;
+        }
+        let slot = |c: &Candidate| Slot {
+            id: c.id,
+            name_hash: self.backends[c.id.0].name_hash,
+            inflight: c.inflight,
+        };
+        let mut slots: Vec<Slot> = Vec::new();
+        if let (true, Some(region)) = (
+            self.cfg.affinity.prefer_client_region,
+            req.client_region.as_deref(),
+        ) {
+            slots.extend(
+                cands
+                    .iter()
+                    .filter(|c| self.backends[c.id.0].spec.region == region)
+                    .map(slot),
+            );
+        }
+        if slots.is_empty() {
+            slots.extend(cands.iter().map(slot));
+        }
+        let placed = affinity::place(
+            affinity::key_hash(&session.key),
+            &slots,
+            self.cfg.affinity.epsilon,
+        )?;
+        let pos = cands.iter().position(|c| c.id == placed.id)?;
+        Some((
+            pos,
+            RouteReason::Session {
+                kind: session.kind,
+                spilled: placed.rank > 0,
+            },
+        ))
+    }
+
+    /// The cost model for `req` on `b` at `now` (see [`crate::cost`]).
+    fn estimate(&self, b: &BackendState, req: &RouteRequest, now: Instant) -> Estimate {
+        let cfg = &self.cfg.cost;
+        let cached_blocks = b.prefix.cached_prefix(&req.blocks);
+        let prompt = f64::from(req.prompt_tokens);
+        let uncached_tokens = if req.blocks.is_empty() {
+            prompt
+        } else {
+            prompt * (req.blocks.len() - cached_blocks) as f64 / req.blocks.len() as f64
+        };
+        let work_ahead = b.effective_work(now, cfg);
+        let kv = b
+            .load
+            .as_ref()
+            .and_then(|l| l.fresh(now, cfg))
+            .and_then(|s| s.kv_cache_usage)
+            .map_or(0.0, |u| kv_penalty(u, cfg));
+        let ttft = b.rtt_secs()
+            + b.rates.overhead()
+            + work_ahead * b.rates.secs_per_queued_token()
+            + uncached_tokens * b.rates.secs_per_prefill_token()
+            + kv;
+        let away = match req.client_region.as_deref() {
+            Some(r) => !b.spec.region.is_empty() && b.spec.region != r,
+            None => false,
+        };
+        let penalty = if away {
+            cfg.cross_region_penalty.as_secs_f64()
+        } else {
+            0.0
+        };
+        Estimate {
+            ttft,
+            score: ttft + penalty,
+            cached_blocks,
+            uncached_tokens,
+            work_ahead,
+        }
+    }
+
+    /// An attempt for `req` is sent to `id` at `now`: counts it in flight with its token work,
+    /// records its prompt blocks in the backend's prefix index, and starts the backend's
+    /// half-open trial if this is it. End the ticket with [`Router::end_attempt`].
+    ///
+    /// An unknown id gives a ticket whose later events are ignored.
+    pub fn start_attempt(
+        &mut self,
+        id: BackendId,
+        req: &RouteRequest,
+        now: Instant,
+    ) -> AttemptTicket {
+        let output_tokens = u64::from(self.cfg.cost.output_estimate(req.max_output_tokens));
+        let mut ticket = AttemptTicket {
+            id,
+            prefill_tokens: 0,
+            output_tokens,
+            work_ahead: 0.0,
+            predicted: 0.0,
+            trial: false,
+            first_token: false,
+            stalled: false,
+        };
+        let Some(b) = self.backends.get(id.0) else {
+            return ticket;
+        };
+        let est = self.estimate(b, req, now);
+        ticket.prefill_tokens = est.uncached_tokens.round() as u64;
+        ticket.work_ahead = est.work_ahead;
+        ticket.predicted = est.ttft;
+        let outlier_cfg = self.cfg.outlier;
+        let b = &mut self.backends[id.0];
+        b.inflight = b.inflight.saturating_add(1);
+        b.sized_inflight = b.sized_inflight.saturating_add(1);
+        let work = ticket.prefill_tokens + ticket.output_tokens;
+        b.work_tokens = b.work_tokens.saturating_add(work);
+        b.avg_attempt_work += 0.1 * (work as f64 - b.avg_attempt_work);
+        b.cache_lookup_blocks += req.blocks.len() as u64;
+        b.cache_hit_blocks += est.cached_blocks as u64;
+        b.prefix.insert(&req.blocks);
+        ticket.trial = b.health.begin_trial(now, &outlier_cfg);
+        ticket
+    }
+
+    /// The first token of `ticket`'s attempt arrived `ttft` after it was sent (at `now`):
+    /// feeds the TTFT estimates and the cost model's rates, judges TTFT outliers, and
+    /// re-admits a backend whose trial this was. Later calls for the same ticket are ignored.
+    pub fn first_token(
+        &mut self,
+        ticket: &mut AttemptTicket,
+        ttft: Duration,
+        now: Instant,
+    ) -> Option<HealthTransition> {
+        if ticket.first_token {
+            return None;
+        }
+        ticket.first_token = true;
+        let cfg = self.cfg;
+        let b = self.backends.get_mut(ticket.id.0)?;
+        b.work_tokens = b.work_tokens.saturating_sub(ticket.prefill_tokens);
+        b.rates.observe(
+            ttft.as_secs_f64() - b.rtt_secs(),
+            ticket.prefill_tokens as f64,
+            ticket.work_ahead,
+            &cfg.cost,
+        );
+        let transition = observe_ttft(b, ttft, ticket.predicted, ticket.trial, now, &cfg);
+        if ticket.trial && transition.is_some() {
+            ticket.trial = false;
+        }
+        transition
+    }
+
+    /// `ticket`'s stream produced no token for the gateway's stall timeout: a failure (see
+    /// [`crate::health`]). End the attempt afterwards as usual; a [`Outcome::Timeout`] after
+    /// a stall is not counted twice.
+    pub fn stalled(
+        &mut self,
+        ticket: &mut AttemptTicket,
+        now: Instant,
+    ) -> Option<HealthTransition> {
+        if ticket.stalled {
+            return None;
+        }
+        ticket.stalled = true;
+        let cfg = self.cfg;
+        let b = self.backends.get_mut(ticket.id.0)?;
+        let t = if std::mem::take(&mut ticket.trial) {
+            b.health.end_trial(Some(false), now, &cfg.health)
+        } else {
+            b.health.on_stall(now, &cfg.health, &cfg.outlier)
+        };
+        after_transition(b, t)
+    }
+
+    /// `ticket`'s attempt ended with `outcome` at `now`: its work leaves the queue and health
+    /// sees the outcome (as the trial's verdict if it was the trial).
+    pub fn end_attempt(
+        &mut self,
+        ticket: AttemptTicket,
+        outcome: Outcome,
+        now: Instant,
+    ) -> Option<HealthTransition> {
+        let cfg = self.cfg;
+        let b = self.backends.get_mut(ticket.id.0)?;
+        b.inflight = b.inflight.saturating_sub(1);
+        b.sized_inflight = b.sized_inflight.saturating_sub(1);
+        let mut work = ticket.output_tokens;
+        if !ticket.first_token {
+            work += ticket.prefill_tokens;
+        }
+        b.work_tokens = b.work_tokens.saturating_sub(work);
+        let t = if ticket.trial {
+            let verdict = match outcome {
+                Outcome::Success => Some(true),
+                Outcome::ClientCancelled => None,
+                _ => Some(false),
+            };
+            b.health.end_trial(verdict, now, &cfg.health)
+        } else if ticket.stalled && outcome == Outcome::Timeout {
+            None
+        } else {
+            b.health.on_outcome(outcome, now, &cfg.health)
+        };
+        after_transition(b, t)
+    }
+
+    /// An attempt was sent to `id` (size unknown): one more in flight. Prefer
+    /// [`Router::start_attempt`].
+    pub fn on_attempt_start(&mut self, id: BackendId, now: Instant) {
+        let ocfg = self.cfg.outlier;
         if let Some(b) = self.backends.get_mut(id.0) {
             b.inflight = b.inflight.saturating_add(1);
+            b.health.begin_trial(now, &ocfg);
         }
     }
 
-    /// The first response byte of an attempt on `id` arrived `ttft` after it was sent.
+    /// The first response byte of an attempt on `id` arrived `ttft` after it was sent. Feeds
+    /// the TTFT estimates and outlier detection; re-admits the backend if its trial is in
+    /// flight (use [`Router::first_token`] to see that transition).
     pub fn on_first_byte(&mut self, id: BackendId, ttft: Duration, now: Instant) {
+        let cfg = self.cfg;
         if let Some(b) = self.backends.get_mut(id.0) {
-            b.ttft.observe(ttft, now);
+            let trial = b.health.trial_in_flight();
+            observe_ttft(b, ttft, 0.0, trial, now, &cfg);
         }
     }
 
-    /// An attempt on `id` ended: one fewer in flight, and passive health sees the outcome.
-    /// Returns the health transition it caused, if any.
+    /// An attempt on `id` ended: one fewer in flight, and passive health sees the outcome (as
+    /// the trial's verdict if the backend's trial is in flight). Returns the health transition
+    /// it caused, if any.
     pub fn on_attempt_end(
         &mut self,
         id: BackendId,
         outcome: Outcome,
         now: Instant,
     ) -> Option<HealthTransition> {
+        let cfg = self.cfg;
         let b = self.backends.get_mut(id.0)?;
         b.inflight = b.inflight.saturating_sub(1);
-        b.health.on_outcome(outcome, now, &self.health)
+        let t = if b.health.trial_in_flight() {
+            let verdict = match outcome {
+                Outcome::Success => Some(true),
+                Outcome::ClientCancelled => None,
+                _ => Some(false),
+            };
+            b.health.end_trial(verdict, now, &cfg.health)
+        } else {
+            b.health.on_outcome(outcome, now, &cfg.health)
+        };
+        after_transition(b, t)
+    }
+
+    /// An open stream on `id` had no token for the stall timeout (id form of
+    /// [`Router::stalled`]; the later `Timeout` outcome of that attempt counts too).
+    pub fn on_stall(&mut self, id: BackendId, now: Instant) -> Option<HealthTransition> {
+        let cfg = self.cfg;
+        let b = self.backends.get_mut(id.0)?;
+        let t = if b.health.trial_in_flight() {
+            b.health.end_trial(Some(false), now, &cfg.health)
+        } else {
+            b.health.on_stall(now, &cfg.health, &cfg.outlier)
+        };
+        after_transition(b, t)
     }
 
     /// An active probe of `id` finished. Returns the health transition it caused, if any.
     pub fn on_probe(&mut self, id: BackendId, ok: bool, now: Instant) -> Option<HealthTransition> {
+        let health = self.cfg.health;
         let b = self.backends.get_mut(id.0)?;
-        b.health.on_probe(ok, now, &self.health)
+        let t = b.health.on_probe(ok, now, &health);
+        after_transition(b, t)
     }
 
-    /// A snapshot of one backend, `None` for an unknown id.
+    /// An active RTT probe of `id` measured `rtt` (network only, for example a TCP connect or
+    /// an HTTP/2 ping) at `now`.
+    pub fn on_rtt_sample(&mut self, id: BackendId, rtt: Duration, now: Instant) {
+        if let Some(b) = self.backends.get_mut(id.0) {
+            b.observe_rtt(rtt, now);
+        }
+    }
+
+    /// The engine's own load metrics for `id`, scraped at `now`; used by the cost model while
+    /// fresh (`cost.load_signal_max_age`).
+    pub fn on_load_signal(&mut self, id: BackendId, signal: LoadSignal, now: Instant) {
+        if let Some(b) = self.backends.get_mut(id.0) {
+            b.load = Some(TimedSignal { signal, at: now });
+        }
+    }
+
+    /// Record that `id` now holds `blocks` (already done by [`Router::start_attempt`]; use this
+    /// only with the id API).
+    pub fn on_routed(&mut self, id: BackendId, blocks: &[BlockHash]) {
+        if let Some(b) = self.backends.get_mut(id.0) {
+            b.prefix.insert(blocks);
+        }
+    }
+
+    /// Leading blocks of `blocks` that `id` is estimated to hold (0 for an unknown id).
+    pub fn cached_prefix(&self, id: BackendId, blocks: &[BlockHash]) -> usize {
+        self.backends
+            .get(id.0)
+            .map_or(0, |b| b.prefix.cached_prefix(blocks))
+    }
+
+    /// How long to wait for the first token on `id` before hedging to the next ranked backend:
+    /// its recent p95 TTFT, clamped to `[hedge.min_delay, hedge.max_delay]`. `None` when
+    /// hedging is off, the backend has fewer than `hedge.min_samples` TTFTs, or the hedge
+    /// budget is spent.
+    pub fn hedge_delay(&self, id: BackendId, _now: Instant) -> Option<Duration> {
+        let h = &self.cfg.hedge;
+        if !h.enabled || !self.hedge_budget.available() {
+            return None;
+        }
+        let p95 = self.backends.get(id.0)?.recent.p95(h.min_samples)?;
+        Some(p95.clamp(h.min_delay, h.max_delay.max(h.min_delay)))
+    }
+
+    /// The gateway is about to send a hedge (the delay passed without a first token): spends
+    /// one hedge from the budget. Returns false, and the hedge must not be sent, when hedging
+    /// is off or the budget is empty.
+    pub fn on_hedge_sent(&mut self, _now: Instant) -> bool {
+        if !self.cfg.hedge.enabled || !self.hedge_budget.spend() {
+            return false;
+        }
+        self.hedges_sent += 1;
+        true
+    }
+
+    /// Which of a hedged pair answered first (the gateway cancels the other and ends both
+    /// tickets, the loser as [`Outcome::ClientCancelled`]).
+    pub fn on_hedge_result(
+        &mut self,
+        primary: BackendId,
+        hedge: BackendId,
+        winner: HedgeWinner,
+        _now: Instant,
+    ) {
+        let (won, lost) = match winner {
+            HedgeWinner::Primary => (primary, hedge),
+            HedgeWinner::Hedge => (hedge, primary),
+        };
+        if let Some(b) = self.backends.get_mut(won.0) {
+            b.hedges_won += 1;
+        }
+        if let Some(b) = self.backends.get_mut(lost.0) {
+            b.hedges_lost += 1;
+        }
+    }
+
+    /// A snapshot of one backend, `None` for an unknown or removed id.
     pub fn backend(&self, id: BackendId) -> Option<BackendView<'_>> {
-        self.backends.get(id.0).map(|b| b.view(id))
+        self.backends
+            .get(id.0)
+            .filter(|b| !b.removed)
+            .map(|b| b.view(id))
     }
 
-    /// Snapshots of every backend, in id order, for metrics and status.
+    /// Snapshots of every backend not removed, in id order, for metrics and status.
     pub fn backends(&self) -> impl Iterator<Item = (BackendId, BackendView<'_>)> + '_ {
-        self.backends.iter().enumerate().map(|(i, b)| {
-            let id = BackendId(i);
-            (id, b.view(id))
-        })
+        self.backends
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| !b.removed)
+            .map(|(i, b)| {
+                let id = BackendId(i);
+                (id, b.view(id))
+            })
+    }
+
+    /// Everything the status page and admin JSON show, at `now`.
+    pub fn snapshot(&self, now: Instant) -> RouterSnapshot {
+        RouterSnapshot {
+            policy: self.policy.as_str(),
+            hedging: self.cfg.hedge.enabled,
+            hedges_sent: self.hedges_sent,
+            hedge_budget: self.hedge_budget.tokens(),
+            backends: self
+                .backends
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| !b.removed)
+                .map(|(i, b)| BackendSnapshot::of(BackendId(i), b, now, &self.cfg))
+                .collect(),
+        }
     }
 
     /// Whether any backend (healthy or not) serves `model`.
@@ -179,10 +740,52 @@ impl Router {
         let set: BTreeSet<&str> = self
             .backends
             .iter()
+            .filter(|b| !b.removed)
             .flat_map(|b| b.spec.models.iter().map(String::as_str))
             .collect();
         set.into_iter().map(str::to_owned).collect()
     }
+}
+
+/// Record a TTFT on `b`: estimates, outlier judgement, trial verdict.
+fn observe_ttft(
+    b: &mut BackendState,
+    ttft: Duration,
+    predicted: f64,
+    trial: bool,
+    now: Instant,
+    cfg: &RouterConfig,
+) -> Option<HealthTransition> {
+    b.ttft.observe(ttft, now);
+    let o = &cfg.outlier;
+    // During a streak of outliers, judge against the p95 from before the streak: otherwise a
+    // sustained slowdown raises its own yardstick before it counts as sustained (with few
+    // samples the p95 is the third-largest). Every sample still enters the window, so the
+    // hedge delay sees the real tail and a lasting change of regime is learned.
+    if b.health.ttft_outlier_streak() == 0 {
+        b.outlier_baseline = b.recent.p95(o.ttft_outlier_min_samples);
+    }
+    let outlier = b.outlier_baseline.is_some_and(|p95| {
+        let base = p95.as_secs_f64().max(predicted);
+        ttft > o.ttft_outlier_floor && ttft.as_secs_f64() > o.ttft_outlier_factor * base
+    });
+    b.recent.push(ttft);
+    let t = if trial {
+        b.health.end_trial(Some(true), now, &cfg.health)
+    } else {
+        b.health.on_ttft(outlier, now, &cfg.health, o)
+    };
+    after_transition(b, t)
+}
+
+/// Side effects of a health transition on the rest of the backend's state.
+fn after_transition(b: &mut BackendState, t: Option<HealthTransition>) -> Option<HealthTransition> {
+    if let Some(HealthTransition::Ejected { reason }) = t {
+        if reason.suggests_restart() {
+            b.prefix.clear();
+        }
+    }
+    t
 }
 
 #[cfg(test)]
@@ -329,9 +932,9 @@ mod tests {
             for k in 0..3 {
                 r.on_probe(down, false, t0 + ms(1000 * k));
             }
-            assert_eq!(r.rank(M, t0 + ms(3000)), Ok(vec![ok]), "{policy}");
-            r.on_attempt_end(full, Outcome::Success, t0 + ms(3000));
-            let ranked = r.rank(M, t0 + ms(3000)).expect("eligible backends");
+            assert_eq!(r.rank(M, t0 + ms(2500)), Ok(vec![ok]), "{policy}");
+            r.on_attempt_end(full, Outcome::Success, t0 + ms(2500));
+            let ranked = r.rank(M, t0 + ms(2500)).expect("eligible backends");
             assert_eq!(ranked.len(), 2);
             assert!(!ranked.contains(&down));
         }
@@ -450,7 +1053,10 @@ mod tests {
         assert_eq!("round_robin".parse(), Ok(Policy::RoundRobin));
         assert_eq!("least_inflight".parse(), Ok(Policy::LeastInflight));
         assert_eq!("p2c_ewma".parse(), Ok(Policy::P2cEwma));
-        assert_eq!(Policy::default(), Policy::P2cEwma);
+        assert_eq!("cost".parse(), Ok(Policy::CostAware));
+        assert_eq!(Policy::default(), Policy::CostAware);
+        let p: Policy = serde_json::from_str("\"cost\"").expect("config name");
+        assert_eq!(p, Policy::CostAware);
         let err = "random".parse::<Policy>().expect_err("not a policy");
         let msg = err.to_string();
         for p in Policy::ALL {

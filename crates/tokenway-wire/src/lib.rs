@@ -1,14 +1,24 @@
 //! Sans-IO codecs for tokenway's wire formats.
 //!
 //! This crate holds the byte-level logic that the serving roles run on their hot paths:
-//! today the incremental Server-Sent-Events scanner used by the gateway's streaming proxy
-//! ([`sse`]); later FEC blocks, obfuscation, loss reports and manifests.
+//! the incremental Server-Sent-Events scanner used by the gateway's streaming proxy
+//! ([`sse`]), and the tunnel's datagram layer below QUIC (`docs/datagram-layer.md`): its
+//! framing ([`packet`]), forward error correction ([`fec`]), loss reports ([`loss_report`])
+//! and obfuscation ([`obfs`]). The `quinn` socket adapter that drives the datagram layer lives
+//! in `tokenway-transport`.
 //!
 //! It must never do I/O, read a clock, spawn tasks or depend on tokio: every input (bytes,
 //! and time where needed) is a parameter, so every codec is deterministic and unit-testable.
-//! It has no runtime dependencies.
+//! Randomness (obfuscation salts) comes from an RNG the caller seeds.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod error;
+pub mod fec;
+pub mod loss_report;
+pub mod obfs;
+pub mod packet;
 pub mod sse;
+
+pub use error::WireError;

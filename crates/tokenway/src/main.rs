@@ -29,6 +29,9 @@ enum Command {
     /// Side-by-side measurements.
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
+    /// Emulated lossy links between network namespaces (needs root).
+    #[command(subcommand)]
+    Netlab(cmd::netlab::NetlabCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -51,6 +54,7 @@ fn main() -> std::process::ExitCode {
             Command::Edge(args) => cmd::edge::run(args).await,
             Command::Demo(args) => cmd::demo::run(args).await,
             Command::Bench(command) => cmd::bench::run(command).await,
+            Command::Netlab(command) => cmd::netlab::run(command).await,
         }
     });
     match result {

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod demo;
 pub mod edge;
 pub mod gateway;
+pub mod netlab;
 pub mod signal;
 pub mod sim;
 pub mod smoke;

@@ -44,7 +44,10 @@ async fn the_example_configs_start_and_serve() {
 
     // The edge starts even while its gateway is unreachable, and keeps answering locally.
     let edge_cfg = example("edge.toml");
-    let edge = start_args(&["edge", "--config", &edge_cfg, "--listen", "127.0.0.1:0"], false);
+    let edge = start_args(
+        &["edge", "--config", &edge_cfg, "--listen", "127.0.0.1:0"],
+        false,
+    );
     assert_eq!(get(&format!("{}/metrics", edge.url())).await.status, 200);
 }
 

@@ -1,0 +1,143 @@
+//! How many repair packets a block gets.
+//!
+//! The starting point is a table by block size, chosen so that the small blocks of a sparse
+//! token stream (where a lost last packet costs QUIC a whole probe timeout) are the best
+//! protected: 1:1, 2:2, 4:2, 8:3, 16:4, interpolated upwards in between and `⌈k/4⌉` beyond 16.
+//! In `auto` mode the table is a floor; the receiver's loss reports can raise it:
+//!
+//! ```text
+//! needed(k) = ⌈ k·p + 2·√(k·p·b) ⌉
+//! ```
+//!
+//! where `p` is the estimated loss rate and `b ≥ 1` the estimated mean burst length: the
+//! expected losses in the block plus two standard deviations, the variance scaled by the burst
+//! length because losses arrive in bursts of `b` (a compound-Poisson approximation). The
+//! estimates rise fast and decay slowly: a report showing more loss than the estimate moves it
+//! half-way to the sample, one showing less moves it an eighth of the way, so the redundancy
+//! reacts within one report interval and relaxes over about a second of clean reports. The
+//! result is capped at `2k + 1` and [`MAX_BLOCK_REPAIRS`]; the sender's overhead budget caps the
+//! bytes on top of that.
+
+use crate::loss_report::LossReport;
+use crate::packet::MAX_BLOCK_REPAIRS;
+
+/// Weight of a sample above the estimate.
+const RISE: f64 = 0.5;
+/// Weight of a sample below the estimate.
+const DECAY: f64 = 0.125;
+/// Loss rates below this are treated as no loss (keeps the decay from lingering forever).
+const LOSS_FLOOR: f64 = 1e-4;
+
+/// Table redundancy for a block of `k` source packets (`k ≥ 1`).
+pub fn table_repairs(k: usize) -> usize {
+    const POINTS: [(usize, usize); 5] = [(1, 1), (2, 2), (4, 2), (8, 3), (16, 4)];
+    if k <= 1 {
+        return 1;
+    }
+    if k > 16 {
+        return k.div_ceil(4);
+    }
+    for w in POINTS.windows(2) {
+        let ((k0, r0), (k1, r1)) = (w[0], w[1]);
+        if k <= k1 {
+            // r0 + (r1 - r0)·(k - k0)/(k1 - k0), rounded up; r is non-decreasing in k.
+            return r0 + ((r1 - r0) * (k - k0)).div_ceil(k1 - k0);
+        }
+    }
+    4
+}
+
+/// Loss and burst estimates built from the peer receiver's reports.
+#[derive(Debug, Clone, Default)]
+pub struct Adaptation {
+    loss: f64,
+    burst: f64,
+    last: Option<LossReport>,
+}
+
+impl Adaptation {
+    /// Feeds one loss report. Returns `false` (and changes nothing) for a report that is not
+    /// newer than the last one (reordered or replayed). The first report only sets the
+    /// baseline, since its counters cover an unknown period.
+    pub fn on_report(&mut self, report: &LossReport) -> bool {
+        let Some(prev) = self.last else {
+            self.last = Some(*report);
+            return true;
+        };
+        if !report.is_newer_than(&prev) {
+            return false;
+        }
+        self.last = Some(*report);
+        let sample = report.since(&prev);
+        if let Some(p) = sample.loss_rate() {
+            self.loss = blend(self.loss, p);
+            if self.loss < LOSS_FLOOR {
+                self.loss = 0.0;
+            }
+            let b = sample.mean_burst().unwrap_or(1.0);
+            self.burst = blend(self.burst.max(1.0), b);
+        }
+        true
+    }
+
+    /// The estimated loss rate (0 until a report shows loss).
+    pub fn loss_estimate(&self) -> f64 {
+        self.loss
+    }
+
+    /// The estimated mean loss-burst length (at least 1).
+    pub fn burst_estimate(&self) -> f64 {
+        self.burst.max(1.0)
+    }
+
+    /// Repair packets for a block of `k` source packets: the table, raised by the estimates.
+    pub fn repairs_for(&self, k: usize) -> usize {
+        let k = k.max(1);
+        let kp = k as f64 * self.loss;
+        let needed = (kp + 2.0 * (kp * self.burst_estimate()).sqrt()).ceil() as usize;
+        table_repairs(k)
+            .max(needed)
+            .min(2 * k + 1)
+            .min(MAX_BLOCK_REPAIRS)
+    }
+}
+
+fn blend(estimate: f64, sample: f64) -> f64 {
+    let w = if sample > estimate { RISE } else { DECAY };
+    estimate + w * (sample - estimate)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_matches_the_anchor_points_and_interpolates_upwards() {
+        let r: Vec<usize> = (1..=20).map(table_repairs).collect();
+        assert_eq!(
+            r,
+            vec![1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5]
+        );
+    }
+
+    fn report(seq: u32, received: u32, lost: u32, bursts: u32) -> LossReport {
+        LossReport {
+            seq,
+            received,
+            lost,
+            bursts: [bursts, 0, 0, 0, 0, 0, 0, 0],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn stale_reports_are_ignored() {
+        let mut a = Adaptation::default();
+        assert!(a.on_report(&report(5, 0, 0, 0)));
+        assert!(a.on_report(&report(6, 80, 20, 20)));
+        let before = a.loss_estimate();
+        assert!(!a.on_report(&report(6, 80, 20, 20)));
+        assert!(!a.on_report(&report(4, 0, 0, 0)));
+        assert_eq!(a.loss_estimate(), before);
+    }
+}

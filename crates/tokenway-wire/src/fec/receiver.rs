@@ -1,0 +1,712 @@
+//! The receiving half: UDP payload in, QUIC datagrams out.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::codec::Decoder;
+use crate::error::WireError;
+use crate::loss_report::{BurstHistogram, LossReport, BURST_BUCKETS};
+use crate::obfs::{Obfuscator, SALT_LEN};
+use crate::packet::{
+    self, BlockId, Packet, RepairHeader, SourceHeader, MAX_BLOCK_SOURCES, PLAIN_HEADER_LEN,
+    SOURCE_HEADER_LEN,
+};
+
+/// Finalised blocks remembered (by id modulo this) to recognise duplicates and late repairs.
+const HISTORY: usize = 1024;
+/// A block this many ids behind the newest is stale: dropped, not tracked.
+const STALE_WINDOW: i32 = 512;
+/// After this many stale packets in a row the peer has restarted its block numbering (a new
+/// connection from the same address): forget everything and follow it.
+const STALE_RESYNC: u32 = 64;
+/// Most restored packets waiting for [`FecReceiver::pop_recovered`].
+const MAX_RECOVERED_QUEUE: usize = 2 * MAX_BLOCK_SOURCES;
+
+/// Receiver configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReceiverConfig {
+    /// Most blocks kept open at once; the oldest is finalised to make room (default 64).
+    pub max_open_blocks: usize,
+    /// A block still incomplete this long after its first packet is finalised with its
+    /// losses unrecovered (default 250 ms: beyond that QUIC has retransmitted anyway).
+    pub max_block_age: Duration,
+    /// Most packet bytes buffered across open blocks (default 4 MiB).
+    pub max_buffered_bytes: usize,
+    /// Least time between two loss reports (default 100 ms).
+    pub report_interval: Duration,
+}
+
+impl Default for ReceiverConfig {
+    fn default() -> Self {
+        Self {
+            max_open_blocks: 64,
+            max_block_age: Duration::from_millis(250),
+            max_buffered_bytes: 4 << 20,
+            report_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+impl ReceiverConfig {
+    /// Checks every field against its allowed range, naming the bad key.
+    pub fn validate(&self) -> Result<(), WireError> {
+        if !(1..=4096).contains(&self.max_open_blocks) {
+            return Err(WireError::InvalidConfig {
+                key: "fec.receiver.max_open_blocks",
+                reason: "must be in 1..=4096",
+            });
+        }
+        if self.max_block_age.is_zero() || self.max_block_age > Duration::from_secs(10) {
+            return Err(WireError::InvalidConfig {
+                key: "fec.receiver.max_block_age",
+                reason: "must be in (0, 10 s]",
+            });
+        }
+        if self.max_buffered_bytes < 64 * 1024 {
+            return Err(WireError::InvalidConfig {
+                key: "fec.receiver.max_buffered_bytes",
+                reason: "must be at least 64 KiB",
+            });
+        }
+        if self.report_interval < Duration::from_millis(1) {
+            return Err(WireError::InvalidConfig {
+                key: "fec.receiver.report_interval",
+                reason: "must be at least 1 ms",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Why a datagram was dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// Shorter than its salt or header.
+    Truncated,
+    /// Unknown version byte (also what a wrong obfuscation key usually looks like).
+    UnknownVersion,
+    /// Unknown packet type.
+    UnknownType,
+    /// A header field out of range or inconsistent with its block, or an empty payload.
+    Malformed,
+    /// A source or repair packet already seen (a network duplicate or a replay).
+    Duplicate,
+    /// A repair packet for a block that is already complete or given up. Normal in small
+    /// numbers: once a block is restored, its remaining repairs are surplus.
+    LateRepair,
+    /// A packet for a block too far behind the newest one.
+    Stale,
+}
+
+/// Dropped datagrams by [`DropReason`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DropCounters {
+    /// [`DropReason::Truncated`].
+    pub truncated: u64,
+    /// [`DropReason::UnknownVersion`].
+    pub unknown_version: u64,
+    /// [`DropReason::UnknownType`].
+    pub unknown_type: u64,
+    /// [`DropReason::Malformed`].
+    pub malformed: u64,
+    /// [`DropReason::Duplicate`].
+    pub duplicate: u64,
+    /// [`DropReason::LateRepair`].
+    pub late_repair: u64,
+    /// [`DropReason::Stale`].
+    pub stale: u64,
+}
+
+impl DropCounters {
+    fn count(&mut self, reason: DropReason) {
+        let c = match reason {
+            DropReason::Truncated => &mut self.truncated,
+            DropReason::UnknownVersion => &mut self.unknown_version,
+            DropReason::UnknownType => &mut self.unknown_type,
+            DropReason::Malformed => &mut self.malformed,
+            DropReason::Duplicate => &mut self.duplicate,
+            DropReason::LateRepair => &mut self.late_repair,
+            DropReason::Stale => &mut self.stale,
+        };
+        *c += 1;
+    }
+
+    /// All drops.
+    pub fn total(&self) -> u64 {
+        self.truncated
+            + self.unknown_version
+            + self.unknown_type
+            + self.malformed
+            + self.duplicate
+            + self.late_repair
+            + self.stale
+    }
+}
+
+/// Counters of an [`FecReceiver`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReceiverStats {
+    /// Datagrams handed to [`FecReceiver::on_datagram`].
+    pub datagrams: u64,
+    /// Plain packets delivered.
+    pub plain_packets: u64,
+    /// Source packets delivered as they arrived.
+    pub source_packets: u64,
+    /// Source packets that arrived after their block was finalised (still delivered).
+    pub late_sources: u64,
+    /// Repair packets accepted.
+    pub repair_packets: u64,
+    /// Source packets missing when their block was finalised, before recovery (losses seen).
+    pub lost: u64,
+    /// Missing source packets restored by FEC.
+    pub recovered: u64,
+    /// Missing source packets FEC could not restore (residual loss).
+    pub residual: u64,
+    /// Loss bursts by length.
+    pub bursts: BurstHistogram,
+    /// Blocks finalised complete (all sources received or restored).
+    pub blocks_complete: u64,
+    /// Blocks finalised incomplete (too old, or evicted for room).
+    pub blocks_incomplete: u64,
+    /// Blocks whose shards could not be decoded (inconsistent input).
+    pub decode_failures: u64,
+    /// Restored packets dropped because [`FecReceiver::pop_recovered`] was not drained.
+    pub recovered_dropped: u64,
+    /// Loss reports received from the peer.
+    pub reports_received: u64,
+    /// Loss reports sent.
+    pub reports_sent: u64,
+    /// Times the receiver followed a peer that restarted its block numbering.
+    pub resyncs: u64,
+    /// Dropped datagrams.
+    pub dropped: DropCounters,
+}
+
+/// What [`FecReceiver::on_datagram`] did with a datagram. After every call the caller also
+/// drains [`FecReceiver::pop_recovered`], since any packet can complete a block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Received {
+    /// Hand `datagram[range]` to QUIC (a source or plain packet, de-obfuscated in place).
+    Deliver(Range<usize>),
+    /// A repair packet, kept for recovery.
+    Repair,
+    /// A loss report from the peer: pass it to the local [`super::FecSender::on_loss_report`].
+    LossReport(LossReport),
+    /// Dropped and counted.
+    Dropped(DropReason),
+}
+
+#[derive(Debug)]
+struct Block {
+    id: BlockId,
+    opened: Instant,
+    /// `(k, r)` once a repair packet told us.
+    kr: Option<(u8, u8)>,
+    /// Shard length once a repair packet told us.
+    shard_len: usize,
+    /// Source indices that arrived.
+    received: u64,
+    /// Source indices restored.
+    recovered: u64,
+    /// One past the highest source index seen.
+    seen_sources: usize,
+    sources: Vec<(u8, Vec<u8>)>,
+    repairs: Vec<(u8, Vec<u8>)>,
+    bytes: usize,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Finalised {
+    id: BlockId,
+    valid: bool,
+    /// Source indices received or restored.
+    have: u64,
+}
+
+/// `reed_solomon_simd`'s decoder has no `Debug`.
+#[derive(Default)]
+struct DecoderBox(Decoder);
+
+impl std::fmt::Debug for DecoderBox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Decoder")
+    }
+}
+
+/// The receiving half of the datagram layer (de-obfuscation and FEC) for one peer.
+///
+/// Per incoming UDP datagram the socket adapter calls [`on_datagram`](Self::on_datagram) with
+/// the datagram in a mutable buffer and acts on the [`Received`] outcome, then drains
+/// [`pop_recovered`](Self::pop_recovered) into QUIC. It also sends what
+/// [`poll_transmit`](Self::poll_transmit) yields (loss reports, to the peer) and calls
+/// [`on_timeout`](Self::on_timeout) at [`next_deadline`](Self::next_deadline).
+#[derive(Debug)]
+pub struct FecReceiver {
+    config: ReceiverConfig,
+    obfs: Option<Obfuscator>,
+    rng: StdRng,
+    blocks: VecDeque<Block>,
+    buffered: usize,
+    history: Vec<Finalised>,
+    newest: Option<BlockId>,
+    stale_run: u32,
+    recovered_q: VecDeque<Vec<u8>>,
+    pool: Vec<Vec<u8>>,
+    decoder: DecoderBox,
+    report_seq: u32,
+    report_dirty: bool,
+    last_report: Option<Instant>,
+    /// The latest `now` seen, so that a due-at-once report has a deadline to give.
+    last_now: Option<Instant>,
+    stats: ReceiverStats,
+}
+
+impl FecReceiver {
+    /// A receiver with `config`, de-obfuscating with `obfs` if given. `seed` seeds the CSPRNG
+    /// for the salts of the loss reports it sends.
+    pub fn new(
+        config: ReceiverConfig,
+        obfs: Option<Obfuscator>,
+        seed: [u8; 32],
+    ) -> Result<Self, WireError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            obfs,
+            rng: StdRng::from_seed(seed),
+            blocks: VecDeque::new(),
+            buffered: 0,
+            history: vec![Finalised::default(); HISTORY],
+            newest: None,
+            stale_run: 0,
+            recovered_q: VecDeque::new(),
+            pool: Vec::new(),
+            decoder: DecoderBox::default(),
+            report_seq: 0,
+            report_dirty: false,
+            last_report: None,
+            last_now: None,
+            stats: ReceiverStats::default(),
+        })
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &ReceiverStats {
+        &self.stats
+    }
+
+    /// Number of blocks currently open (for metrics and tests).
+    pub fn open_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Bytes currently buffered in open blocks.
+    pub fn buffered_bytes(&self) -> usize {
+        self.buffered
+    }
+
+    /// Processes one UDP datagram, de-obfuscating it in place. Never panics, whatever the bytes.
+    pub fn on_datagram(&mut self, now: Instant, datagram: &mut [u8]) -> Received {
+        self.stats.datagrams += 1;
+        self.expire(now);
+        let outcome = self.classify(now, datagram);
+        if let Received::Dropped(reason) = outcome {
+            self.stats.dropped.count(reason);
+        }
+        outcome
+    }
+
+    fn classify(&mut self, now: Instant, datagram: &mut [u8]) -> Received {
+        let (offset, inner) = match &self.obfs {
+            Some(o) => match o.open_in_place(datagram) {
+                Ok(inner) => (SALT_LEN, &*inner),
+                Err(_) => return Received::Dropped(DropReason::Truncated),
+            },
+            None => (0, &*datagram),
+        };
+        let packet = match packet::parse(inner) {
+            Ok(p) => p,
+            Err(e) => return Received::Dropped(drop_reason(&e)),
+        };
+        let end = offset + inner.len();
+        match packet {
+            Packet::Plain(p) if !p.is_empty() => {
+                self.stats.plain_packets += 1;
+                Received::Deliver(offset + PLAIN_HEADER_LEN..end)
+            }
+            Packet::Source(h, p) if !p.is_empty() => {
+                let p = pooled_copy(&mut self.pool, p);
+                self.on_source(now, h, p, offset + SOURCE_HEADER_LEN..end)
+            }
+            Packet::Repair(h, shard) => {
+                let shard = pooled_copy(&mut self.pool, shard);
+                self.on_repair(now, h, shard)
+            }
+            Packet::LossReport(r) => {
+                self.stats.reports_received += 1;
+                Received::LossReport(r)
+            }
+            Packet::Plain(_) | Packet::Source(..) => Received::Dropped(DropReason::Malformed),
+        }
+    }
+
+    /// Finds the open block `id`, or where it was finalised; opens it if new. `Err` for a
+    /// stale id.
+    fn locate(&mut self, now: Instant, id: BlockId) -> Result<Slot, DropReason> {
+        if let Some(newest) = self.newest {
+            let d = id.distance_from(newest);
+            if d < -STALE_WINDOW {
+                self.stale_run += 1;
+                if self.stale_run < STALE_RESYNC {
+                    return Err(DropReason::Stale);
+                }
+                self.resync();
+            } else if d > 0 {
+                self.newest = Some(id);
+            }
+        }
+        if self.newest.is_none() {
+            self.newest = Some(id);
+        }
+        self.stale_run = 0;
+        if let Some(i) = self.blocks.iter().position(|b| b.id == id) {
+            return Ok(Slot::Open(i));
+        }
+        let h = &self.history[usize::from(id.0) % HISTORY];
+        if h.valid && h.id == id {
+            return Ok(Slot::Finalised);
+        }
+        while self.blocks.len() >= self.config.max_open_blocks {
+            self.finalise(0);
+        }
+        self.blocks.push_back(Block {
+            id,
+            opened: now,
+            kr: None,
+            shard_len: 0,
+            received: 0,
+            recovered: 0,
+            seen_sources: 0,
+            sources: Vec::new(),
+            repairs: Vec::new(),
+            bytes: 0,
+        });
+        Ok(Slot::Open(self.blocks.len() - 1))
+    }
+
+    fn on_source(
+        &mut self,
+        now: Instant,
+        h: SourceHeader,
+        packet: Vec<u8>,
+        range: Range<usize>,
+    ) -> Received {
+        let slot = self.locate(now, h.block);
+        let bit = 1u64 << h.index;
+        let i = match slot {
+            Err(reason) => {
+                self.pool.push(packet);
+                return Received::Dropped(reason);
+            }
+            Ok(Slot::Finalised) => {
+                self.pool.push(packet);
+                let f = &mut self.history[usize::from(h.block.0) % HISTORY];
+                if f.have & bit != 0 {
+                    return Received::Dropped(DropReason::Duplicate);
+                }
+                f.have |= bit;
+                self.stats.late_sources += 1;
+                return Received::Deliver(range);
+            }
+            Ok(Slot::Open(i)) => i,
+        };
+        let b = &mut self.blocks[i];
+        if (b.received | b.recovered) & bit != 0 {
+            self.pool.push(packet);
+            return Received::Dropped(DropReason::Duplicate);
+        }
+        if let Some((k, _)) = b.kr {
+            if h.index >= k || packet.len() + 2 > b.shard_len {
+                self.pool.push(packet);
+                return Received::Dropped(DropReason::Malformed);
+            }
+        }
+        b.received |= bit;
+        b.seen_sources = b.seen_sources.max(usize::from(h.index) + 1);
+        b.bytes += packet.len();
+        self.buffered += packet.len();
+        b.sources.push((h.index, packet));
+        self.stats.source_packets += 1;
+        self.progress(i);
+        self.enforce_byte_bound();
+        Received::Deliver(range)
+    }
+
+    fn on_repair(&mut self, now: Instant, h: RepairHeader, shard: Vec<u8>) -> Received {
+        let i = match self.locate(now, h.block) {
+            Err(reason) => {
+                self.pool.push(shard);
+                return Received::Dropped(reason);
+            }
+            Ok(Slot::Finalised) => {
+                self.pool.push(shard);
+                return Received::Dropped(DropReason::LateRepair);
+            }
+            Ok(Slot::Open(i)) => i,
+        };
+        let b = &mut self.blocks[i];
+        let consistent = match b.kr {
+            Some(kr) => kr == (h.k, h.r) && b.shard_len == shard.len(),
+            None => {
+                b.seen_sources <= usize::from(h.k)
+                    && b.sources.iter().all(|(_, p)| p.len() + 2 <= shard.len())
+            }
+        };
+        if !consistent {
+            self.pool.push(shard);
+            return Received::Dropped(DropReason::Malformed);
+        }
+        if b.repairs.iter().any(|(j, _)| *j == h.index) {
+            self.pool.push(shard);
+            return Received::Dropped(DropReason::Duplicate);
+        }
+        b.kr = Some((h.k, h.r));
+        b.shard_len = shard.len();
+        b.bytes += shard.len();
+        self.buffered += shard.len();
+        b.repairs.push((h.index, shard));
+        self.stats.repair_packets += 1;
+        self.progress(i);
+        self.enforce_byte_bound();
+        Received::Repair
+    }
+
+    /// Restores what can be restored in block `i` and finalises it once complete.
+    fn progress(&mut self, i: usize) {
+        let b = &mut self.blocks[i];
+        let Some((k, r)) = b.kr else { return };
+        let (k, r) = (usize::from(k), usize::from(r));
+        let all = low_bits(k);
+        let have = (b.received | b.recovered) & all;
+        if have == all {
+            self.finalise(i);
+            return;
+        }
+        if b.sources.len() + b.repairs.len() < k {
+            return;
+        }
+        let q = &mut self.recovered_q;
+        let pool = &mut self.pool;
+        let stats = &mut self.stats;
+        let mut restored = 0u64;
+        let result = self.decoder.0.decode(
+            k,
+            r,
+            b.shard_len,
+            &b.sources,
+            &b.repairs,
+            |index, packet| {
+                let bit = 1u64 << index;
+                if have & bit != 0 || restored & bit != 0 {
+                    return;
+                }
+                restored |= bit;
+                if q.len() >= MAX_RECOVERED_QUEUE {
+                    stats.recovered_dropped += 1;
+                    return;
+                }
+                q.push_back(pooled_copy(pool, packet));
+            },
+        );
+        b.recovered |= restored;
+        self.stats.recovered += u64::from(restored.count_ones());
+        if result.is_err() {
+            self.stats.decode_failures += 1;
+        }
+        self.finalise(i);
+    }
+
+    /// Closes block `i`: counts its losses and bursts, remembers what it had, frees its buffers.
+    fn finalise(&mut self, i: usize) {
+        let Some(b) = self.blocks.remove(i) else {
+            return;
+        };
+        let k = b.kr.map_or(b.seen_sources, |(k, _)| usize::from(k));
+        let all = low_bits(k);
+        let lost = u64::from((all & !b.received).count_ones());
+        let residual = u64::from((all & !(b.received | b.recovered)).count_ones());
+        self.stats.lost += lost;
+        self.stats.residual += residual;
+        if residual == 0 {
+            self.stats.blocks_complete += 1;
+        } else {
+            self.stats.blocks_incomplete += 1;
+        }
+        let mut run = 0u32;
+        for idx in 0..=k {
+            if idx < k && b.received & (1 << idx) == 0 {
+                run += 1;
+            } else if run > 0 {
+                self.stats.bursts.record(run);
+                run = 0;
+            }
+        }
+        self.history[usize::from(b.id.0) % HISTORY] = Finalised {
+            id: b.id,
+            valid: true,
+            have: b.received | b.recovered,
+        };
+        self.buffered -= b.bytes;
+        for (_, buf) in b.sources.into_iter().chain(b.repairs) {
+            self.pool_put(buf);
+        }
+        self.report_dirty = true;
+    }
+
+    fn pool_put(&mut self, mut buf: Vec<u8>) {
+        if self.pool.len() < 2 * MAX_BLOCK_SOURCES {
+            buf.clear();
+            self.pool.push(buf);
+        }
+    }
+
+    fn enforce_byte_bound(&mut self) {
+        while self.buffered > self.config.max_buffered_bytes && !self.blocks.is_empty() {
+            self.finalise(0);
+        }
+    }
+
+    fn expire(&mut self, now: Instant) {
+        self.last_now = Some(self.last_now.map_or(now, |t| t.max(now)));
+        while let Some(b) = self.blocks.front() {
+            if now.saturating_duration_since(b.opened) < self.config.max_block_age {
+                break;
+            }
+            self.finalise(0);
+        }
+    }
+
+    fn resync(&mut self) {
+        while !self.blocks.is_empty() {
+            self.finalise(0);
+        }
+        self.history.iter_mut().for_each(|h| h.valid = false);
+        self.newest = None;
+        self.stats.resyncs += 1;
+    }
+
+    /// Moves the next restored QUIC datagram into `out` (replacing its contents) and returns
+    /// `true`, or returns `false` if there is none.
+    pub fn pop_recovered(&mut self, out: &mut Vec<u8>) -> bool {
+        let Some(mut p) = self.recovered_q.pop_front() else {
+            return false;
+        };
+        std::mem::swap(out, &mut p);
+        self.pool_put(p);
+        true
+    }
+
+    /// The cumulative loss report as it stands.
+    pub fn loss_report(&self) -> LossReport {
+        let s = &self.stats;
+        let mut bursts = [0u32; BURST_BUCKETS];
+        for (o, &c) in bursts.iter_mut().zip(s.bursts.0.iter()) {
+            *o = c as u32;
+        }
+        LossReport {
+            seq: self.report_seq,
+            received: s.source_packets as u32,
+            lost: s.lost as u32,
+            recovered: s.recovered as u32,
+            residual: s.residual as u32,
+            bursts,
+        }
+    }
+
+    /// Writes a loss report to send to the peer into `out` (cleared first) and returns `true`
+    /// if one is due at `now`: at most one per report interval, and only after a block was
+    /// finalised since the last one.
+    pub fn poll_transmit(&mut self, now: Instant, out: &mut Vec<u8>) -> bool {
+        self.expire(now);
+        if !self.report_dirty {
+            return false;
+        }
+        if let Some(t) = self.last_report {
+            if now < t + self.config.report_interval {
+                return false;
+            }
+        }
+        self.report_seq = self.report_seq.wrapping_add(1);
+        let report = self.loss_report();
+        out.clear();
+        if self.obfs.is_some() {
+            out.resize(SALT_LEN, 0);
+        }
+        packet::write_loss_report(out, &report);
+        if let Some(o) = &self.obfs {
+            o.seal_in_place(&mut self.rng, out);
+        }
+        self.report_dirty = false;
+        self.last_report = Some(now);
+        self.stats.reports_sent += 1;
+        true
+    }
+
+    /// When [`on_timeout`](Self::on_timeout) or [`poll_transmit`](Self::poll_transmit) has
+    /// work next: the oldest block's expiry or the next loss report, if either.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let expiry = self
+            .blocks
+            .front()
+            .map(|b| b.opened + self.config.max_block_age);
+        let report = match (self.report_dirty, self.last_report) {
+            (false, _) => None,
+            (true, Some(t)) => Some(t + self.config.report_interval),
+            // Never reported yet: due at once.
+            (true, None) => self.last_now,
+        };
+        match (expiry, report) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Finalises blocks that have grown too old (their losses become residual).
+    pub fn on_timeout(&mut self, now: Instant) {
+        self.expire(now);
+    }
+}
+
+enum Slot {
+    Open(usize),
+    Finalised,
+}
+
+fn low_bits(k: usize) -> u64 {
+    if k >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << k) - 1
+    }
+}
+
+fn drop_reason(e: &WireError) -> DropReason {
+    match e {
+        WireError::Truncated { .. } => DropReason::Truncated,
+        WireError::UnknownVersion(_) => DropReason::UnknownVersion,
+        WireError::UnknownType(_) => DropReason::UnknownType,
+        _ => DropReason::Malformed,
+    }
+}
+
+/// Copies `bytes` into a buffer from `pool` (no allocation once the pool is warm).
+fn pooled_copy(pool: &mut Vec<Vec<u8>>, bytes: &[u8]) -> Vec<u8> {
+    let mut v = pool.pop().unwrap_or_default();
+    v.clear();
+    v.extend_from_slice(bytes);
+    v
+}

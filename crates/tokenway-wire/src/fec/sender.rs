@@ -1,0 +1,383 @@
+//! The sending half: QUIC datagram in, wire packets out.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::adapt::Adaptation;
+use super::codec::{shard_len_for, Encoder};
+use super::{datagram_overhead, FecConfig, FecMode, FecScope, MAX_DATAGRAM_LEN};
+use crate::error::WireError;
+use crate::loss_report::LossReport;
+use crate::obfs::{Obfuscator, SALT_LEN};
+use crate::packet::{self, BlockId, RepairHeader, SourceHeader, REPAIR_HEADER_LEN};
+
+/// Most repair packets waiting for their send time; beyond it the oldest are dropped.
+const MAX_PENDING_REPAIRS: usize = 4 * crate::packet::MAX_BLOCK_REPAIRS;
+/// Most unspent repair budget, in bytes: a long loss-free bulk phase must not fund a later
+/// burst of repairs far above the configured ratio.
+const MAX_CREDIT_BYTES: f64 = 64.0 * 1024.0;
+
+/// Counters of an [`FecSender`]. All byte counts are UDP payload bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SenderStats {
+    /// Datagrams sent without FEC (mode `off` or outside the scope).
+    pub plain_packets: u64,
+    /// Source packets sent.
+    pub source_packets: u64,
+    /// Bytes of source packets sent.
+    pub source_bytes: u64,
+    /// Repair packets sent (handed out by [`FecSender::poll_transmit`]).
+    pub repair_packets: u64,
+    /// Bytes of repair packets sent.
+    pub repair_bytes: u64,
+    /// Blocks closed.
+    pub blocks: u64,
+    /// Blocks closed by the flush deadline rather than by filling up.
+    pub blocks_flushed: u64,
+    /// Repair packets the overhead budget did not allow.
+    pub repairs_skipped_by_budget: u64,
+    /// Repair packets dropped because the pending queue was full.
+    pub repairs_dropped_queue_full: u64,
+    /// Loss reports applied to the redundancy.
+    pub reports_applied: u64,
+    /// Loss reports ignored as stale (reordered or replayed).
+    pub reports_stale: u64,
+}
+
+/// A repair packet waiting for its send time.
+#[derive(Debug)]
+struct Pending {
+    at: Instant,
+    bytes: Vec<u8>,
+}
+
+/// The block being filled.
+#[derive(Debug, Clone, Copy)]
+struct OpenBlock {
+    id: BlockId,
+    deadline: Instant,
+}
+
+/// The sending half of the datagram layer (FEC and obfuscation) for one peer.
+///
+/// Per outgoing QUIC datagram the socket adapter calls [`send`](Self::send), which writes one
+/// UDP payload to send at once; then it drains [`poll_transmit`](Self::poll_transmit) (repair
+/// packets that are due) and arms a timer for [`next_deadline`](Self::next_deadline), calling
+/// [`on_timeout`](Self::on_timeout) when it fires. Loss reports from the peer go to
+/// [`on_loss_report`](Self::on_loss_report).
+#[derive(Debug)]
+pub struct FecSender {
+    config: FecConfig,
+    obfs: Option<Obfuscator>,
+    rng: StdRng,
+    srtt: Option<Duration>,
+    interactive: bool,
+    next_block: BlockId,
+    open: Option<OpenBlock>,
+    /// Copies of the open block's packets; `sources[..count]` are live, the rest reused.
+    sources: Vec<Vec<u8>>,
+    count: usize,
+    encoder: EncoderBox,
+    pending: VecDeque<Pending>,
+    pool: Vec<Vec<u8>>,
+    adapt: Adaptation,
+    credit: f64,
+    stats: SenderStats,
+}
+
+/// `reed_solomon_simd`'s encoder has no `Debug`.
+#[derive(Default)]
+struct EncoderBox(Encoder);
+
+impl std::fmt::Debug for EncoderBox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Encoder")
+    }
+}
+
+impl FecSender {
+    /// A sender with `config`, obfuscating with `obfs` if given. `seed` seeds the CSPRNG that
+    /// draws the obfuscation salts: take it from the OS (`getrandom`) in production, a fixed
+    /// value in tests.
+    pub fn new(
+        config: FecConfig,
+        obfs: Option<Obfuscator>,
+        seed: [u8; 32],
+    ) -> Result<Self, WireError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            obfs,
+            rng: StdRng::from_seed(seed),
+            srtt: None,
+            interactive: false,
+            next_block: BlockId(0),
+            open: None,
+            sources: Vec::new(),
+            count: 0,
+            encoder: EncoderBox::default(),
+            pending: VecDeque::new(),
+            pool: Vec::new(),
+            adapt: Adaptation::default(),
+            credit: 0.0,
+            stats: SenderStats::default(),
+        })
+    }
+
+    /// Bytes this sender adds at most to a QUIC datagram (see [`datagram_overhead`]).
+    pub fn overhead(&self) -> usize {
+        datagram_overhead(self.config.mode != FecMode::Off, self.obfs.is_some())
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &SenderStats {
+        &self.stats
+    }
+
+    /// The redundancy state, for metrics and tests.
+    pub fn adaptation(&self) -> &Adaptation {
+        &self.adapt
+    }
+
+    /// Repair packets a block of `k` packets would get now (before the byte budget).
+    pub fn planned_repairs(&self, k: usize) -> usize {
+        match self.config.mode {
+            FecMode::Off => 0,
+            FecMode::Fixed { r, .. } => usize::from(r),
+            FecMode::Auto => self.adapt.repairs_for(k),
+        }
+    }
+
+    /// Updates the smoothed RTT, which sets the flush delay of blocks opened from now on.
+    pub fn set_srtt(&mut self, srtt: Duration) {
+        self.srtt = Some(srtt);
+    }
+
+    /// Tells the sender whether the connection is in the interactive class. With
+    /// [`FecScope::Interactive`], leaving it closes the open block (its repairs follow) and
+    /// sends further packets plain.
+    pub fn set_interactive(&mut self, now: Instant, interactive: bool) {
+        self.interactive = interactive;
+        if !self.fec_active() {
+            self.close_block(now, false);
+        }
+    }
+
+    /// Applies a loss report from the peer's receiver to the redundancy.
+    pub fn on_loss_report(&mut self, report: &LossReport) {
+        if self.adapt.on_report(report) {
+            self.stats.reports_applied += 1;
+        } else {
+            self.stats.reports_stale += 1;
+        }
+    }
+
+    fn fec_active(&self) -> bool {
+        self.config.mode != FecMode::Off && (self.config.scope == FecScope::All || self.interactive)
+    }
+
+    fn k_max(&self) -> usize {
+        match self.config.mode {
+            FecMode::Fixed { k, .. } => usize::from(k),
+            _ => usize::from(self.config.k_max),
+        }
+    }
+
+    fn flush_delay(&self) -> Duration {
+        match self.srtt {
+            Some(srtt) => self.config.max_flush_delay.min(srtt / 8),
+            None => self.config.max_flush_delay,
+        }
+    }
+
+    /// Frames one outgoing QUIC datagram and writes the UDP payload to send *now* into `out`
+    /// (cleared first). The packet is never held back; if it fills its block, the block's
+    /// repair packets become available from [`poll_transmit`](Self::poll_transmit).
+    pub fn send(&mut self, now: Instant, quic: &[u8], out: &mut Vec<u8>) -> Result<(), WireError> {
+        if quic.is_empty() || quic.len() > MAX_DATAGRAM_LEN {
+            return Err(WireError::TooLarge {
+                len: quic.len(),
+                max: MAX_DATAGRAM_LEN,
+            });
+        }
+        self.on_timeout(now);
+        out.clear();
+        self.reserve_salt(out);
+        if !self.fec_active() {
+            packet::write_plain_header(out);
+            out.extend_from_slice(quic);
+            self.seal(out);
+            self.stats.plain_packets += 1;
+            return Ok(());
+        }
+        let block = match self.open {
+            Some(b) => b,
+            None => {
+                let b = OpenBlock {
+                    id: self.next_block,
+                    deadline: now + self.flush_delay(),
+                };
+                self.next_block = self.next_block.next();
+                self.open = Some(b);
+                b
+            }
+        };
+        packet::write_source_header(
+            out,
+            SourceHeader {
+                block: block.id,
+                index: self.count as u8,
+            },
+        );
+        out.extend_from_slice(quic);
+        self.seal(out);
+        if self.sources.len() <= self.count {
+            self.sources.push(Vec::new());
+        }
+        let slot = &mut self.sources[self.count];
+        slot.clear();
+        slot.extend_from_slice(quic);
+        self.count += 1;
+        self.stats.source_packets += 1;
+        self.stats.source_bytes += out.len() as u64;
+        self.credit =
+            (self.credit + self.config.max_overhead * out.len() as f64).min(MAX_CREDIT_BYTES);
+        if self.count >= self.k_max() {
+            self.close_block(now, false);
+        }
+        Ok(())
+    }
+
+    /// Writes the next repair packet that is due at `now` into `out` (cleared first) and
+    /// returns `true`, or returns `false` if none is due.
+    pub fn poll_transmit(&mut self, now: Instant, out: &mut Vec<u8>) -> bool {
+        match self.pending.front() {
+            Some(p) if p.at <= now => {}
+            _ => return false,
+        }
+        let Some(mut p) = self.pending.pop_front() else {
+            return false;
+        };
+        std::mem::swap(out, &mut p.bytes);
+        p.bytes.clear();
+        self.pool.push(p.bytes);
+        self.stats.repair_packets += 1;
+        self.stats.repair_bytes += out.len() as u64;
+        true
+    }
+
+    /// When [`on_timeout`](Self::on_timeout) must be called next (a block's flush deadline)
+    /// or [`poll_transmit`](Self::poll_transmit) has a packet due, if ever.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let flush = self.open.map(|b| b.deadline);
+        let repair = self.pending.front().map(|p| p.at);
+        match (flush, repair) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Closes the open block if its flush deadline has passed; its repair packets become
+    /// available from [`poll_transmit`](Self::poll_transmit).
+    pub fn on_timeout(&mut self, now: Instant) {
+        if let Some(b) = self.open {
+            if now >= b.deadline {
+                self.close_block(now, true);
+            }
+        }
+    }
+
+    /// Makes room for the salt at the start of an empty `out` when obfuscating.
+    fn reserve_salt(&self, out: &mut Vec<u8>) {
+        if self.obfs.is_some() {
+            out.resize(SALT_LEN, 0);
+        }
+    }
+
+    /// Obfuscates `out` (salt room reserved by [`Self::reserve_salt`]) when configured.
+    fn seal(&mut self, out: &mut [u8]) {
+        if let Some(o) = &self.obfs {
+            o.seal_in_place(&mut self.rng, out);
+        }
+    }
+
+    fn close_block(&mut self, now: Instant, by_deadline: bool) {
+        let Some(block) = self.open.take() else {
+            return;
+        };
+        let k = self.count;
+        self.count = 0;
+        if k == 0 {
+            return;
+        }
+        self.stats.blocks += 1;
+        if by_deadline {
+            self.stats.blocks_flushed += 1;
+        }
+        let max_len = self.sources[..k].iter().map(Vec::len).max().unwrap_or(0);
+        let shard_len = shard_len_for(max_len);
+        let wire_len = REPAIR_HEADER_LEN + shard_len + self.obfs.as_ref().map_or(0, |_| SALT_LEN);
+        let planned = self.planned_repairs(k);
+        let r = if self.config.mode == FecMode::Auto {
+            let affordable = (self.credit / wire_len as f64).floor() as usize;
+            let r = planned.min(affordable);
+            self.credit -= (r * wire_len) as f64;
+            r
+        } else {
+            planned
+        };
+        self.stats.repairs_skipped_by_budget += (planned - r) as u64;
+        if r == 0 {
+            return;
+        }
+        let spacing = if self.adapt.burst_estimate() >= 1.5 {
+            self.config.repair_spacing
+        } else {
+            Duration::ZERO
+        };
+        let header = |index: usize| RepairHeader {
+            block: block.id,
+            k: k as u8,
+            r: r as u8,
+            index: index as u8,
+        };
+        let salt_len = self.obfs.as_ref().map_or(0, |_| SALT_LEN);
+        let mut made = Vec::with_capacity(r);
+        let pool = &mut self.pool;
+        let encoded = self
+            .encoder
+            .0
+            .encode(&self.sources[..k], r, shard_len, |i, shard| {
+                let mut buf = pool.pop().unwrap_or_default();
+                buf.resize(salt_len, 0);
+                packet::write_repair_header(&mut buf, header(i));
+                buf.extend_from_slice(shard);
+                made.push(buf);
+            });
+        debug_assert!(
+            encoded.is_ok(),
+            "block parameters are validated: k, r in 1..=64"
+        );
+        for (i, mut bytes) in made.into_iter().enumerate() {
+            self.seal(&mut bytes);
+            self.enqueue(Pending {
+                at: now + spacing * i as u32,
+                bytes,
+            });
+        }
+    }
+
+    fn enqueue(&mut self, p: Pending) {
+        if self.pending.len() >= MAX_PENDING_REPAIRS {
+            if let Some(old) = self.pending.pop_front() {
+                self.pool.push(old.bytes);
+            }
+            self.stats.repairs_dropped_queue_full += 1;
+        }
+        let pos = self.pending.partition_point(|q| q.at <= p.at);
+        self.pending.insert(pos, p);
+    }
+}

@@ -1,0 +1,225 @@
+//! Receiver loss reports: what the FEC receiver saw, sent back to the peer's FEC sender.
+//!
+//! A report carries *cumulative* counters (wrapping `u32`s) and a sequence number, not
+//! per-interval deltas: a lost report then loses no information (the next one covers it), and
+//! a reordered or replayed older report is recognised by its sequence number and ignored. The
+//! sender turns two consecutive reports into a [`LossSample`] with [`LossReport::since`].
+//!
+//! Losses are counted per FEC block from the source indices that never arrived, *before*
+//! recovery; `residual` counts those that recovery could not restore either. A burst is a run
+//! of consecutive missing indices inside one block; its length is counted in
+//! [`BurstHistogram`]'s fixed buckets.
+
+use crate::error::WireError;
+
+/// Number of buckets in a [`BurstHistogram`].
+pub const BURST_BUCKETS: usize = 8;
+
+/// Upper bound (inclusive) of each burst-length bucket; the last bucket is open-ended.
+pub const BURST_BUCKET_BOUNDS: [u32; BURST_BUCKETS] = [1, 2, 3, 4, 8, 16, 32, u32::MAX];
+
+/// The length used for a bucket when averaging burst lengths (midpoint-ish of the bucket).
+const BURST_BUCKET_WEIGHT: [f64; BURST_BUCKETS] = [1.0, 2.0, 3.0, 4.0, 6.0, 12.0, 24.0, 48.0];
+
+/// Encoded length of a report body (after the 2-byte version and type).
+pub const LOSS_REPORT_BODY_LEN: usize = 4 * (5 + BURST_BUCKETS);
+
+/// Counts of loss bursts by length: buckets 1, 2, 3, 4, 5–8, 9–16, 17–32, 33+.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BurstHistogram(pub [u64; BURST_BUCKETS]);
+
+impl BurstHistogram {
+    /// The bucket a burst of `len` (≥ 1) missing packets falls in.
+    pub fn bucket(len: u32) -> usize {
+        BURST_BUCKET_BOUNDS
+            .iter()
+            .position(|&bound| len <= bound)
+            .unwrap_or(BURST_BUCKETS - 1)
+    }
+
+    /// Counts one burst of `len` missing packets.
+    pub fn record(&mut self, len: u32) {
+        self.0[Self::bucket(len)] += 1;
+    }
+
+    /// Total number of bursts counted.
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+}
+
+/// A receiver's cumulative loss counters, as carried on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LossReport {
+    /// Report sequence number; a report whose `seq` is not newer than the last one is stale.
+    pub seq: u32,
+    /// Source packets that arrived (not counting recovered ones or duplicates).
+    pub received: u32,
+    /// Source packets missing when their block was finalised, before recovery.
+    pub lost: u32,
+    /// Missing source packets restored by FEC.
+    pub recovered: u32,
+    /// Missing source packets FEC could not restore.
+    pub residual: u32,
+    /// Loss bursts by length (see [`BurstHistogram`]), wrapping.
+    pub bursts: [u32; BURST_BUCKETS],
+}
+
+/// What happened between two reports.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct LossSample {
+    /// Source packets that arrived.
+    pub received: u32,
+    /// Source packets lost before recovery.
+    pub lost: u32,
+    /// Source packets lost after recovery.
+    pub residual: u32,
+    /// Loss bursts by bucket.
+    pub bursts: [u32; BURST_BUCKETS],
+}
+
+impl LossSample {
+    /// Fraction of source packets lost before recovery, or `None` if no packet was accounted.
+    pub fn loss_rate(&self) -> Option<f64> {
+        let total = u64::from(self.received) + u64::from(self.lost);
+        (total > 0).then(|| f64::from(self.lost) / total as f64)
+    }
+
+    /// Mean loss-burst length, or `None` if there was no loss.
+    pub fn mean_burst(&self) -> Option<f64> {
+        let n: u64 = self.bursts.iter().map(|&c| u64::from(c)).sum();
+        if n == 0 {
+            return None;
+        }
+        let sum: f64 = self
+            .bursts
+            .iter()
+            .zip(BURST_BUCKET_WEIGHT)
+            .map(|(&c, w)| f64::from(c) * w)
+            .sum();
+        Some(sum / n as f64)
+    }
+}
+
+impl LossReport {
+    /// `true` if `self` is newer than `other` (serial arithmetic on `seq`).
+    pub fn is_newer_than(&self, other: &LossReport) -> bool {
+        (self.seq.wrapping_sub(other.seq) as i32) > 0
+    }
+
+    /// The counts between `prev` and `self` (both cumulative; wrapping-safe).
+    pub fn since(&self, prev: &LossReport) -> LossSample {
+        let mut bursts = [0; BURST_BUCKETS];
+        for (i, b) in bursts.iter_mut().enumerate() {
+            *b = self.bursts[i].wrapping_sub(prev.bursts[i]);
+        }
+        LossSample {
+            received: self.received.wrapping_sub(prev.received),
+            lost: self.lost.wrapping_sub(prev.lost),
+            residual: self.residual.wrapping_sub(prev.residual),
+            bursts,
+        }
+    }
+
+    /// Appends the report body (without version and type) to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        for v in [
+            self.seq,
+            self.received,
+            self.lost,
+            self.recovered,
+            self.residual,
+        ]
+        .iter()
+        .chain(self.bursts.iter())
+        {
+            out.extend_from_slice(&v.to_be_bytes());
+        }
+    }
+
+    /// Parses a report body (without version and type). Trailing bytes are rejected so that
+    /// a report is exactly one encoding.
+    pub fn decode(body: &[u8]) -> Result<Self, WireError> {
+        if body.len() < LOSS_REPORT_BODY_LEN {
+            return Err(WireError::Truncated {
+                need: LOSS_REPORT_BODY_LEN + 2,
+                got: body.len() + 2,
+            });
+        }
+        if body.len() > LOSS_REPORT_BODY_LEN {
+            return Err(WireError::Malformed("trailing bytes after a loss report"));
+        }
+        let word = |i: usize| {
+            let b = &body[4 * i..4 * i + 4];
+            u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+        };
+        let mut bursts = [0; BURST_BUCKETS];
+        for (i, b) in bursts.iter_mut().enumerate() {
+            *b = word(5 + i);
+        }
+        Ok(Self {
+            seq: word(0),
+            received: word(1),
+            lost: word(2),
+            recovered: word(3),
+            residual: word(4),
+            bursts,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn burst_lengths_fall_in_their_buckets() {
+        let b: Vec<usize> = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 1000]
+            .iter()
+            .map(|&l| BurstHistogram::bucket(l))
+            .collect();
+        assert_eq!(b, vec![0, 1, 2, 3, 4, 4, 5, 5, 6, 7, 7]);
+    }
+
+    #[test]
+    fn loss_report_round_trips_and_rejects_wrong_lengths() {
+        let r = LossReport {
+            seq: 9,
+            received: 1000,
+            lost: 50,
+            recovered: 45,
+            residual: 5,
+            bursts: [30, 5, 2, 1, 0, 0, 0, 1],
+        };
+        let mut out = Vec::new();
+        r.encode(&mut out);
+        assert_eq!(out.len(), LOSS_REPORT_BODY_LEN);
+        assert_eq!(LossReport::decode(&out), Ok(r));
+        assert!(LossReport::decode(&out[..out.len() - 1]).is_err());
+        out.push(0);
+        assert!(LossReport::decode(&out).is_err());
+    }
+
+    #[test]
+    fn samples_are_deltas_across_counter_wrap() {
+        let prev = LossReport {
+            seq: u32::MAX,
+            received: u32::MAX - 9,
+            lost: 0,
+            ..Default::default()
+        };
+        let next = LossReport {
+            seq: 0,
+            received: 10,
+            lost: 5,
+            bursts: [5, 0, 0, 0, 0, 0, 0, 0],
+            ..Default::default()
+        };
+        assert!(next.is_newer_than(&prev));
+        let s = next.since(&prev);
+        assert_eq!(s.received, 20);
+        assert_eq!(s.lost, 5);
+        assert_eq!(s.loss_rate(), Some(0.2));
+        assert_eq!(s.mean_burst(), Some(1.0));
+    }
+}

@@ -1,0 +1,650 @@
+//! Behaviour of the datagram layer end to end: sender → (lossy, reordering) link → receiver.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use tokenway_wire::fec::adapt::table_repairs;
+use tokenway_wire::fec::{
+    DropReason, FecConfig, FecMode, FecReceiver, FecScope, FecSender, Received, ReceiverConfig,
+};
+use tokenway_wire::obfs::Obfuscator;
+
+fn fixed(k: u8, r: u8) -> FecConfig {
+    FecConfig {
+        mode: FecMode::Fixed { k, r },
+        scope: FecScope::All,
+        ..FecConfig::default()
+    }
+}
+
+fn auto(max_overhead: f64) -> FecConfig {
+    FecConfig {
+        mode: FecMode::Auto,
+        scope: FecScope::All,
+        max_overhead,
+        ..FecConfig::default()
+    }
+}
+
+fn pair(config: FecConfig, psk: Option<&[u8]>) -> (FecSender, FecReceiver) {
+    let obfs = psk.map(|p| Obfuscator::new(p).unwrap());
+    let tx = FecSender::new(config, obfs.clone(), [1; 32]).unwrap();
+    let rx = FecReceiver::new(ReceiverConfig::default(), obfs, [2; 32]).unwrap();
+    (tx, rx)
+}
+
+/// A distinct QUIC-like packet: its number in the first two bytes, then a pattern.
+fn quic_packet(n: usize, len: usize) -> Vec<u8> {
+    let mut p = vec![(n >> 8) as u8, n as u8];
+    p.extend((0..len.saturating_sub(2)).map(|i| (i * 7 + n) as u8));
+    p.truncate(len.max(2));
+    p
+}
+
+/// Sends `packets` as one block (the config's k must equal their count) and returns the
+/// wire datagrams: sources first, then repairs.
+fn send_block(tx: &mut FecSender, now: Instant, packets: &[Vec<u8>]) -> Vec<Vec<u8>> {
+    let mut wire = Vec::new();
+    for p in packets {
+        let mut out = Vec::new();
+        tx.send(now, p, &mut out).unwrap();
+        wire.push(out);
+    }
+    tx.on_timeout(now + Duration::from_secs(1));
+    let mut out = Vec::new();
+    while tx.poll_transmit(now + Duration::from_secs(1), &mut out) {
+        wire.push(std::mem::take(&mut out));
+    }
+    wire
+}
+
+/// Feeds one datagram to the receiver and collects everything it hands to QUIC.
+fn receive(
+    rx: &mut FecReceiver,
+    now: Instant,
+    datagram: &[u8],
+    delivered: &mut Vec<Vec<u8>>,
+) -> Received {
+    let mut buf = datagram.to_vec();
+    let outcome = rx.on_datagram(now, &mut buf);
+    if let Received::Deliver(range) = &outcome {
+        delivered.push(buf[range.clone()].to_vec());
+    }
+    let mut rec = Vec::new();
+    while rx.pop_recovered(&mut rec) {
+        delivered.push(rec.clone());
+    }
+    outcome
+}
+
+/// A permutation of `0..n` from a proptest-chosen key vector.
+fn shuffled(n: usize, keys: &[u32]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&i| keys.get(i).copied().unwrap_or(0));
+    order
+}
+
+fn sorted(mut v: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    v.sort();
+    v
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn fec_recovers_any_two_losses_in_a_4_2_block(
+        lens in proptest::collection::vec(2usize..1400, 4),
+        lost in proptest::sample::subsequence((0..6).collect::<Vec<usize>>(), 0..=2),
+        keys in proptest::collection::vec(any::<u32>(), 6),
+    ) {
+        let now = Instant::now();
+        let (mut tx, mut rx) = pair(fixed(4, 2), None);
+        let packets: Vec<Vec<u8>> = lens.iter().enumerate().map(|(i, &l)| quic_packet(i, l)).collect();
+        let wire = send_block(&mut tx, now, &packets);
+        prop_assert_eq!(wire.len(), 6);
+        let mut delivered = Vec::new();
+        for i in shuffled(6, &keys) {
+            if !lost.contains(&i) {
+                receive(&mut rx, now, &wire[i], &mut delivered);
+            }
+        }
+        prop_assert_eq!(sorted(delivered), sorted(packets), "every source exactly once");
+        // Reordering can restore a source before it arrives; it then counts as recovered.
+        let lost_sources = lost.iter().filter(|&&i| i < 4).count() as u64;
+        prop_assert!(rx.stats().recovered >= lost_sources);
+        prop_assert_eq!(rx.stats().residual, 0);
+    }
+
+    #[test]
+    fn fec_recovers_any_r_losses_with_reordering_and_duplicates(
+        k in 1u8..=16,
+        r in 1u8..=5,
+        lens in proptest::collection::vec(2usize..600, 16),
+        loss_keys in proptest::collection::vec(any::<u32>(), 21),
+        order_keys in proptest::collection::vec(any::<u32>(), 42),
+        dup_mask in any::<u64>(),
+    ) {
+        let now = Instant::now();
+        let (mut tx, mut rx) = pair(fixed(k, r), Some(b"psk"));
+        let (k, r) = (usize::from(k), usize::from(r));
+        let packets: Vec<Vec<u8>> = (0..k).map(|i| quic_packet(i, lens[i])).collect();
+        let wire = send_block(&mut tx, now, &packets);
+        prop_assert_eq!(wire.len(), k + r);
+        // Lose the r shards with the smallest keys, duplicate some others, shuffle.
+        let lost: BTreeSet<usize> = shuffled(k + r, &loss_keys).into_iter().take(r).collect();
+        let mut sequence: Vec<usize> = (0..k + r).filter(|i| !lost.contains(i)).collect();
+        sequence.extend((0..k + r).filter(|i| !lost.contains(i) && dup_mask & (1 << i) != 0));
+        let order = shuffled(sequence.len(), &order_keys);
+        let mut delivered = Vec::new();
+        for &j in &order {
+            receive(&mut rx, now, &wire[sequence[j]], &mut delivered);
+        }
+        prop_assert_eq!(sorted(delivered), sorted(packets), "every source exactly once");
+        // A block whose repairs were all lost waits for them until it is too old.
+        rx.on_timeout(now + Duration::from_secs(1));
+        prop_assert_eq!(rx.open_blocks(), 0);
+        prop_assert_eq!(rx.stats().residual, 0);
+    }
+
+    #[test]
+    fn overhead_stays_under_its_cap(
+        cap in 0.05f64..1.5,
+        sizes in proptest::collection::vec(20usize..1400, 1..200),
+        gaps_us in proptest::collection::vec(0u64..8000, 200),
+        lossy_reports in any::<bool>(),
+    ) {
+        let t0 = Instant::now();
+        let (mut tx, _) = pair(auto(cap), None);
+        tx.set_srtt(Duration::from_millis(40));
+        if lossy_reports {
+            push_reports(&mut tx, 0.3, 4.0, 5);
+        }
+        let mut now = t0;
+        let mut out = Vec::new();
+        for (i, &len) in sizes.iter().enumerate() {
+            now += Duration::from_micros(gaps_us[i]);
+            tx.on_timeout(now);
+            while tx.poll_transmit(now, &mut out) {}
+            tx.send(now, &quic_packet(i, len), &mut out).unwrap();
+            let s = tx.stats();
+            prop_assert!(s.repair_bytes as f64 <= cap * s.source_bytes as f64 + 1e-6);
+        }
+        now += Duration::from_secs(1);
+        tx.on_timeout(now);
+        while tx.poll_transmit(now, &mut out) {}
+        let s = tx.stats();
+        prop_assert!(s.repair_bytes as f64 <= cap * s.source_bytes as f64 + 1e-6,
+            "repair {} > {} x source {}", s.repair_bytes, cap, s.source_bytes);
+    }
+
+    #[test]
+    fn arbitrary_bytes_into_the_receiver_never_panic(
+        datagrams in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..300), 1..40),
+        obfuscated in any::<bool>(),
+    ) {
+        let obfs = obfuscated.then(|| Obfuscator::new(b"k").unwrap());
+        let mut rx = FecReceiver::new(ReceiverConfig::default(), obfs, [0; 32]).unwrap();
+        let now = Instant::now();
+        let mut delivered = Vec::new();
+        for d in &datagrams {
+            receive(&mut rx, now, d, &mut delivered);
+        }
+        let mut out = Vec::new();
+        let _ = rx.poll_transmit(now, &mut out);
+        rx.on_timeout(now + Duration::from_secs(5));
+        prop_assert_eq!(rx.open_blocks(), 0);
+    }
+
+    #[test]
+    fn well_framed_garbage_never_panics_or_breaks_bounds(
+        packets in proptest::collection::vec(
+            (0u8..4, any::<u16>(), any::<[u8; 3]>(), proptest::collection::vec(any::<u8>(), 0..64)),
+            1..120),
+    ) {
+        // Valid version byte and types, adversarial fields: exercises the block logic.
+        let config = ReceiverConfig { max_open_blocks: 8, ..ReceiverConfig::default() };
+        let mut rx = FecReceiver::new(config, None, [0; 32]).unwrap();
+        let t0 = Instant::now();
+        let mut delivered = Vec::new();
+        for (i, (ty, block, fields, body)) in packets.iter().enumerate() {
+            let mut d = vec![tokenway_wire::packet::VERSION, *ty];
+            d.extend_from_slice(&(block % 8).to_be_bytes());
+            d.extend_from_slice(&[fields[0] % 8, fields[1] % 5, fields[2] % 5]);
+            d.extend_from_slice(body);
+            receive(&mut rx, t0 + Duration::from_millis(i as u64), &d, &mut delivered);
+            prop_assert!(rx.open_blocks() <= 8);
+        }
+    }
+}
+
+/// Feeds `n` reports showing `loss` with bursts of about `burst` packets.
+fn push_reports(tx: &mut FecSender, loss: f64, burst: f64, n: u32) {
+    use tokenway_wire::loss_report::{BurstHistogram, LossReport};
+    let mut cum = LossReport::default();
+    tx.on_loss_report(&cum);
+    for _ in 0..n {
+        let lost = (1000.0 * loss) as u32;
+        cum.seq += 1;
+        cum.received += 1000 - lost;
+        cum.lost += lost;
+        cum.bursts[BurstHistogram::bucket(burst as u32)] += (f64::from(lost) / burst) as u32;
+        tx.on_loss_report(&cum);
+    }
+}
+
+#[test]
+fn late_repairs_and_duplicate_sources_are_dropped_and_counted() {
+    let now = Instant::now();
+    let (mut tx, mut rx) = pair(fixed(3, 2), None);
+    let packets: Vec<Vec<u8>> = (0..3).map(|i| quic_packet(i, 100)).collect();
+    let wire = send_block(&mut tx, now, &packets);
+    let mut delivered = Vec::new();
+    // One source lost; the first repair restores it, the second is late.
+    receive(&mut rx, now, &wire[0], &mut delivered);
+    receive(&mut rx, now, &wire[2], &mut delivered);
+    assert_eq!(
+        receive(&mut rx, now, &wire[3], &mut delivered),
+        Received::Repair
+    );
+    assert_eq!(
+        receive(&mut rx, now, &wire[4], &mut delivered),
+        Received::Dropped(DropReason::LateRepair)
+    );
+    // The lost source shows up after all: it was restored already, so it is a duplicate.
+    assert_eq!(
+        receive(&mut rx, now, &wire[1], &mut delivered),
+        Received::Dropped(DropReason::Duplicate)
+    );
+    assert_eq!(sorted(delivered), sorted(packets));
+    let s = rx.stats();
+    assert_eq!((s.lost, s.recovered, s.residual), (1, 1, 0));
+    assert_eq!((s.dropped.late_repair, s.dropped.duplicate), (1, 1));
+}
+
+#[test]
+fn replayed_datagrams_are_dropped() {
+    let now = Instant::now();
+    let (mut tx, mut rx) = pair(fixed(4, 2), Some(b"secret"));
+    let packets: Vec<Vec<u8>> = (0..4).map(|i| quic_packet(i, 300)).collect();
+    let wire = send_block(&mut tx, now, &packets);
+    let mut delivered = Vec::new();
+    for d in &wire {
+        receive(&mut rx, now, d, &mut delivered);
+    }
+    assert_eq!(delivered.len(), 4);
+    for d in &wire {
+        assert!(matches!(
+            receive(&mut rx, now, d, &mut delivered),
+            Received::Dropped(DropReason::Duplicate | DropReason::LateRepair)
+        ));
+    }
+    assert_eq!(delivered.len(), 4, "a replay delivers nothing");
+}
+
+#[test]
+fn flush_timer_closes_a_partial_block() {
+    let t0 = Instant::now();
+    let (mut tx, mut rx) = pair(auto(4.0), None);
+    tx.set_srtt(Duration::from_millis(16)); // flush delay min(5 ms, 16/8 ms) = 2 ms
+    let mut out = Vec::new();
+    let mut wire = Vec::new();
+    for i in 0..2 {
+        tx.send(t0, &quic_packet(i, 200), &mut out).unwrap();
+        wire.push(out.clone());
+    }
+    assert_eq!(tx.next_deadline(), Some(t0 + Duration::from_millis(2)));
+    assert!(!tx.poll_transmit(t0 + Duration::from_millis(1), &mut out));
+    tx.on_timeout(t0 + Duration::from_millis(1));
+    assert!(
+        !tx.poll_transmit(t0 + Duration::from_millis(1), &mut out),
+        "not before the deadline"
+    );
+    let t = t0 + Duration::from_millis(2);
+    tx.on_timeout(t);
+    let mut repairs = 0;
+    while tx.poll_transmit(t, &mut out) {
+        wire.push(out.clone());
+        repairs += 1;
+    }
+    assert_eq!(repairs, table_repairs(2));
+    assert_eq!(tx.stats().blocks_flushed, 1);
+    assert_eq!(tx.next_deadline(), None);
+    // Both sources lost: the two repairs restore them.
+    let mut delivered = Vec::new();
+    for d in &wire[2..] {
+        receive(&mut rx, t, d, &mut delivered);
+    }
+    assert_eq!(
+        sorted(delivered),
+        vec![quic_packet(0, 200), quic_packet(1, 200)]
+    );
+}
+
+#[test]
+fn a_full_block_closes_at_k_max_without_waiting() {
+    let now = Instant::now();
+    let (mut tx, _) = pair(
+        FecConfig {
+            k_max: 4,
+            ..auto(4.0)
+        },
+        None,
+    );
+    let mut out = Vec::new();
+    for i in 0..4 {
+        tx.send(now, &quic_packet(i, 50), &mut out).unwrap();
+    }
+    assert_eq!(tx.next_deadline(), Some(now), "repairs are due at once");
+    let mut n = 0;
+    while tx.poll_transmit(now, &mut out) {
+        n += 1;
+    }
+    assert_eq!(n, table_repairs(4));
+}
+
+/// Runs `blocks` blocks of 16 packets over a link that drops packets where `drop(n)` says,
+/// delivering loss reports back to the sender, and returns the redundancy it ends with.
+fn run_link(
+    tx: &mut FecSender,
+    rx: &mut FecReceiver,
+    now: &mut Instant,
+    blocks: usize,
+    drop: impl Fn(usize) -> bool,
+) -> usize {
+    let mut out = Vec::new();
+    let mut delivered = Vec::new();
+    let mut n = 0;
+    for b in 0..blocks {
+        let mut wire = Vec::new();
+        for i in 0..16 {
+            tx.send(*now, &quic_packet(b * 16 + i, 120), &mut out)
+                .unwrap();
+            wire.push(out.clone());
+        }
+        *now += Duration::from_millis(30);
+        tx.on_timeout(*now);
+        while tx.poll_transmit(*now, &mut out) {
+            wire.push(out.clone());
+        }
+        for d in &wire {
+            n += 1;
+            if !drop(n) {
+                receive(rx, *now, d, &mut delivered);
+            }
+        }
+        rx.on_timeout(*now);
+        while rx.poll_transmit(*now, &mut out) {
+            // The report travels back through the peer's receiver, as on the wire.
+            let mut back = FecReceiver::new(ReceiverConfig::default(), None, [3; 32]).unwrap();
+            if let Received::LossReport(r) = back.on_datagram(*now, &mut out) {
+                tx.on_loss_report(&r);
+            }
+        }
+    }
+    tx.planned_repairs(16)
+}
+
+#[test]
+fn adaptation_rises_with_loss_and_decays_when_it_stops() {
+    let mut now = Instant::now();
+    let (mut tx, mut rx) = pair(auto(4.0), None);
+    let base = tx.planned_repairs(16);
+    assert_eq!(base, table_repairs(16));
+    // 20% loss in bursts of 3: drop packets 1-3 of every 15.
+    let lossy = run_link(&mut tx, &mut rx, &mut now, 40, |n| n % 15 < 3);
+    assert!(rx.stats().lost > 0 && rx.stats().reports_sent > 5);
+    assert!(
+        lossy > base + 2,
+        "redundancy {lossy} should rise well above the table's {base}"
+    );
+    assert!(tx.adaptation().burst_estimate() > 2.0);
+    let clean = run_link(&mut tx, &mut rx, &mut now, 200, |_| false);
+    assert!(
+        clean < lossy,
+        "redundancy {clean} should decay from {lossy}"
+    );
+    assert_eq!(clean, base, "and settle back on the table");
+}
+
+#[test]
+fn adaptation_rises_within_one_report() {
+    let (mut tx, _) = pair(auto(1.0), None);
+    let before = tx.planned_repairs(8);
+    push_reports(&mut tx, 0.3, 1.0, 1);
+    assert!(tx.planned_repairs(8) > before);
+}
+
+#[test]
+fn loss_reports_count_losses_and_burst_lengths_from_block_indices() {
+    let t0 = Instant::now();
+    let (mut tx, mut rx) = pair(fixed(8, 1), None);
+    let packets: Vec<Vec<u8>> = (0..8).map(|i| quic_packet(i, 64)).collect();
+    let wire = send_block(&mut tx, t0, &packets);
+    let mut delivered = Vec::new();
+    // Lose sources 2, 3, 4 and 6: more than the single repair can restore.
+    for (i, d) in wire.iter().enumerate() {
+        if ![2, 3, 4, 6].contains(&i) {
+            receive(&mut rx, t0, d, &mut delivered);
+        }
+    }
+    assert_eq!(
+        rx.open_blocks(),
+        1,
+        "incomplete block waits for more shards"
+    );
+    let later = t0 + Duration::from_secs(1);
+    assert!(rx.next_deadline().unwrap() <= later);
+    rx.on_timeout(later);
+    assert_eq!(rx.open_blocks(), 0, "and is given up when too old");
+    let s = rx.stats();
+    assert_eq!((s.lost, s.recovered, s.residual), (4, 0, 4));
+    assert_eq!(s.bursts.0[0], 1, "one burst of 1");
+    assert_eq!(s.bursts.0[2], 1, "one burst of 3");
+    let mut out = Vec::new();
+    assert!(rx.poll_transmit(later, &mut out));
+    assert!(
+        !rx.poll_transmit(later, &mut out),
+        "one report per interval"
+    );
+    let report = rx.loss_report();
+    assert_eq!((report.received, report.lost, report.residual), (4, 4, 4));
+}
+
+#[test]
+fn open_blocks_are_bounded_evicting_the_oldest() {
+    let now = Instant::now();
+    let obfs = None;
+    let mut tx = FecSender::new(fixed(2, 1), obfs.clone(), [0; 32]).unwrap();
+    let config = ReceiverConfig {
+        max_open_blocks: 4,
+        ..ReceiverConfig::default()
+    };
+    let mut rx = FecReceiver::new(config, obfs, [0; 32]).unwrap();
+    let mut delivered = Vec::new();
+    for b in 0..20 {
+        let wire = send_block(
+            &mut tx,
+            now,
+            &[quic_packet(b, 80), quic_packet(b + 100, 80)],
+        );
+        // Only the second source of each block arrives: every block stays incomplete.
+        receive(&mut rx, now, &wire[1], &mut delivered);
+        assert!(rx.open_blocks() <= 4);
+    }
+    assert_eq!(
+        delivered.len(),
+        20,
+        "sources are delivered at once, never held"
+    );
+    assert_eq!(rx.stats().blocks_incomplete, 16);
+}
+
+#[test]
+fn obfuscated_datagrams_round_trip_through_the_layer() {
+    let now = Instant::now();
+    let (mut tx, mut rx) = pair(fixed(2, 1), Some(b"psk-for-test"));
+    let packets = vec![quic_packet(1, 500), quic_packet(2, 20)];
+    let wire = send_block(&mut tx, now, &packets);
+    for (d, p) in wire.iter().zip(&packets) {
+        assert!(
+            !d.windows(p.len()).any(|w| w == &p[..]),
+            "payload visible on the wire"
+        );
+    }
+    let mut delivered = Vec::new();
+    receive(&mut rx, now, &wire[1], &mut delivered);
+    receive(&mut rx, now, &wire[2], &mut delivered);
+    assert_eq!(sorted(delivered), sorted(packets));
+}
+
+#[test]
+fn datagrams_under_the_wrong_key_are_dropped() {
+    let now = Instant::now();
+    let mut tx = FecSender::new(
+        fixed(4, 2),
+        Some(Obfuscator::new(b"right").unwrap()),
+        [9; 32],
+    )
+    .unwrap();
+    let wrong = Some(Obfuscator::new(b"wrong").unwrap());
+    let mut rx = FecReceiver::new(ReceiverConfig::default(), wrong, [0; 32]).unwrap();
+    let mut delivered = Vec::new();
+    for b in 0..100 {
+        let packets: Vec<Vec<u8>> = (0..4).map(|i| quic_packet(b * 4 + i, 100 + i)).collect();
+        for d in send_block(&mut tx, now, &packets) {
+            assert!(matches!(
+                receive(&mut rx, now, &d, &mut delivered),
+                Received::Dropped(_)
+            ));
+        }
+    }
+    assert!(delivered.is_empty());
+    assert_eq!(rx.stats().dropped.total(), 600);
+}
+
+#[test]
+fn obfuscated_bytes_have_a_flat_histogram() {
+    // Highly structured input (zeros, FEC headers, padded repair shards) must come out
+    // uniform: chi-square over 256 byte values, 255 degrees of freedom (mean 255, sd 22.6);
+    // the bound is mean + 6 sd, far beyond what a uniform source reaches.
+    let now = Instant::now();
+    let mut tx =
+        FecSender::new(fixed(4, 2), Some(Obfuscator::new(b"psk").unwrap()), [5; 32]).unwrap();
+    let mut counts = [0u64; 256];
+    for b in 0..300 {
+        let packets: Vec<Vec<u8>> = (0..4)
+            .map(|i| vec![0u8; 100 + 50 * ((b + i) % 3)])
+            .collect();
+        for d in send_block(&mut tx, now, &packets) {
+            for &x in &d {
+                counts[usize::from(x)] += 1;
+            }
+        }
+    }
+    let n: u64 = counts.iter().sum();
+    let expected = n as f64 / 256.0;
+    let chi2: f64 = counts
+        .iter()
+        .map(|&c| (c as f64 - expected).powi(2) / expected)
+        .sum();
+    assert!(n > 200_000);
+    assert!(
+        chi2 < 255.0 + 6.0 * 22.6,
+        "chi-square {chi2:.1} over {n} bytes"
+    );
+
+    // The same data without obfuscation is nowhere near uniform (the test has teeth).
+    let (mut plain, _) = pair(fixed(4, 2), None);
+    let mut zeros = 0;
+    let mut total = 0;
+    for d in send_block(
+        &mut plain,
+        now,
+        &[
+            vec![0u8; 200],
+            vec![0u8; 200],
+            vec![0u8; 200],
+            vec![0u8; 200],
+        ],
+    ) {
+        zeros += d.iter().filter(|&&x| x == 0).count();
+        total += d.len();
+    }
+    assert!(zeros * 2 > total);
+}
+
+#[test]
+fn fec_off_and_out_of_scope_packets_go_out_plain() {
+    let now = Instant::now();
+    let off = FecConfig {
+        mode: FecMode::Off,
+        ..FecConfig::default()
+    };
+    let (mut tx, mut rx) = pair(off, Some(b"k"));
+    let mut out = Vec::new();
+    let mut delivered = Vec::new();
+    tx.send(now, b"hello quic", &mut out).unwrap();
+    assert_eq!(tx.next_deadline(), None);
+    receive(&mut rx, now, &out, &mut delivered);
+    assert_eq!(delivered, vec![b"hello quic".to_vec()]);
+    assert_eq!(tx.overhead(), 2 + 8);
+
+    let scoped = FecConfig {
+        scope: FecScope::Interactive,
+        ..auto(4.0)
+    };
+    let (mut tx, _) = pair(scoped, None);
+    tx.send(now, b"bulk", &mut out).unwrap();
+    assert_eq!(tx.stats().plain_packets, 1);
+    tx.set_interactive(now, true);
+    tx.send(now, b"token", &mut out).unwrap();
+    assert_eq!(tx.stats().source_packets, 1);
+    tx.set_interactive(now, false);
+    assert!(
+        tx.poll_transmit(now, &mut out),
+        "leaving the class flushes the block"
+    );
+    assert_eq!(tx.overhead(), 10);
+}
+
+#[test]
+fn receiver_follows_a_sender_that_restarted_its_block_numbers() {
+    let now = Instant::now();
+    let (mut tx, mut rx) = pair(fixed(1, 1), None);
+    let mut delivered = Vec::new();
+    for i in 0..1000 {
+        for d in send_block(&mut tx, now, &[quic_packet(i, 40)]) {
+            receive(&mut rx, now, &d, &mut delivered);
+        }
+    }
+    let mut fresh = FecSender::new(fixed(1, 1), None, [0; 32]).unwrap();
+    delivered.clear();
+    for i in 0..100 {
+        for d in send_block(&mut fresh, now, &[quic_packet(i, 40)]) {
+            receive(&mut rx, now, &d, &mut delivered);
+        }
+    }
+    assert_eq!(rx.stats().resyncs, 1);
+    assert!(delivered.len() > 50, "traffic flows again after the resync");
+}
+
+#[test]
+fn invalid_configs_name_the_key() {
+    let bad = FecConfig {
+        k_max: 0,
+        ..FecConfig::default()
+    };
+    let err = FecSender::new(bad, None, [0; 32]).unwrap_err().to_string();
+    assert!(err.contains("fec.k_max"), "{err}");
+    let bad = FecConfig {
+        mode: FecMode::Fixed { k: 4, r: 0 },
+        ..FecConfig::default()
+    };
+    assert!(FecSender::new(bad, None, [0; 32]).is_err());
+    let err = FecSender::new(auto(9.0), None, [0; 32])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("fec.max_overhead"), "{err}");
+}
