@@ -231,6 +231,8 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
                 route: route.to_string(),
                 backend: answer.gateway.clone(),
                 transport: answer.transport.to_string(),
+                client_region: "local".to_string(),
+                backend_region: "local".to_string(),
             };
             let m = &local.metrics.requests;
             let timing = Timing {

@@ -35,10 +35,14 @@ pub struct GatewayConfig {
     /// Largest number of concurrently open client connections; further ones wait in the
     /// kernel's accept queue.
     pub max_connections: usize,
-    /// Routing policy: `round_robin`, `least_inflight` or `p2c_ewma`.
+    /// Routing policy: `cost` (default), `round_robin`, `least_inflight` or `p2c_ewma`.
     pub policy: Policy,
     /// Attempts per request before the first byte (1 = no retry).
     pub max_attempts: u32,
+    /// The gateway's own region: the client region of requests that do not name one.
+    pub region: String,
+    /// Cost model, affinity, hedging and load signals.
+    pub routing: RoutingSettings,
     /// Timeouts in milliseconds.
     pub timeouts: Timeouts,
     /// Health checking.
@@ -59,8 +63,10 @@ impl Default for GatewayConfig {
             api_keys: Vec::new(),
             max_body_bytes: 32 * 1024 * 1024,
             max_connections: 10_000,
-            policy: Policy::P2cEwma,
+            policy: Policy::default(),
             max_attempts: 3,
+            region: "local".to_string(),
+            routing: RoutingSettings::default(),
             timeouts: Timeouts::default(),
             health: HealthSettings::default(),
             backends: Vec::new(),
@@ -76,6 +82,47 @@ pub struct TlsFiles {
     pub cert: PathBuf,
     /// Private key, PEM (PKCS#8, PKCS#1 or SEC1).
     pub key: PathBuf,
+}
+
+/// Routing settings (`[routing]`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoutingSettings {
+    /// Prompt bytes per block of the prefix index (chained block hashes).
+    pub block_bytes: usize,
+    /// Request header carrying an explicit session key.
+    pub session_header: String,
+    /// Request header naming the client's region (else `region`).
+    pub client_region_header: String,
+    /// Use the client's source address as its session key when nothing else identifies it.
+    pub source_affinity: bool,
+    /// Added to the expected TTFT of a backend outside the client's region, milliseconds.
+    pub cross_region_penalty_ms: u64,
+    /// Slack ε of session affinity's bounded load `(1 + ε) × mean in-flight`.
+    pub affinity_epsilon: f64,
+    /// Hedge a request to the next backend when its first token is later than the backend's
+    /// recent p95.
+    pub hedge: bool,
+    /// Read vLLM / SGLang load gauges from each backend's `/metrics`.
+    pub load_signals: bool,
+    /// Interval of load-signal scrapes, milliseconds.
+    pub load_signal_interval_ms: u64,
+}
+
+impl Default for RoutingSettings {
+    fn default() -> Self {
+        Self {
+            block_bytes: 256,
+            session_header: "x-session-id".to_string(),
+            client_region_header: "x-client-region".to_string(),
+            source_affinity: false,
+            cross_region_penalty_ms: 25,
+            affinity_epsilon: 0.25,
+            hedge: false,
+            load_signals: true,
+            load_signal_interval_ms: 2_000,
+        }
+    }
 }
 
 /// The tunnel port (see docs/tunnel.md).
@@ -343,6 +390,42 @@ impl GatewayConfig {
         }
         if !(1..=10).contains(&self.max_attempts) {
             return Err(bad("max_attempts", "in 1..=10", self.max_attempts));
+        }
+        let r = &self.routing;
+        if !(16..=1 << 20).contains(&r.block_bytes) {
+            return Err(bad("routing.block_bytes", "in 16..=1048576", r.block_bytes));
+        }
+        for (key, v) in [
+            ("routing.session_header", &r.session_header),
+            ("routing.client_region_header", &r.client_region_header),
+        ] {
+            if http::HeaderName::from_bytes(v.as_bytes()).is_err() {
+                return Err(bad(key, "a valid HTTP header name", format!("{v:?}")));
+            }
+        }
+        if !(r.affinity_epsilon > 0.0 && r.affinity_epsilon <= 10.0) {
+            return Err(bad(
+                "routing.affinity_epsilon",
+                "in (0, 10]",
+                r.affinity_epsilon,
+            ));
+        }
+        if r.cross_region_penalty_ms > 60_000 {
+            return Err(bad(
+                "routing.cross_region_penalty_ms",
+                "in 0..=60000",
+                r.cross_region_penalty_ms,
+            ));
+        }
+        if !(100..=3_600_000).contains(&r.load_signal_interval_ms) {
+            return Err(bad(
+                "routing.load_signal_interval_ms",
+                "in 100..=3600000",
+                r.load_signal_interval_ms,
+            ));
+        }
+        if self.region.is_empty() {
+            return Err(bad("region", "a non-empty string", "\"\""));
         }
         let t = &self.timeouts;
         for (key, v) in [

@@ -23,6 +23,7 @@ pub mod server;
 pub mod service;
 pub mod stall_io;
 pub mod state;
+pub mod status;
 pub mod tunnel;
 
 pub use config::{BackendConfig, GatewayConfig};

@@ -10,7 +10,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use http::{Request, Uri};
 use http_body_util::{BodyExt, Full, Limited};
-use tokenway_router::BackendId;
+use tokenway_router::{BackendId, LoadSignal};
 
 use crate::state::Shared;
 
@@ -26,14 +26,36 @@ pub async fn run(
     let interval = std::time::Duration::from_millis(shared.config.health.probe_interval_ms);
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let load_every =
+        std::time::Duration::from_millis(shared.config.routing.load_signal_interval_ms);
+    let mut last_load: Option<Instant> = None;
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
             _ = shutdown.changed() => return,
         }
+        let sent = Instant::now();
         let ok = probe_once(&shared, id).await;
-        let transition = shared.router().on_probe(id, ok, Instant::now());
+        let now = Instant::now();
+        let transition = {
+            let mut router = shared.router();
+            if ok {
+                // The probe is a tiny request on a pooled connection: its round trip is the
+                // network RTT plus the backend's own scheduling, which is what a request pays.
+                router.on_rtt_sample(id, now - sent, now);
+            }
+            router.on_probe(id, ok, now)
+        };
         shared.note_transition(id, transition);
+        if ok
+            && shared.config.routing.load_signals
+            && last_load.is_none_or(|t| now - t >= load_every)
+        {
+            last_load = Some(now);
+            if let Some(signal) = scrape_load(&shared, id).await {
+                shared.router().on_load_signal(id, signal, Instant::now());
+            }
+        }
         let u = shared.upstream(id);
         if ok && !u.models_configured && !u.models_known.load(Ordering::Relaxed) {
             learn_models(&shared, id).await;
@@ -74,6 +96,71 @@ async fn probe_once(shared: &Shared, id: BackendId) -> bool {
     ok
 }
 
+/// Largest `/metrics` answer read from a backend.
+const METRICS_BODY_LIMIT: usize = 4 << 20;
+
+/// Reads the engine's own load gauges from its `/metrics` (vLLM or SGLang names).
+async fn scrape_load(shared: &Shared, id: BackendId) -> Option<LoadSignal> {
+    let timeout = std::time::Duration::from_millis(shared.config.health.probe_timeout_ms);
+    let resp = get(shared, id, "/metrics").await?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    let body = tokio::time::timeout(
+        timeout,
+        Limited::new(resp.into_body(), METRICS_BODY_LIMIT).collect(),
+    )
+    .await
+    .ok()?
+    .ok()?
+    .to_bytes();
+    parse_load(std::str::from_utf8(&body).ok()?)
+}
+
+/// Sums the load gauges of vLLM (`vllm:num_requests_waiting`, `vllm:num_requests_running`,
+/// `vllm:gpu_cache_usage_perc` or `vllm:kv_cache_usage_perc`) or SGLang
+/// (`sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`) over their label
+/// sets. `None` when the text has none of them.
+pub fn parse_load(text: &str) -> Option<LoadSignal> {
+    let (mut waiting, mut running, mut kv, mut seen, mut kv_seen) =
+        (0f64, 0f64, 0f64, false, false);
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some((name_labels, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let name = name_labels.split('{').next().unwrap_or(name_labels);
+        let Ok(v) = value.parse::<f64>() else {
+            continue;
+        };
+        if !v.is_finite() {
+            continue;
+        }
+        match name {
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
+                waiting += v;
+                seen = true;
+            }
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
+                running += v;
+                seen = true;
+            }
+            "vllm:gpu_cache_usage_perc" | "vllm:kv_cache_usage_perc" | "sglang:token_usage" => {
+                kv = kv.max(v);
+                kv_seen = true;
+            }
+            _ => {}
+        }
+    }
+    (seen || kv_seen).then(|| LoadSignal {
+        waiting: waiting.clamp(0.0, u32::MAX as f64) as u32,
+        running: running.clamp(0.0, u32::MAX as f64) as u32,
+        kv_cache_usage: kv_seen.then_some(kv.clamp(0.0, 1.0)),
+    })
+}
+
 /// Fetches the backend's `/v1/models` and hands the ids to the router.
 async fn learn_models(shared: &Shared, id: BackendId) {
     let timeout = std::time::Duration::from_millis(shared.config.health.probe_timeout_ms);
@@ -112,4 +199,23 @@ async fn learn_models(shared: &Shared, id: BackendId) {
     shared.router().set_models(id, ids);
     *u.model_entries.lock().unwrap_or_else(|p| p.into_inner()) = entries;
     u.models_known.store(true, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllm_and_sglang_load_gauges_are_read() {
+        let vllm = "# HELP vllm:num_requests_waiting x\n# TYPE vllm:num_requests_waiting gauge\n\
+            vllm:num_requests_waiting{model_name=\"a\"} 3.0\nvllm:num_requests_waiting{model_name=\"b\"} 2\n\
+            vllm:num_requests_running{model_name=\"a\"} 7\nvllm:gpu_cache_usage_perc{model_name=\"a\"} 0.5\n";
+        let s = parse_load(vllm).expect("signal");
+        assert_eq!((s.waiting, s.running, s.kv_cache_usage), (5, 7, Some(0.5)));
+        let sglang = "sglang:num_queue_reqs{m=\"x\"} 4\nsglang:num_running_reqs{m=\"x\"} 1\n";
+        let s = parse_load(sglang).expect("signal");
+        assert_eq!((s.waiting, s.running, s.kv_cache_usage), (4, 1, None));
+        assert!(parse_load("tokenway_requests_total 3\nnonsense\n").is_none());
+        assert!(parse_load("vllm:num_requests_waiting NaN\n").is_none());
+    }
 }

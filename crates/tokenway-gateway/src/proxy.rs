@@ -7,7 +7,7 @@
 //! The request body was read whole to route it, so a retry resends the same bytes.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName};
@@ -16,7 +16,7 @@ use http::{Request, Response, StatusCode, Uri};
 use http_body::Frame;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use tokenway_router::{BackendId, Outcome};
+use tokenway_router::{BackendId, HedgeWinner, Outcome, Route, RouteRequest};
 
 use crate::error::{ApiError, ResponseBody};
 use crate::relay::{Meter, RelayBody};
@@ -37,95 +37,130 @@ pub struct ProxyRequest<'a> {
     pub transport: &'static str,
     /// When the request arrived.
     pub start: Instant,
+    /// What the router knows of it.
+    pub request: Arc<RouteRequest>,
 }
 
 /// Why an attempt failed before its first byte.
 enum Failure {
     Connect(String),
     Reset(String),
+    Status(StatusCode),
     Timeout,
 }
 
-/// Sends `req` to the backends in `ranked` order (at most `max_attempts` of them) and returns the
-/// response to send to the client, plus the name of the backend it came from.
+/// How one attempt before the first byte ended.
+enum Tried {
+    /// The backend answered: its head and first frame, ready to relay.
+    Answered(Box<Answer>),
+    /// It failed; the next backend may be tried.
+    Failed { backend: String, failure: Failure },
+}
+
+/// Sends `req` to one backend and waits for its first body frame. A 5xx answer counts as a
+/// failure unless `accept_5xx` (the last candidate: its own error goes to the client).
+async fn try_backend(
+    shared: &Arc<Shared>,
+    id: BackendId,
+    req: &ProxyRequest<'_>,
+    accept_5xx: bool,
+) -> Tried {
+    let mut attempt = Attempt::start(shared.clone(), id, req.request.clone());
+    let upstream = shared.upstream(id);
+    let sent = Instant::now();
+    let deadline = tokio::time::Instant::now() + shared.config.timeouts.first_byte();
+    let request = upstream_request(upstream, req.parts, req.body.clone());
+    let fail = |mut attempt: Attempt, failure: Failure| {
+        attempt.finish(failure.outcome());
+        tracing::info!(backend = %upstream.name, reason = %failure.describe(), "attempt failed before the first byte");
+        Tried::Failed {
+            backend: upstream.name.clone(),
+            failure,
+        }
+    };
+    let response = match tokio::time::timeout_at(deadline, shared.client.request(request)).await {
+        Err(_) => return fail(attempt, Failure::Timeout),
+        Ok(Err(e)) if e.is_connect() => return fail(attempt, Failure::Connect(error_chain(&e))),
+        Ok(Err(e)) => return fail(attempt, Failure::Reset(error_chain(&e))),
+        Ok(Ok(resp)) => resp,
+    };
+    if response.status().is_server_error() && !accept_5xx {
+        return fail(attempt, Failure::Status(response.status()));
+    }
+    let (parts, mut body) = response.into_parts();
+    let first = match tokio::time::timeout_at(deadline, first_frame(&mut body)).await {
+        Err(_) => return fail(attempt, Failure::Timeout),
+        Ok(Err(e)) => return fail(attempt, Failure::Reset(error_chain(&e))),
+        Ok(Ok(f)) => f,
+    };
+    let ttfb = sent.elapsed();
+    attempt.first_byte(ttfb);
+    if parts.status.is_server_error() {
+        // The last candidate's own error answer goes to the client as it is; it still counts
+        // against the backend's health.
+        attempt.finish(Outcome::ServerError);
+    }
+    Tried::Answered(Box::new(Answer {
+        attempt,
+        parts,
+        body,
+        first,
+        ttfb,
+    }))
+}
+
+/// Sends `req` to the backends in `routed` order (at most `max_attempts` of them), hedging to
+/// the next one when the router says the first token is late, and returns the response to send
+/// to the client plus the name of the backend it came from.
 pub async fn forward(
     shared: &Arc<Shared>,
     req: ProxyRequest<'_>,
-    ranked: Vec<BackendId>,
+    routed: Route,
 ) -> (Response<ResponseBody>, Option<String>) {
-    let attempts = ranked.len().min(shared.config.max_attempts as usize);
+    let candidates: Vec<BackendId> = routed
+        .backends
+        .iter()
+        .copied()
+        .take(shared.config.max_attempts as usize)
+        .collect();
+    let mut next = 0;
     let mut last_failure = None;
-    for (n, id) in ranked.into_iter().take(attempts).enumerate() {
-        let is_last = n + 1 == attempts;
-        let mut attempt = Attempt::start(shared.clone(), id);
-        let upstream = shared.upstream(id);
-        let deadline = tokio::time::Instant::now() + shared.config.timeouts.first_byte();
-        let request = upstream_request(upstream, req.parts, req.body.clone());
-        let response = match tokio::time::timeout_at(deadline, shared.client.request(request)).await
-        {
-            Err(_) => Err(Failure::Timeout),
-            Ok(Err(e)) if e.is_connect() => Err(Failure::Connect(error_chain(&e))),
-            Ok(Err(e)) => Err(Failure::Reset(error_chain(&e))),
-            Ok(Ok(resp)) => Ok(resp),
+    while next < candidates.len() {
+        let id = candidates[next];
+        next += 1;
+        let primary = try_backend(shared, id, &req, next == candidates.len());
+        let delay = if next < candidates.len() {
+            shared.router().hedge_delay(id, Instant::now())
+        } else {
+            None
         };
-        let response = match response {
-            Ok(r) => r,
-            Err(f) => {
-                attempt.finish(f.outcome());
-                tracing::info!(backend = %upstream.name, reason = %f.describe(), "attempt failed before the first byte");
-                last_failure = Some((upstream.name.clone(), f));
-                continue;
+        let tried = match delay {
+            None => primary.await,
+            Some(delay) => {
+                tokio::pin!(primary);
+                tokio::select! {
+                    t = &mut primary => t,
+                    _ = tokio::time::sleep(delay) => {
+                        if shared.router().on_hedge_sent(Instant::now()) {
+                            let hedge_id = candidates[next];
+                            next += 1;
+                            tracing::debug!(primary = %shared.upstream(id).name, hedge = %shared.upstream(hedge_id).name, "first token late: hedging");
+                            let hedge = try_backend(shared, hedge_id, &req, next == candidates.len());
+                            race(shared, primary, hedge, id, hedge_id, &mut last_failure).await
+                        } else {
+                            primary.await
+                        }
+                    }
+                }
             }
         };
-        if response.status().is_server_error() && !is_last {
-            attempt.finish(Outcome::ServerError);
-            tracing::info!(backend = %upstream.name, status = %response.status(), "backend answered 5xx; retrying on the next");
-            continue;
-        }
-        let (parts, mut body) = response.into_parts();
-        let first = match tokio::time::timeout_at(deadline, first_frame(&mut body)).await {
-            Err(_) => Err(Failure::Timeout),
-            Ok(Err(e)) => Err(Failure::Reset(error_chain(&e))),
-            Ok(Ok(f)) => Ok(f),
-        };
-        let first = match first {
-            Ok(f) => f,
-            Err(f) => {
-                attempt.finish(f.outcome());
-                tracing::info!(backend = %upstream.name, reason = %f.describe(), "attempt failed before the first byte");
-                last_failure = Some((upstream.name.clone(), f));
-                continue;
+        match tried {
+            Tried::Failed { backend, failure } => last_failure = Some((backend, failure)),
+            Tried::Answered(answer) => {
+                let name = answer.attempt.backend_name().to_string();
+                return (respond(shared, &req, &routed, *answer), Some(name));
             }
-        };
-        attempt.first_byte(req.start.elapsed());
-        if parts.status.is_server_error() {
-            // The last candidate's own error answer goes to the client as it is; it still
-            // counts against the backend's health.
-            attempt.finish(Outcome::ServerError);
         }
-        let [ttft, gap, duration] = shared.stream_histograms(id, req.route, req.transport);
-        let meter = Meter {
-            ttft,
-            gap,
-            duration,
-            start: req.start,
-            sse: is_event_stream(&parts.headers),
-        };
-        let body = RelayBody::new(
-            first,
-            body,
-            attempt,
-            meter,
-            shared.config.timeouts.stream_idle(),
-        );
-        let mut resp = Response::new(BodyExt::boxed(body));
-        *resp.status_mut() = parts.status;
-        copy_end_to_end_headers(&parts.headers, resp.headers_mut());
-        if let Some(v) = &upstream.name_header {
-            resp.headers_mut()
-                .insert(HeaderName::from_static(BACKEND_HEADER), v.clone());
-        }
-        return (resp, Some(upstream.name.clone()));
     }
     let error = match last_failure {
         Some((backend, Failure::Timeout)) => ApiError::new(
@@ -153,11 +188,132 @@ pub async fn forward(
     (error.into_response(), None)
 }
 
+/// A backend's answer, ready to relay.
+struct Answer {
+    attempt: Attempt,
+    parts: http::response::Parts,
+    body: Incoming,
+    first: Option<Frame<Bytes>>,
+    ttfb: Duration,
+}
+
+/// Runs a primary attempt and its hedge side by side: the first to answer wins and the other
+/// is cancelled (dropped, which closes its upstream connection and frees its backend slot). If
+/// one fails the other is awaited.
+async fn race<P, H>(
+    shared: &Arc<Shared>,
+    mut primary: std::pin::Pin<&mut P>,
+    hedge: H,
+    primary_id: BackendId,
+    hedge_id: BackendId,
+    last_failure: &mut Option<(String, Failure)>,
+) -> Tried
+where
+    P: std::future::Future<Output = Tried>,
+    H: std::future::Future<Output = Tried>,
+{
+    tokio::pin!(hedge);
+    let (first, from_primary) = tokio::select! {
+        t = &mut primary => (t, true),
+        t = &mut hedge => (t, false),
+    };
+    let outcome = match first {
+        answered @ Tried::Answered(_) => (answered, from_primary),
+        Tried::Failed { backend, failure } => {
+            *last_failure = Some((backend, failure));
+            if from_primary {
+                (hedge.await, false)
+            } else {
+                (primary.await, true)
+            }
+        }
+    };
+    if matches!(outcome.0, Tried::Answered(_)) {
+        let winner = if outcome.1 {
+            HedgeWinner::Primary
+        } else {
+            HedgeWinner::Hedge
+        };
+        shared
+            .router()
+            .on_hedge_result(primary_id, hedge_id, winner, Instant::now());
+    }
+    outcome.0
+}
+
+/// Builds the client's response around a relay of the backend's body.
+fn respond(
+    shared: &Arc<Shared>,
+    req: &ProxyRequest<'_>,
+    routed: &Route,
+    answer: Answer,
+) -> Response<ResponseBody> {
+    let Answer {
+        attempt,
+        parts,
+        body,
+        first,
+        ttfb,
+    } = answer;
+    let id = attempt.backend();
+    let upstream = shared.upstream(id);
+    let client_region = req
+        .request
+        .client_region
+        .as_deref()
+        .unwrap_or(&shared.config.region);
+    let [ttft, gap, duration] =
+        shared.stream_histograms(id, req.route, req.transport, client_region);
+    let meter = Meter {
+        ttft,
+        gap,
+        duration,
+        start: req.start,
+        sse: is_event_stream(&parts.headers),
+    };
+    let body = RelayBody::new(
+        first,
+        body,
+        attempt,
+        meter,
+        shared.config.timeouts.stream_idle(),
+    );
+    let mut resp = Response::new(BodyExt::boxed(body));
+    *resp.status_mut() = parts.status;
+    copy_end_to_end_headers(&parts.headers, resp.headers_mut());
+    let h = resp.headers_mut();
+    if let Some(v) = &upstream.name_header {
+        h.insert(HeaderName::from_static(BACKEND_HEADER), v.clone());
+    }
+    // server-timing (W3C): time in the gateway before the backend answered, the backend's time
+    // to first byte, the backend chosen, and why.
+    let gateway_ms = req.start.elapsed().saturating_sub(ttfb).as_secs_f64() * 1e3;
+    let reason = if upstream_is_first(routed, id) {
+        routed.reason.to_string()
+    } else {
+        "retry".to_string()
+    };
+    let timing = format!(
+        "gateway;dur={gateway_ms:.3}, ttfb;dur={:.3}, expected;dur={:.3}, backend;desc=\"{}\", route;desc=\"{reason}\"",
+        ttfb.as_secs_f64() * 1e3,
+        routed.expected_ttft.as_secs_f64() * 1e3,
+        upstream.name.replace(['"', '\\'], "_"),
+    );
+    if let Ok(v) = http::HeaderValue::from_str(&timing) {
+        h.append(header::HeaderName::from_static("server-timing"), v);
+    }
+    resp
+}
+
+fn upstream_is_first(routed: &Route, id: BackendId) -> bool {
+    routed.backends.first() == Some(&id)
+}
+
 impl Failure {
     fn outcome(&self) -> Outcome {
         match self {
             Failure::Connect(_) => Outcome::ConnectError,
-            Failure::Reset(_) => Outcome::ServerError,
+            Failure::Reset(_) | Failure::Status(_) => Outcome::ServerError,
             Failure::Timeout => Outcome::Timeout,
         }
     }
@@ -166,6 +322,7 @@ impl Failure {
         match self {
             Failure::Connect(e) => format!("connect failed: {e}"),
             Failure::Reset(e) => format!("connection failed: {e}"),
+            Failure::Status(s) => format!("answered {s}"),
             Failure::Timeout => "timed out before the first byte".to_string(),
         }
     }

@@ -107,6 +107,9 @@ impl RelayBody {
             )
         };
         tracing::warn!(%backend, %message, "upstream failure after the first byte");
+        if stalled {
+            self.attempt.stalled();
+        }
         self.attempt.finish(outcome);
         self.clock.finish();
         if self.clock.sse() {

@@ -27,6 +27,12 @@ pub struct RequestMeta<'a> {
     /// Completion prompt, unparsed.
     #[serde(borrow, default)]
     pub prompt: Option<&'a RawValue>,
+    /// Output limit (`max_tokens`).
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    /// Output limit of newer chat clients (`max_completion_tokens`).
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
 }
 
 impl<'a> RequestMeta<'a> {
@@ -43,6 +49,22 @@ impl<'a> RequestMeta<'a> {
             ))
         })?;
         Ok(meta)
+    }
+
+    /// The prompt as routing sees it: the raw JSON text of the chat messages or of the prompt.
+    /// Two requests of one conversation share a prefix of this text, which is what the prefix
+    /// index needs; it is never parsed further.
+    pub fn prompt_text(&self) -> &'a [u8] {
+        self.messages
+            .or(self.prompt)
+            .map_or(&[][..], |raw| raw.get().as_bytes())
+    }
+
+    /// The requested output limit, if any.
+    pub fn output_limit(&self) -> Option<u32> {
+        self.max_completion_tokens
+            .or(self.max_tokens)
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
     }
 
     /// The model name, or the 400 for a missing one.

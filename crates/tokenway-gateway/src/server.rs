@@ -19,6 +19,7 @@ use tokio_rustls::TlsAcceptor;
 use crate::config::GatewayConfig;
 use crate::error::GatewayError;
 use crate::h3_front::{self, Front};
+use crate::service::PeerAddr;
 use crate::stall_io::StallGuard;
 use crate::state::Shared;
 use crate::{probe, service};
@@ -219,7 +220,7 @@ async fn accept_loop(
         tokio::spawn(async move {
             let _permit = permit;
             match tls {
-                None => serve_connection(stream, shared, watcher).await,
+                None => serve_connection(stream, peer, shared, watcher).await,
                 Some(acceptor) => {
                     let handshake = tokio::time::timeout(
                         shared.config.timeouts.client_read(),
@@ -227,7 +228,9 @@ async fn accept_loop(
                     )
                     .await;
                     match handshake {
-                        Ok(Ok(tls_stream)) => serve_connection(tls_stream, shared, watcher).await,
+                        Ok(Ok(tls_stream)) => {
+                            serve_connection(tls_stream, peer, shared, watcher).await
+                        }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                     }
@@ -239,6 +242,7 @@ async fn accept_loop(
 
 async fn serve_connection<S>(
     stream: S,
+    peer: SocketAddr,
     shared: Arc<Shared>,
     watcher: hyper_util::server::graceful::Watcher,
 ) where
@@ -256,7 +260,10 @@ async fn serve_connection<S>(
         .max_concurrent_streams(1024)
         .keep_alive_interval(Some(Duration::from_secs(20)));
     let stream = StallGuard::new(stream, shared.config.timeouts.client_write());
-    let svc = service_fn(move |req| service::handle(shared.clone(), req));
+    let svc = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+        req.extensions_mut().insert(PeerAddr(peer));
+        service::handle(shared.clone(), req)
+    });
     let conn = builder.serve_connection(TokioIo::new(stream), svc);
     if let Err(e) = watcher.watch(conn.into_owned()).await {
         tracing::debug!(error = %e, "connection ended with an error");

@@ -10,13 +10,14 @@ use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use tokenway_router::RouteError;
+use tokenway_router::{prompt_blocks, RouteError, RouteRequest, SessionKind};
 use tokenway_telemetry::RequestLabels;
 
 use crate::error::{full, ApiError, ResponseBody};
 use crate::proxy::{self, ProxyRequest};
 use crate::request_meta::RequestMeta;
 use crate::state::Shared;
+use crate::status;
 use crate::tunnel::AUTH_HEADER;
 
 /// The routes the gateway proxies.
@@ -108,6 +109,8 @@ where
             );
             (r, "/metrics", None)
         }
+        (&Method::GET, "/admin/backends", _) => (status::backends_json(&shared), "/admin", None),
+        (&Method::GET, "/status", _) => (status::page(&shared), "/status", None),
         (&Method::GET, "/v1/models", _) => {
             let r = match authenticate(&shared, &req) {
                 Ok(()) => models(&shared),
@@ -173,10 +176,10 @@ where
     let (parts, body) = req.into_parts();
     let body = read_body(shared, &parts.headers, body).await?;
     let meta = RequestMeta::parse(&body)?;
-    let model = meta.require_model()?.to_string();
-    let ranked = shared
+    let request = Arc::new(route_request(shared, &parts, &meta)?);
+    let routed = shared
         .router()
-        .rank(&model, Instant::now())
+        .route(&request, Instant::now())
         .map_err(|e| route_error(shared, e))?;
     let (resp, backend) = proxy::forward(
         shared,
@@ -186,12 +189,51 @@ where
             route,
             transport,
             start,
+            request,
         },
-        ranked,
+        routed,
     )
     .await;
     Ok((resp, backend))
 }
+
+/// What the router sees of a request: model, prompt blocks, session key, client region, sizes.
+fn route_request(
+    shared: &Shared,
+    parts: &http::request::Parts,
+    meta: &RequestMeta<'_>,
+) -> Result<RouteRequest, ApiError> {
+    let settings = &shared.config.routing;
+    let prompt = meta.prompt_text();
+    let mut r = RouteRequest::new(meta.require_model()?)
+        .with_blocks(prompt_blocks(prompt, settings.block_bytes))
+        .with_prompt_tokens(u32::try_from(prompt.len() / 4).unwrap_or(u32::MAX));
+    if let Some(limit) = meta.output_limit() {
+        r = r.with_max_output_tokens(limit);
+    }
+    let header = |name: &str| {
+        parts
+            .headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+    };
+    if let Some(session) = header(&settings.session_header) {
+        r = r.with_session(SessionKind::Header, session);
+    } else if let Some(user) = meta.user.as_deref().filter(|u| !u.is_empty()) {
+        r = r.with_session(SessionKind::User, user);
+    } else if settings.source_affinity {
+        if let Some(peer) = parts.extensions.get::<PeerAddr>() {
+            r = r.with_session(SessionKind::SourceAddr, peer.0.ip().to_string());
+        }
+    }
+    let region = header(&settings.client_region_header).unwrap_or(&shared.config.region);
+    Ok(r.with_client_region(region))
+}
+
+/// The client's address, put into request extensions by the fronts.
+#[derive(Clone, Copy, Debug)]
+pub struct PeerAddr(pub std::net::SocketAddr);
 
 /// Checks the Bearer key when keys are configured.
 fn authenticate<B>(shared: &Shared, req: &Request<B>) -> Result<(), ApiError> {

@@ -15,7 +15,10 @@ use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use tokenway_router::{BackendId, BackendSpec, HealthTransition, Outcome, Router};
+use tokenway_router::{
+    AttemptTicket, BackendId, BackendSpec, HealthTransition, Outcome, RouteRequest, Router,
+    RouterConfig,
+};
 use tokenway_telemetry::quic::QuicMetrics;
 use tokenway_telemetry::{
     BackendLabels, BackendMetrics, Histogram, Registry, RequestMetrics, StreamLabels,
@@ -28,8 +31,8 @@ use crate::tunnel::TunnelState;
 /// The pooled HTTP/1.1 keep-alive client used for every backend.
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
 
-/// (backend index, route, transport) of a set of latency histograms.
-type StreamKey = (usize, &'static str, &'static str);
+/// (backend index, route, transport, client region index) of a set of latency histograms.
+type StreamKey = (usize, &'static str, &'static str, usize);
 
 /// One backend as the proxy sees it.
 pub struct Upstream {
@@ -72,6 +75,8 @@ pub struct Shared {
     /// Latency histogram handles by (backend, route, transport), resolved once: looking them up
     /// in the metric families per request would allocate label strings every time.
     stream_histograms: std::sync::RwLock<HashMap<StreamKey, [Histogram; 3]>>,
+    /// Known regions; the last entry is `other`.
+    regions: Vec<String>,
     /// The tunnel port's gatekeeping, when the tunnel is configured.
     pub tunnel: Option<TunnelState>,
     /// `Alt-Svc` value advertising the HTTP/3 front on TCP responses.
@@ -82,7 +87,15 @@ impl Shared {
     /// Builds the state from a validated configuration.
     pub fn new(config: GatewayConfig) -> Result<Arc<Self>, GatewayError> {
         config.validate()?;
-        let mut router = Router::new(config.policy, config.health.router_config(), rand::random());
+        let r = &config.routing;
+        let mut router_config = RouterConfig {
+            health: config.health.router_config(),
+            ..RouterConfig::default()
+        };
+        router_config.cost.cross_region_penalty = Duration::from_millis(r.cross_region_penalty_ms);
+        router_config.affinity.epsilon = r.affinity_epsilon;
+        router_config.hedge.enabled = r.hedge;
+        let mut router = Router::with_config(config.policy, router_config, rand::random());
         let mut upstreams = Vec::with_capacity(config.backends.len());
         for b in &config.backends {
             let name = b.display_name();
@@ -148,6 +161,13 @@ impl Shared {
             backend_metrics.inflight.get_or_create(&u.labels).set(0);
         }
         let tunnel = config.tunnel.as_ref().map(TunnelState::new);
+        let mut regions = vec![config.region.clone()];
+        for b in &config.backends {
+            if !regions.contains(&b.region) {
+                regions.push(b.region.clone());
+            }
+        }
+        regions.push("other".to_string());
         Ok(Arc::new(Self {
             tunnel,
             config,
@@ -159,6 +179,7 @@ impl Shared {
             quic_metrics,
             registry,
             stream_histograms: std::sync::RwLock::new(HashMap::new()),
+            regions,
             alt_svc: std::sync::OnceLock::new(),
         }))
     }
@@ -170,8 +191,10 @@ impl Shared {
         id: BackendId,
         route: &'static str,
         transport: &'static str,
+        client_region: &str,
     ) -> [Histogram; 3] {
-        let key = (id.0, route, transport);
+        let region = self.region_index(client_region);
+        let key = (id.0, route, transport, region);
         if let Some(h) = self
             .stream_histograms
             .read()
@@ -184,6 +207,8 @@ impl Shared {
             route: route.to_string(),
             backend: self.upstream(id).name.clone(),
             transport: transport.to_string(),
+            client_region: self.regions[region].clone(),
+            backend_region: self.upstream(id).labels.region.clone(),
         };
         let handles = [
             self.metrics.ttft.get_or_create(&labels).clone(),
@@ -195,6 +220,15 @@ impl Shared {
             .unwrap_or_else(|p| p.into_inner())
             .insert(key, handles.clone());
         handles
+    }
+
+    /// The index of `region` among the known regions (the gateway's, the backends', and a
+    /// last `other` for anything else, so a client-chosen header cannot grow the label set).
+    pub fn region_index(&self, region: &str) -> usize {
+        self.regions
+            .iter()
+            .position(|r| r == region)
+            .unwrap_or(self.regions.len() - 1)
     }
 
     /// Locks the router. A poisoned lock means a router call panicked, which is a bug; the state
@@ -224,6 +258,14 @@ impl Shared {
         }
     }
 
+    /// Sets the in-flight gauge of `id`.
+    pub fn set_inflight_gauge(&self, id: BackendId, inflight: u32) {
+        self.backend_metrics
+            .inflight
+            .get_or_create(&self.upstream(id).labels)
+            .set(i64::from(inflight));
+    }
+
     /// Whether every backend has reported (or been configured with) its models.
     pub fn all_models_known(&self) -> bool {
         self.upstreams
@@ -237,27 +279,24 @@ impl Shared {
 pub struct Attempt {
     shared: Arc<Shared>,
     id: BackendId,
-    done: bool,
+    request: Arc<RouteRequest>,
+    ticket: Option<AttemptTicket>,
 }
 
 impl Attempt {
-    /// Counts a new attempt on `id`.
-    pub fn start(shared: Arc<Shared>, id: BackendId) -> Self {
-        let inflight = {
+    /// Counts a new attempt of `request` on `id`.
+    pub fn start(shared: Arc<Shared>, id: BackendId, request: Arc<RouteRequest>) -> Self {
+        let (ticket, inflight) = {
             let mut r = shared.router();
-            r.on_attempt_start(id, Instant::now());
-            r.backend(id).map_or(0, |b| b.inflight)
+            let t = r.start_attempt(id, &request, Instant::now());
+            (t, r.backend(id).map_or(0, |b| b.inflight))
         };
-        let u = shared.upstream(id);
-        shared
-            .backend_metrics
-            .inflight
-            .get_or_create(&u.labels)
-            .set(i64::from(inflight));
+        shared.set_inflight_gauge(id, inflight);
         Self {
             shared,
             id,
-            done: false,
+            request,
+            ticket: Some(ticket),
         }
     }
 
@@ -276,31 +315,44 @@ impl Attempt {
         &self.shared.upstream(self.id).name
     }
 
-    /// Reports the time to first byte.
-    pub fn first_byte(&self, ttft: Duration) {
-        self.shared
+    /// Reports the first token (the first body frame) `ttft` after the request was sent.
+    pub fn first_byte(&mut self, ttft: Duration) {
+        let Some(ticket) = self.ticket.as_mut() else {
+            return;
+        };
+        let t = self
+            .shared
             .router()
-            .on_first_byte(self.id, ttft, Instant::now());
+            .first_token(ticket, ttft, Instant::now());
+        self.shared.note_transition(self.id, t);
+    }
+
+    /// Reports that the stream went silent past the stall timeout.
+    pub fn stalled(&mut self) {
+        let Some(ticket) = self.ticket.as_mut() else {
+            return;
+        };
+        let t = self.shared.router().stalled(ticket, Instant::now());
+        self.shared.note_transition(self.id, t);
     }
 
     /// Reports the outcome; later calls and the drop do nothing.
     pub fn finish(&mut self, outcome: Outcome) {
-        if self.done {
+        let Some(ticket) = self.ticket.take() else {
             return;
-        }
-        self.done = true;
+        };
         let (transition, inflight) = {
             let mut r = self.shared.router();
-            let t = r.on_attempt_end(self.id, outcome, Instant::now());
+            let t = r.end_attempt(ticket, outcome, Instant::now());
             (t, r.backend(self.id).map_or(0, |b| b.inflight))
         };
-        let u = self.shared.upstream(self.id);
-        self.shared
-            .backend_metrics
-            .inflight
-            .get_or_create(&u.labels)
-            .set(i64::from(inflight));
+        self.shared.set_inflight_gauge(self.id, inflight);
         self.shared.note_transition(self.id, transition);
+    }
+
+    /// The request this attempt carries.
+    pub fn request(&self) -> &RouteRequest {
+        &self.request
     }
 }
 

@@ -42,6 +42,9 @@ pub struct SimConfig {
     /// Prompt bytes per token: prompt tokens = ceil(prompt bytes / bytes_per_token). 4 is the
     /// usual ~4 characters per token of English text under BPE tokenizers. Default 4.
     pub bytes_per_token: usize,
+    /// Artificial network round trip, milliseconds: every request (probes included) waits this
+    /// long before it is handled, as if the backend were far away. Default 0.
+    pub network_rtt_ms: f64,
     /// Injected faults (also replaceable at run time with `POST /admin/faults`).
     pub faults: Faults,
 }
@@ -81,6 +84,7 @@ impl Default for SimConfig {
             prefix_cache_tokens: 100_000,
             block_tokens: 16,
             bytes_per_token: 4,
+            network_rtt_ms: 0.0,
             faults: Faults::default(),
         }
     }
@@ -123,6 +127,7 @@ impl SimConfig {
             ));
         }
         non_negative_ms("sim.base_latency_ms", self.base_latency_ms)?;
+        non_negative_ms("sim.network_rtt_ms", self.network_rtt_ms)?;
         non_negative_ms(
             "sim.time_per_output_token_ms",
             self.time_per_output_token_ms,

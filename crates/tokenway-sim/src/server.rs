@@ -287,6 +287,9 @@ async fn handle(
     shared: Arc<Shared>,
     req: Request<Incoming>,
 ) -> Result<Response<SimBody>, Infallible> {
+    if shared.config.network_rtt_ms > 0.0 {
+        tokio::time::sleep(cost::ms(shared.config.network_rtt_ms)).await;
+    }
     let route: &'static str = match req.uri().path() {
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/completions" => "/v1/completions",
@@ -460,6 +463,8 @@ async fn completion(shared: &Arc<Shared>, api: Api, req: Request<Incoming>) -> R
             route: api.route().to_owned(),
             backend: "self".to_owned(),
             transport: transport.to_owned(),
+            client_region: "local".to_owned(),
+            backend_region: "local".to_owned(),
         },
     };
     if gen.job.stream {

@@ -43,6 +43,10 @@ pub struct StreamLabels {
     pub backend: String,
     /// Client-side transport: `h1`, `h2`, `h3`, `tunnel`, `tunnel-tcp`.
     pub transport: String,
+    /// The client's region (from a request header, bounded to known regions, else `other`).
+    pub client_region: String,
+    /// The backend's region.
+    pub backend_region: String,
 }
 
 /// Labels of the per-backend gauges.
@@ -159,11 +163,13 @@ mod tests {
             route: "/v1/completions".into(),
             backend: "b".into(),
             transport: "h1".into(),
+            client_region: "eu".into(),
+            backend_region: "us".into(),
         };
         m.ttft.get_or_create(&labels).observe(0.0003);
         let text = crate::render(&reg);
         assert!(text.contains("tokenway_ttft_seconds_bucket"), "{text}");
         assert!(text.contains("le=\"0.0005\""), "{text}");
-        assert!(text.contains("tokenway_ttft_seconds_count{route=\"/v1/completions\",backend=\"b\",transport=\"h1\"} 1"), "{text}");
+        assert!(text.contains("tokenway_ttft_seconds_count{route=\"/v1/completions\",backend=\"b\",transport=\"h1\",client_region=\"eu\",backend_region=\"us\"} 1"), "{text}");
     }
 }

@@ -31,7 +31,7 @@ pub struct GatewayArgs {
     /// visible in the process list.
     #[arg(long = "api-key", value_name = "KEY", env = "TOKENWAY_API_KEY")]
     pub api_keys: Vec<String>,
-    /// Routing policy: round_robin, least_inflight, p2c_ewma.
+    /// Routing policy: cost, round_robin, least_inflight, p2c_ewma.
     #[arg(long)]
     pub policy: Option<String>,
 }

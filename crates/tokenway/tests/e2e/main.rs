@@ -9,5 +9,6 @@ mod examples;
 mod failover;
 mod h3;
 mod harness;
+mod routing;
 mod streaming;
 mod tunnel;

@@ -155,7 +155,7 @@ async fn gateway_metrics_count_requests_and_measure_ttft() {
         "{text}"
     );
     assert_eq!(
-        metric_sum(&text, "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"b0\",transport=\"h1\"}"),
+        metric_sum(&text, "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"b0\",transport=\"h1\","),
         3.0,
         "{text}"
     );

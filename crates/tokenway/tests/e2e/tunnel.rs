@@ -99,7 +99,7 @@ async fn streamed_chat_through_the_edge_over_quic_equals_the_backends_own() {
     assert_eq!(
         metric_sum(
             &text,
-            "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"gw\",transport=\"tunnel\"}"
+            "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"gw\",transport=\"tunnel\","
         ),
         2.0,
         "{text}"
@@ -116,7 +116,7 @@ async fn streamed_chat_through_the_edge_over_quic_equals_the_backends_own() {
     // The gateway saw tunnel requests, not plain HTTP/3 ones.
     let gw_text = metrics(&gw).await;
     assert!(
-        metric_sum(&gw_text, "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"b0\",transport=\"tunnel\"}") >= 2.0,
+        metric_sum(&gw_text, "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"b0\",transport=\"tunnel\",") >= 2.0,
         "{gw_text}"
     );
 }
@@ -198,7 +198,7 @@ async fn with_udp_unusable_the_edge_falls_back_to_tcp_and_requests_succeed() {
     assert_eq!(
         metric_sum(
             &text,
-            "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"gw\",transport=\"tunnel-tcp\"}"
+            "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"gw\",transport=\"tunnel-tcp\","
         ),
         1.0,
         "{text}"

@@ -1,0 +1,124 @@
+//! Routing with several sim backends: failures stay invisible to clients, hung backends are
+//! ejected, sessions stick, and the gateway explains its choices.
+
+use std::time::{Duration, Instant};
+
+use crate::harness::*;
+
+fn backend_of(r: &Reply) -> String {
+    r.headers
+        .get("x-tokenway-backend")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[tokio::test]
+async fn with_one_of_four_backends_killed_clients_see_no_error() {
+    let mut sims: Vec<Proc> = (0..4).map(|_| sim(FAST_SIM)).collect();
+    let refs: Vec<&Proc> = sims.iter().collect();
+    let gw = gateway(&refs, "", "[health]\nprobe_interval_ms = 200\n");
+    drop(refs);
+    sims[2].kill();
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let tasks: Vec<_> = (0..24)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move { post(&url, &chat(&format!("q{i}"), true, 4), None).await })
+        })
+        .collect();
+    for t in tasks {
+        let r = t.await.expect("task");
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_ne!(backend_of(&r), "b2");
+        assert!(r.body.trim_end().ends_with("data: [DONE]"), "{}", r.body);
+    }
+}
+
+#[tokio::test]
+async fn a_hung_backend_is_ejected_within_five_seconds_and_its_requests_go_elsewhere() {
+    let sims: Vec<Proc> = (0..3).map(|_| sim(FAST_SIM)).collect();
+    let hung = sim("[faults]\nhang = true\n");
+    let mut refs: Vec<&Proc> = sims.iter().collect();
+    refs.push(&hung);
+    let gw = gateway(
+        &refs,
+        "policy = \"round_robin\"",
+        "[timeouts]\nfirst_byte_ms = 1500\n[health]\nprobe_interval_ms = 200\n",
+    );
+    let started = Instant::now();
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let tasks: Vec<_> = (0..12)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move { post(&url, &chat(&format!("h{i}"), true, 4), None).await })
+        })
+        .collect();
+    for t in tasks {
+        let r = t.await.expect("task");
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_ne!(backend_of(&r), "b3");
+    }
+    let metrics = format!("{}/metrics", gw.url());
+    let ejected = eventually(Duration::from_secs(5), || async {
+        metric_sum(
+            &get(&metrics).await.body,
+            "tokenway_backend_healthy{backend=\"b3\"",
+        ) == 0.0
+    })
+    .await;
+    assert!(
+        ejected,
+        "the hung backend (its /health still answers) was not ejected"
+    );
+    assert!(started.elapsed() < Duration::from_secs(8));
+    // Once ejected, nothing waits on it.
+    let r = post(&url, &chat("after", true, 2), None).await;
+    assert_eq!(r.status, 200);
+}
+
+#[tokio::test]
+async fn a_session_stays_on_its_backend_and_the_gateway_says_why() {
+    let sims: Vec<Proc> = (0..4).map(|_| sim(FAST_SIM)).collect();
+    let refs: Vec<&Proc> = sims.iter().collect();
+    let gw = gateway(&refs, "", "");
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let mut seen = std::collections::HashSet::new();
+    for turn in 0..6 {
+        let mut req = http::Request::post(&url)
+            .header("content-type", "application/json")
+            .header("x-session-id", "conversation-42")
+            .body(http_body_util::Full::new(bytes::Bytes::from(chat(
+                &format!("turn {turn}"),
+                false,
+                2,
+            ))))
+            .expect("request");
+        let resp = client().request(req).await.expect("response");
+        assert_eq!(resp.status(), 200);
+        let timing = resp
+            .headers()
+            .get("server-timing")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        assert!(timing.contains("route;desc=\"session-header"), "{timing}");
+        assert!(timing.contains("ttfb;dur="), "{timing}");
+        seen.insert(
+            resp.headers()
+                .get("x-tokenway-backend")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string(),
+        );
+    }
+    assert_eq!(seen.len(), 1, "a session moved between backends: {seen:?}");
+
+    let status = get(&format!("{}/status", gw.url())).await;
+    assert_eq!(status.status, 200);
+    assert!(status.body.contains("<table>") && status.body.contains("b0"));
+    let admin = get(&format!("{}/admin/backends", gw.url())).await;
+    let v: serde_json::Value = serde_json::from_str(&admin.body).expect("JSON");
+    assert_eq!(v["backends"].as_array().map(Vec::len), Some(4), "{v}");
+    assert_eq!(v["policy"], "cost");
+}
