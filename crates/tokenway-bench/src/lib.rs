@@ -5,6 +5,8 @@
 //! the machine, the commit and the exact command. Nothing here is imported by a serving role.
 //!
 //! - [`gateway`] — `tokenway bench gateway`, direct vs. `tokenway gateway` vs. nginx.
+//! - [`transport`] — `tokenway bench transport`, h1/h2/h3/tunnel side by side on netlab links.
+//! - [`plot`] — SVG plots (CDFs).
 //! - [`load`] — the streaming load generator.
 //! - [`process`] — child servers, their memory and CPU time.
 //! - [`nginx`] — nginx as the reference streaming reverse proxy.
@@ -14,9 +16,11 @@
 pub mod gateway;
 pub mod load;
 pub mod nginx;
+pub mod plot;
 pub mod process;
 pub mod report;
 pub mod stats;
+pub mod transport;
 
 /// Why a benchmark could not run.
 #[derive(Debug, thiserror::Error)]

@@ -76,61 +76,108 @@ impl LoadClient {
             .body(Full::new(body))
             .expect("method, URI and static headers are valid");
         let start = Instant::now();
-        let mut ttft = None;
-        let mut gaps = Vec::new();
-        let mut last_event: Option<Instant> = None;
-        let fail = |ttft, error: String| Sample {
+        let response = match self.client.request(request).await {
+            Ok(r) => r,
+            Err(e) => {
+                return Sample {
+                    ttft: None,
+                    total: start.elapsed(),
+                    gaps: Vec::new(),
+                    error: Some(format!("request failed: {e}")),
+                }
+            }
+        };
+        let status = response.status();
+        read_stream(start, status, response.into_body(), first_token)
+            .await
+            .sample
+    }
+}
+
+/// A response body read to the end by [`read_stream`].
+#[derive(Clone, Debug)]
+pub struct StreamRead {
+    /// Timings and success, as for [`LoadClient::chat`].
+    pub sample: Sample,
+    /// Body bytes received (before an error, if one ended the body).
+    pub body_bytes: u64,
+}
+
+/// Reads a streaming chat response `body` (status `status`) to the end, timing from `start`:
+/// the first chunk holding `data:` stops the TTFT clock (and increments `first_token`), later
+/// chunks holding `data:` give the inter-token gaps. Success means status 200 and a body that
+/// ends with `data: [DONE]`. Works for any transport's body (HTTP/1.1, HTTP/2, HTTP/3).
+pub async fn read_stream<B>(
+    start: Instant,
+    status: StatusCode,
+    body: B,
+    first_token: Option<&AtomicUsize>,
+) -> StreamRead
+where
+    B: hyper::body::Body<Data = Bytes>,
+    B::Error: std::fmt::Display,
+{
+    let mut ttft = None;
+    let mut gaps = Vec::new();
+    let mut last_event: Option<Instant> = None;
+    let mut body_bytes = 0u64;
+    let mut body = std::pin::pin!(body);
+    let fail = |ttft, body_bytes, error: String| StreamRead {
+        sample: Sample {
             ttft,
             total: start.elapsed(),
             gaps: Vec::new(),
             error: Some(error),
-        };
-        let response = match self.client.request(request).await {
-            Ok(r) => r,
-            Err(e) => return fail(None, format!("request failed: {e}")),
-        };
-        let status = response.status();
-        let mut body = response.into_body();
-        let mut tail: Vec<u8> = Vec::with_capacity(TAIL_BYTES * 2);
-        loop {
-            match body.frame().await {
-                None => break,
-                Some(Err(e)) => return fail(ttft, format!("body error: {e}")),
-                Some(Ok(frame)) => {
-                    let Ok(chunk) = frame.into_data() else {
-                        continue;
-                    };
-                    if contains(&chunk, b"data:") {
-                        let now = Instant::now();
-                        if let Some(prev) = last_event.replace(now) {
-                            gaps.push(now - prev);
-                        }
+        },
+        body_bytes,
+    };
+    let mut tail: Vec<u8> = Vec::with_capacity(TAIL_BYTES * 2);
+    loop {
+        match body.frame().await {
+            None => break,
+            Some(Err(e)) => return fail(ttft, body_bytes, format!("body error: {e}")),
+            Some(Ok(frame)) => {
+                let Ok(chunk) = frame.into_data() else {
+                    continue;
+                };
+                body_bytes += chunk.len() as u64;
+                if contains(&chunk, b"data:") {
+                    let now = Instant::now();
+                    if let Some(prev) = last_event.replace(now) {
+                        gaps.push(now - prev);
                     }
-                    if ttft.is_none() && contains(&chunk, b"data:") {
-                        ttft = Some(start.elapsed());
+                    if ttft.is_none() {
+                        ttft = Some(now - start);
                         if let Some(counter) = first_token {
                             counter.fetch_add(1, Ordering::Relaxed);
                         }
                     }
-                    tail.extend_from_slice(&chunk[chunk.len().saturating_sub(TAIL_BYTES)..]);
-                    if tail.len() > TAIL_BYTES {
-                        tail.drain(..tail.len() - TAIL_BYTES);
-                    }
+                }
+                tail.extend_from_slice(&chunk[chunk.len().saturating_sub(TAIL_BYTES)..]);
+                if tail.len() > TAIL_BYTES {
+                    tail.drain(..tail.len() - TAIL_BYTES);
                 }
             }
         }
-        if status != StatusCode::OK {
-            return fail(ttft, format!("status {status}"));
-        }
-        if !trim_end(&tail).ends_with(b"data: [DONE]") {
-            return fail(ttft, "stream did not end with data: [DONE]".to_owned());
-        }
-        Sample {
+    }
+    if status != StatusCode::OK {
+        return fail(ttft, body_bytes, format!("status {status}"));
+    }
+    if !trim_end(&tail).ends_with(b"data: [DONE]") {
+        return fail(
+            ttft,
+            body_bytes,
+            "stream did not end with data: [DONE]".to_owned(),
+        );
+    }
+    StreamRead {
+        sample: Sample {
             ttft,
             total: start.elapsed(),
             gaps,
             error: None,
-        }
+        },
+        body_bytes,
     }
 }
 

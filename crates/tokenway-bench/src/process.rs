@@ -80,6 +80,62 @@ impl ChildProcess {
         Ok((process, addr))
     }
 
+    /// Starts `command` with stdout piped and stderr appended to `log`, and waits up to
+    /// `timeout` until, for every prefix in `wanted`, a stdout line starting with it has been
+    /// printed; returns the process and, per prefix in order, the rest of its first such line
+    /// (trimmed). For servers that announce several addresses (the gateway prints its TCP, TLS,
+    /// HTTP/3 and tunnel ports on separate lines). Later stdout output is drained and discarded.
+    pub async fn spawn_with_lines(
+        name: &str,
+        mut command: Command,
+        wanted: &[&str],
+        log: &Path,
+        timeout: Duration,
+    ) -> Result<(Self, Vec<String>), BenchError> {
+        command.stdout(Stdio::piped());
+        let mut process = Self::spawn(name, command, log)?;
+        let stdout = process
+            .child
+            .stdout
+            .take()
+            .expect("stdout was configured as a pipe just above");
+        let (tx, rx) = tokio::sync::oneshot::channel::<Vec<String>>();
+        let prefixes: Vec<String> = wanted.iter().map(|p| (*p).to_owned()).collect();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            let mut found: Vec<Option<String>> = vec![None; prefixes.len()];
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let line = line.trim();
+                for (i, prefix) in prefixes.iter().enumerate() {
+                    if found[i].is_none() {
+                        if let Some(rest) = line.strip_prefix(prefix.as_str()) {
+                            found[i] = Some(rest.trim().to_owned());
+                        }
+                    }
+                }
+                if found.iter().all(Option::is_some) {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(found.iter().flatten().cloned().collect());
+                    }
+                }
+            }
+        });
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(lines)) => Ok((process, lines)),
+            Ok(Err(_)) => {
+                let status = process.child.try_wait().ok().flatten();
+                Err(process.startup_error(format!(
+                    "exited ({}) before printing lines starting with {wanted:?}",
+                    status.map_or("still running".to_owned(), |s| s.to_string())
+                )))
+            }
+            Err(_) => Err(process.startup_error(format!(
+                "did not print lines starting with {wanted:?} within {timeout:?}"
+            ))),
+        }
+    }
+
     /// Starts `command` with stdin closed, stdout discarded and stderr appended to `log`.
     pub fn spawn(name: &str, mut command: Command, log: &Path) -> Result<Self, BenchError> {
         let log_file = File::create(log).map_err(|source| BenchError::Io {

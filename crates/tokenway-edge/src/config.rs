@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use tokenway_transport::trust::{parse_pin, Trust};
-use tokenway_transport::QuicSettings;
+use tokenway_transport::{DatagramSettings, QuicSettings};
 
 use crate::error::EdgeError;
 
@@ -45,6 +45,11 @@ pub struct EdgeConfig {
     /// TCP port forwards through the tunnel.
     #[serde(default)]
     pub forwards: Vec<ForwardEntry>,
+    /// `[datagram]`: the datagram layer under the tunnel's QUIC (FEC, obfuscation) and the
+    /// tunnel's congestion control (docs/datagram-layer.md); absent means plain QUIC. `fec`
+    /// (off or not) and `obfs.psk` must match the gateway's `[tunnel.datagram]`.
+    #[serde(default)]
+    pub datagram: Option<DatagramSettings>,
 }
 
 /// `[trust]`: exactly one of `ca_file` or `pin_sha256`.
@@ -155,6 +160,10 @@ impl EdgeConfig {
         self.quic
             .validate("quic")
             .map_err(|e| EdgeError::Config(e.to_string()))?;
+        if let Some(d) = &self.datagram {
+            d.validate("datagram")
+                .map_err(|e| EdgeError::Config(e.to_string()))?;
+        }
         if self.fallback_head_start_ms > 10_000 {
             return bad(format!(
                 "fallback_head_start_ms must be in 0..=10000 (got {})",
@@ -194,6 +203,13 @@ impl EdgeConfig {
             }
         }
         Ok(())
+    }
+
+    /// The QUIC settings of tunnel connections: `[quic]` with the `[datagram]` layer.
+    pub fn tunnel_quic(&self) -> QuicSettings {
+        let mut q = self.quic.clone();
+        q.datagram = self.datagram.clone();
+        q
     }
 
     /// The trust setting.
@@ -295,5 +311,30 @@ mod tests {
             let e = EdgeConfig::from_toml_str(&text).unwrap_err().to_string();
             assert!(e.contains(key), "{key}: {e}");
         }
+    }
+
+    #[test]
+    fn datagram_section_reaches_the_tunnel_settings() {
+        let c = EdgeConfig::from_toml_str(&format!(
+            "{}[datagram]\nfec = \"auto\"\nobfs.psk = \"0123456789abcdef\"\n\
+             bandwidth.down = \"80 mbps\"\n",
+            base()
+        ))
+        .expect("valid");
+        let q = c.tunnel_quic();
+        let d = q.datagram.expect("the layer is on");
+        assert_eq!(
+            d.bandwidth.down.map(|b| b.bytes_per_sec()),
+            Some(10_000_000)
+        );
+        assert!(EdgeConfig::from_toml_str(&base())
+            .expect("valid")
+            .tunnel_quic()
+            .datagram
+            .is_none());
+        let e = EdgeConfig::from_toml_str(&format!("{}[datagram]\ncc = \"brutal\"\n", base()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("datagram.bandwidth.up"), "{e}");
     }
 }

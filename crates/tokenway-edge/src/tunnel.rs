@@ -87,6 +87,8 @@ pub struct Tunnel {
     changed: watch::Sender<u64>,
     dialer: Dialer,
     token: HeaderValue,
+    /// `tw-rx-rate` value, when `[datagram] bandwidth.down` is set.
+    rx_rate: Option<HeaderValue>,
     wait_for_link: Duration,
     quic_retry: Duration,
 }
@@ -126,7 +128,10 @@ impl Tunnel {
         } else {
             SocketAddr::from(([0, 0, 0, 0], 0))
         };
-        let endpoint = tokenway_transport::endpoint::client_endpoint(bind, &config.quic)?;
+        // `[quic]` plus the `[datagram]` layer (FEC, obfuscation, tunnel cc), if configured.
+        let mut quic = config.tunnel_quic();
+        quic.datagram_metrics = Some(metrics.datagram.clone());
+        let endpoint = tokenway_transport::endpoint::client_endpoint(bind, &quic)?;
         let trust = config.trust()?;
         let dialer = Dialer {
             endpoint,
@@ -140,13 +145,19 @@ impl Tunnel {
                 &[tokenway_transport::ALPN_H2],
                 false,
             )?,
-            settings: config.quic.clone(),
+            settings: quic,
             head_start: config.head_start(),
             connect_timeout: config.connect_timeout(),
             metrics: Some(metrics),
         };
         let token = HeaderValue::from_str(&config.token)
             .map_err(|_| EdgeError::Config("token must be printable ASCII".into()))?;
+        // What this edge can receive, advertised to the gateway for brutal (docs/edge.md).
+        let rx_rate = config
+            .datagram
+            .as_ref()
+            .and_then(|d| d.bandwidth.down)
+            .map(|b| HeaderValue::from(b.bytes_per_sec()));
         let links: Vec<_> = targets
             .into_iter()
             .map(|target| {
@@ -165,6 +176,7 @@ impl Tunnel {
             changed,
             dialer,
             token,
+            rx_rate,
             wait_for_link: config.head_start() + config.connect_timeout() * 2,
             quic_retry: config.quic_retry(),
         });
@@ -184,7 +196,10 @@ impl Tunnel {
         let bind = SocketAddr::new(local.ip(), 0);
         let udp =
             tokenway_transport::socket::bind_udp(bind, self.dialer.settings.socket_buffer_bytes)?;
-        let socket = tokenway_transport::socket::async_socket(udp)?;
+        // The new socket gets a fresh datagram layer (per-peer FEC state starts over; the
+        // gateway sees a new address anyway).
+        let (socket, _) =
+            tokenway_transport::socket::layered_socket(udp, &self.dialer.settings, "client")?;
         ep.rebind_abstract(socket)
             .map_err(|source| EdgeError::Bind { addr: bind, source })?;
         let now = ep
@@ -270,6 +285,9 @@ impl Tunnel {
             IDEMPOTENCY_HEADER,
             HeaderValue::from_str(&idempotency_key()).expect("hex is a valid header value"),
         );
+        if let Some(rate) = &self.rx_rate {
+            h.insert(tokenway_transport::cc::RX_RATE_HEADER, rate.clone());
+        }
         Ok(req)
     }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use tokenway_router::{HealthConfig, Policy};
-use tokenway_transport::QuicSettings;
+use tokenway_transport::{DatagramSettings, QuicSettings};
 
 use crate::error::GatewayError;
 
@@ -49,6 +49,8 @@ pub struct GatewayConfig {
     pub health: HealthSettings,
     /// The inference backends.
     pub backends: Vec<BackendConfig>,
+    /// A TOML file of further `[[backends]]`, re-read when it changes and on SIGHUP.
+    pub backends_file: Option<PathBuf>,
 }
 
 impl Default for GatewayConfig {
@@ -70,6 +72,7 @@ impl Default for GatewayConfig {
             timeouts: Timeouts::default(),
             health: HealthSettings::default(),
             backends: Vec::new(),
+            backends_file: None,
         }
     }
 }
@@ -145,6 +148,11 @@ pub struct TunnelConfig {
     /// What unauthenticated visitors see.
     #[serde(default)]
     pub masquerade: MasqueradeConfig,
+    /// `[tunnel.datagram]`: the datagram layer under the tunnel's QUIC (FEC, obfuscation) and
+    /// the tunnel's congestion control (docs/datagram-layer.md); absent means plain QUIC.
+    /// Edges must use the same `fec` (off or not) and `obfs.psk`.
+    #[serde(default)]
+    pub datagram: Option<DatagramSettings>,
 }
 
 fn default_replay_window_ms() -> u64 {
@@ -352,6 +360,10 @@ impl GatewayConfig {
                     ));
                 }
             }
+            if let Some(d) = &t.datagram {
+                d.validate("tunnel.datagram")
+                    .map_err(|e| GatewayError::Config(e.to_string()))?;
+            }
             let m = &t.masquerade;
             if m.dir.is_some() && m.proxy.is_some() {
                 return Err(GatewayError::Config(
@@ -464,44 +476,71 @@ impl GatewayConfig {
                 "api_keys must not contain an empty key".into(),
             ));
         }
-        if self.backends.is_empty() {
+        if self.backends.is_empty() && self.backends_file.is_none() {
             return Err(GatewayError::Config(
-                "backends must list at least one backend ([[backends]] url = \"http://host:port\")"
+                "backends must list at least one backend ([[backends]] url = \"http://host:port\"), \
+                 or backends_file must name a file of them"
                     .into(),
             ));
         }
-        let mut names = std::collections::HashSet::new();
-        for (i, b) in self.backends.iter().enumerate() {
-            let uri: http::Uri = b.url.parse().map_err(|e| {
-                bad(
-                    &format!("backends[{i}].url"),
-                    "an http:// URL",
-                    format!("{:?}: {e}", b.url),
-                )
-            })?;
-            if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-                return Err(bad(
-                    &format!("backends[{i}].url"),
-                    "an http://host:port URL",
-                    format!("{:?}", b.url),
-                ));
-            }
-            if b.max_inflight == 0 {
-                return Err(bad(
-                    &format!("backends[{i}].max_inflight"),
-                    ">= 1",
-                    b.max_inflight,
-                ));
-            }
-            let name = b.display_name();
-            if !names.insert(name.clone()) {
-                return Err(GatewayError::Config(format!(
-                    "backends[{i}].name {name:?} is used twice; names must be unique"
-                )));
-            }
-        }
-        Ok(())
+        validate_backends(&self.backends, "backends")
     }
+}
+
+/// The `[[backends]]` of a discovery file.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendsFile {
+    /// The backends.
+    #[serde(default)]
+    pub backends: Vec<BackendConfig>,
+}
+
+impl BackendsFile {
+    /// Parses and validates a discovery file's text.
+    pub fn parse(text: &str) -> Result<Self, GatewayError> {
+        let file: Self = toml::from_str(text).map_err(|e| GatewayError::Config(format!("{e}")))?;
+        validate_backends(&file.backends, "backends")?;
+        Ok(file)
+    }
+}
+
+/// Checks URLs, limits and name uniqueness of a list of backends; errors name `key[i].field`.
+pub fn validate_backends(backends: &[BackendConfig], key: &str) -> Result<(), GatewayError> {
+    fn bad(key: &str, rule: &str, got: impl std::fmt::Display) -> GatewayError {
+        GatewayError::Config(format!("{key} must be {rule} (got {got})"))
+    }
+    let mut names = std::collections::HashSet::new();
+    for (i, b) in backends.iter().enumerate() {
+        let uri: http::Uri = b.url.parse().map_err(|e| {
+            bad(
+                &format!("{key}[{i}].url"),
+                "an http:// URL",
+                format!("{:?}: {e}", b.url),
+            )
+        })?;
+        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+            return Err(bad(
+                &format!("{key}[{i}].url"),
+                "an http://host:port URL",
+                format!("{:?}", b.url),
+            ));
+        }
+        if b.max_inflight == 0 {
+            return Err(bad(
+                &format!("{key}[{i}].max_inflight"),
+                ">= 1",
+                b.max_inflight,
+            ));
+        }
+        let name = b.display_name();
+        if !names.insert(name.clone()) {
+            return Err(GatewayError::Config(format!(
+                "{key}[{i}].name {name:?} is used twice; names must be unique"
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl BackendConfig {
@@ -544,5 +583,31 @@ mod tests {
         assert!(e.to_string().contains("policy"), "{e}");
         let e = GatewayConfig::from_toml_str("lisen = \"1.2.3.4:5\"\n").unwrap_err();
         assert!(e.to_string().contains("lisen"), "{e}");
+    }
+
+    const TUNNEL: &str = "[[backends]]\nurl = \"http://127.0.0.1:8000\"\n[tunnel]\n\
+        listen = \"127.0.0.1:0\"\ntokens = [\"0123456789abcdef\"]\n[tunnel.datagram]\n";
+
+    #[test]
+    fn tunnel_datagram_section_parses_and_names_bad_keys() {
+        let c = GatewayConfig::from_toml_str(&format!(
+            "{TUNNEL}fec = \"fixed:8:3\"\nobfs.psk = \"0123456789abcdef\"\ncc = \"brutal\"\n\
+             bandwidth.up = \"100 mbps\"\n"
+        ))
+        .expect("valid");
+        let d = c.tunnel.and_then(|t| t.datagram).expect("datagram section");
+        assert_eq!(d.bandwidth.up.map(|b| b.bytes_per_sec()), Some(12_500_000));
+        assert_eq!(d.overhead(), 18);
+        for (extra, key) in [
+            ("cc = \"brutal\"\n", "tunnel.datagram.bandwidth.up"),
+            ("obfs.psk = \"short\"\n", "tunnel.datagram.obfs.psk"),
+            ("fec = \"fixed:0:3\"\n", "tunnel.datagram.fec"),
+            ("fec = \"sometimes\"\n", "fec"),
+            ("bandwidth.up = \"fast\"\n", "bandwidth"),
+            ("fec_k_max = 65\n", "tunnel.datagram.fec_k_max"),
+        ] {
+            let e = GatewayConfig::from_toml_str(&format!("{TUNNEL}{extra}")).unwrap_err();
+            assert!(e.to_string().contains(key), "{key}: {e}");
+        }
     }
 }

@@ -99,6 +99,8 @@ async fn connection(
         shared.quic_metrics.clone(),
         Duration::from_secs(1),
     ));
+    // The connection's brutal rate handle (tunnel port with `[tunnel.datagram]` only).
+    let rate = tokenway_transport::cc::rate_handle(&conn);
     let h3_conn = h3_quinn_prio::Connection::new(conn);
     let priorities = h3_conn.priorities();
     let mut h3 = h3::server::builder()
@@ -111,6 +113,7 @@ async fn connection(
             Ok(Some(resolver)) => {
                 let shared = shared.clone();
                 let priorities = priorities.clone();
+                let rate = rate.clone();
                 tokio::spawn(async move {
                     match resolver.resolve_request().await {
                         Ok((req, stream)) => {
@@ -118,7 +121,7 @@ async fn connection(
                                 map: priorities,
                                 id: stream.id(),
                             };
-                            request(req, stream, prio, shared, front, remote).await
+                            request(req, stream, prio, shared, front, remote, rate).await
                         }
                         Err(e) => tracing::debug!(%remote, error = %e, "bad HTTP/3 request"),
                     }
@@ -187,6 +190,7 @@ async fn request(
     shared: Arc<Shared>,
     front: Front,
     remote: SocketAddr,
+    rate: Option<Arc<tokenway_transport::cc::RateHandle>>,
 ) {
     let (mut send, recv) = stream.split();
     let (mut parts, ()) = req.into_parts();
@@ -206,6 +210,11 @@ async fn request(
             if let Err(e) = tunnel.admit(&mut parts.headers, Instant::now()) {
                 write_response(&mut send, e.into_response(), false).await;
                 return;
+            }
+            // Hysteria-2-style rate negotiation: brutal at min(edge `tw-rx-rate`, our
+            // `bandwidth.up`) when `[tunnel.datagram] cc = "brutal"`; the header is consumed.
+            if let Some(rate) = &rate {
+                rate.apply_peer_rx_rate(&mut parts.headers);
             }
             Transport::Tunnel
         }

@@ -11,6 +11,7 @@
 //! credentials upstream, and never let one client's behaviour stall another's.
 
 pub mod config;
+pub mod discovery;
 pub mod error;
 pub mod h3_front;
 pub mod masquerade;
@@ -25,6 +26,7 @@ pub mod stall_io;
 pub mod state;
 pub mod status;
 pub mod tunnel;
+pub mod upstream_h1;
 
 pub use config::{BackendConfig, GatewayConfig};
 pub use error::GatewayError;

@@ -34,6 +34,9 @@ pub async fn run(
             _ = ticker.tick() => {}
             _ = shutdown.changed() => return,
         }
+        if shared.upstream(id).removed.load(Ordering::Relaxed) {
+            return;
+        }
         let sent = Instant::now();
         let ok = probe_once(&shared, id).await;
         let now = Instant::now();

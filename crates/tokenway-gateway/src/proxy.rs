@@ -12,15 +12,15 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName};
 use http::request::Parts;
-use http::{Request, Response, StatusCode, Uri};
+use http::{Response, StatusCode};
 use http_body::Frame;
-use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
+use http_body_util::BodyExt;
 use tokenway_router::{BackendId, HedgeWinner, Outcome, Route, RouteRequest};
 
 use crate::error::{ApiError, ResponseBody};
 use crate::relay::{Meter, RelayBody};
 use crate::state::{Attempt, Shared, Upstream};
+use crate::upstream_h1::{H1Body, H1Error};
 
 /// Header naming the backend that served a response.
 pub const BACKEND_HEADER: &str = "x-tokenway-backend";
@@ -69,7 +69,8 @@ async fn try_backend(
     let upstream = shared.upstream(id);
     let sent = Instant::now();
     let deadline = tokio::time::Instant::now() + shared.config.timeouts.first_byte();
-    let request = upstream_request(upstream, req.parts, req.body.clone());
+    let headers = upstream_headers(&upstream, req.parts);
+    let authority = upstream.base.authority().map_or("", |a| a.as_str());
     let fail = |mut attempt: Attempt, failure: Failure| {
         attempt.finish(failure.outcome());
         tracing::info!(backend = %upstream.name, reason = %failure.describe(), "attempt failed before the first byte");
@@ -78,19 +79,19 @@ async fn try_backend(
             failure,
         }
     };
-    let response = match tokio::time::timeout_at(deadline, shared.client.request(request)).await {
+    let send = shared.h1.send(authority, req.parts, &headers, &req.body);
+    let (parts, mut body) = match tokio::time::timeout_at(deadline, send).await {
         Err(_) => return fail(attempt, Failure::Timeout),
-        Ok(Err(e)) if e.is_connect() => return fail(attempt, Failure::Connect(error_chain(&e))),
-        Ok(Err(e)) => return fail(attempt, Failure::Reset(error_chain(&e))),
-        Ok(Ok(resp)) => resp,
+        Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
+        Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
+        Ok(Ok(answer)) => answer,
     };
-    if response.status().is_server_error() && !accept_5xx {
-        return fail(attempt, Failure::Status(response.status()));
+    if parts.status.is_server_error() && !accept_5xx {
+        return fail(attempt, Failure::Status(parts.status));
     }
-    let (parts, mut body) = response.into_parts();
     let first = match tokio::time::timeout_at(deadline, first_frame(&mut body)).await {
         Err(_) => return fail(attempt, Failure::Timeout),
-        Ok(Err(e)) => return fail(attempt, Failure::Reset(error_chain(&e))),
+        Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
         Ok(Ok(f)) => f,
     };
     let ttfb = sent.elapsed();
@@ -192,7 +193,7 @@ pub async fn forward(
 struct Answer {
     attempt: Attempt,
     parts: http::response::Parts,
-    body: Incoming,
+    body: H1Body,
     first: Option<Frame<Bytes>>,
     ttfb: Duration,
 }
@@ -329,7 +330,7 @@ impl Failure {
 }
 
 /// Reads up to the first non-empty data frame (or trailers, or the end of the body).
-async fn first_frame(body: &mut Incoming) -> Result<Option<Frame<Bytes>>, hyper::Error> {
+async fn first_frame(body: &mut H1Body) -> Result<Option<Frame<Bytes>>, H1Error> {
     loop {
         match body.frame().await {
             None => return Ok(None),
@@ -342,17 +343,6 @@ async fn first_frame(body: &mut Incoming) -> Result<Option<Frame<Bytes>>, hyper:
             }
         }
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        cur = inner.source();
-    }
-    s
 }
 
 /// Whether a response is a Server-Sent-Events stream.
@@ -387,21 +377,10 @@ fn copy_end_to_end_headers(from: &HeaderMap, to: &mut HeaderMap) {
     }
 }
 
-/// The request sent to `upstream`: same method, path, query and end-to-end headers; the client's
-/// credentials replaced by the backend's own.
-fn upstream_request(upstream: &Upstream, parts: &Parts, body: Bytes) -> Request<Full<Bytes>> {
-    let path = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/");
-    let mut uri_parts = upstream.base.clone().into_parts();
-    uri_parts.path_and_query = path.parse().ok();
-    let uri = Uri::from_parts(uri_parts).unwrap_or_else(|_| upstream.base.clone());
-    let mut request = Request::new(Full::new(body));
-    *request.method_mut() = parts.method.clone();
-    *request.uri_mut() = uri;
-    let headers = request.headers_mut();
+/// The headers sent to `upstream`: the client's end-to-end headers, with the client's credentials
+/// replaced by the backend's own (`host` and `content-length` are set by the connection).
+fn upstream_headers(upstream: &Upstream, parts: &Parts) -> HeaderMap {
+    let mut headers = HeaderMap::with_capacity(parts.headers.len() + 1);
     for (name, value) in &parts.headers {
         if is_hop_by_hop(name)
             || name == header::HOST
@@ -415,5 +394,5 @@ fn upstream_request(upstream: &Upstream, parts: &Parts, body: Bytes) -> Request<
     if let Some(auth) = &upstream.authorization {
         headers.insert(header::AUTHORIZATION, auth.clone());
     }
-    request
+    headers
 }

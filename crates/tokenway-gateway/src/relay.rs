@@ -20,7 +20,6 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use tokenway_router::Outcome;
 use tokenway_telemetry::Histogram;
 use tokenway_wire::sse::SseScanner;
@@ -28,6 +27,7 @@ use tokio::time::Sleep;
 
 use crate::error::BoxError;
 use crate::state::Attempt;
+use crate::upstream_h1::H1Body;
 
 /// Most bytes merged from frames that arrived together.
 pub const COALESCE_BYTES: usize = 16 * 1024;
@@ -58,7 +58,7 @@ enum Tail {
 
 /// The client-facing body of a proxied response.
 pub struct RelayBody {
-    upstream: Incoming,
+    upstream: H1Body,
     first: Option<Frame<Bytes>>,
     attempt: Attempt,
     clock: EventClock,
@@ -73,7 +73,7 @@ impl RelayBody {
     /// retried) is `first`.
     pub fn new(
         first: Option<Frame<Bytes>>,
-        upstream: Incoming,
+        upstream: H1Body,
         attempt: Attempt,
         meter: Meter,
         stream_idle: Duration,

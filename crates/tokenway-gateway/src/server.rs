@@ -22,7 +22,7 @@ use crate::h3_front::{self, Front};
 use crate::service::PeerAddr;
 use crate::stall_io::StallGuard;
 use crate::state::Shared;
-use crate::{probe, service};
+use crate::{discovery, probe, service};
 use tokenway_transport::certs::Identity;
 
 /// How long open connections get to finish after shutdown is asked.
@@ -61,8 +61,8 @@ pub async fn bind(config: GatewayConfig) -> Result<BoundGateway, GatewayError> {
         }
         _ => None,
     };
-    let quic = |addr: SocketAddr, id: &Identity| {
-        tokenway_transport::endpoint::server_endpoint(addr, id, &c.quic).map_err(|e| match e {
+    let quic = |addr: SocketAddr, id: &Identity, settings: &tokenway_transport::QuicSettings| {
+        tokenway_transport::endpoint::server_endpoint(addr, id, settings).map_err(|e| match e {
             tokenway_transport::TransportError::Socket { addr, source } => {
                 GatewayError::Bind { addr, source }
             }
@@ -70,11 +70,19 @@ pub async fn bind(config: GatewayConfig) -> Result<BoundGateway, GatewayError> {
         })
     };
     let h3 = match (c.h3_listen, &identity) {
-        (Some(addr), Some(id)) => Some(quic(addr, id)?),
+        (Some(addr), Some(id)) => Some(quic(addr, id, &c.quic)?),
         _ => None,
     };
     let tunnel = match (&c.tunnel, &identity) {
-        (Some(t), Some(id)) => Some(quic(t.listen, id)?),
+        (Some(t), Some(id)) => {
+            // The tunnel port alone gets the datagram layer (FEC, obfuscation, tunnel cc):
+            // public HTTP/3 clients do not speak it. Without `[tunnel.datagram]` it is plain
+            // QUIC, exactly as before.
+            let mut settings = c.quic.clone();
+            settings.datagram = t.datagram.clone();
+            settings.datagram_metrics = Some(shared.quic_metrics.datagram.clone());
+            Some(quic(t.listen, id, &settings)?)
+        }
         _ => None,
     };
     if let Some(port) = h3
@@ -134,10 +142,13 @@ impl BoundGateway {
         let (stop_tx, stop_rx) = watch::channel(false);
         let graceful = Arc::new(GracefulShutdown::new());
         let permits = Arc::new(Semaphore::new(self.shared.config.max_connections));
-        for i in 0..self.shared.upstreams.len() {
-            tokio::spawn(probe::run(
+        for (id, _) in self.shared.live_upstreams() {
+            tokio::spawn(probe::run(self.shared.clone(), id, stop_rx.clone()));
+        }
+        if let Some(path) = self.shared.config.backends_file.clone() {
+            tokio::spawn(discovery::watch_file(
                 self.shared.clone(),
-                tokenway_router::BackendId(i),
+                path,
                 stop_rx.clone(),
             ));
         }

@@ -373,7 +373,7 @@ fn route_error(shared: &Shared, e: RouteError) -> ApiError {
 fn models(shared: &Shared) -> Response<ResponseBody> {
     let mut seen = std::collections::HashSet::new();
     let mut data = Vec::new();
-    for u in &shared.upstreams {
+    for (_, u) in shared.live_upstreams() {
         let entries = u
             .model_entries
             .lock()

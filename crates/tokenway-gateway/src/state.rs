@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -24,9 +24,10 @@ use tokenway_telemetry::{
     BackendLabels, BackendMetrics, Histogram, Registry, RequestMetrics, StreamLabels,
 };
 
-use crate::config::GatewayConfig;
+use crate::config::{BackendConfig, GatewayConfig};
 use crate::error::GatewayError;
 use crate::tunnel::TunnelState;
+use crate::upstream_h1::H1Pool;
 
 /// The pooled HTTP/1.1 keep-alive client used for every backend.
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
@@ -52,6 +53,79 @@ pub struct Upstream {
     pub models_configured: bool,
     /// The name as a response header value (`x-tokenway-backend`), when it is a valid one.
     pub name_header: Option<HeaderValue>,
+    /// The configured URL, as given.
+    pub url: String,
+    /// Where this backend came from.
+    pub source: Source,
+    /// Set when discovery removed it: its probe task stops, the router no longer ranks it.
+    pub removed: AtomicBool,
+}
+
+/// Where a backend was configured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The main configuration.
+    Static,
+    /// The watched `backends_file`.
+    File,
+}
+
+impl Upstream {
+    /// Builds the upstream of a (validated) backend entry.
+    pub fn from_config(b: &BackendConfig, source: Source) -> Result<Self, GatewayError> {
+        let name = b.display_name();
+        let uri: Uri = b
+            .url
+            .parse()
+            .map_err(|e| GatewayError::Config(format!("backend {name}: url {:?}: {e}", b.url)))?;
+        let base = Uri::builder()
+            .scheme(uri.scheme_str().unwrap_or("http"))
+            .authority(uri.authority().map(|a| a.as_str()).unwrap_or_default())
+            .path_and_query("/")
+            .build()
+            .map_err(|e| GatewayError::Config(format!("backend {name}: url: {e}")))?;
+        let authorization = match &b.api_key {
+            Some(k) => Some(HeaderValue::try_from(format!("Bearer {k}")).map_err(|_| {
+                GatewayError::Config(format!(
+                    "backends.api_key of {name} holds characters not allowed in a header"
+                ))
+            })?),
+            None => None,
+        };
+        let entries = b
+            .models
+            .iter()
+            .map(
+                |m| serde_json::json!({"id": m, "object": "model", "created": 0, "owned_by": name}),
+            )
+            .collect();
+        Ok(Upstream {
+            labels: BackendLabels {
+                backend: name.clone(),
+                region: b.region.clone(),
+            },
+            name_header: HeaderValue::from_str(&name).ok(),
+            name,
+            base,
+            authorization,
+            model_entries: Mutex::new(entries),
+            models_known: AtomicBool::new(!b.models.is_empty()),
+            models_configured: !b.models.is_empty(),
+            url: b.url.clone(),
+            source,
+            removed: AtomicBool::new(false),
+        })
+    }
+
+    /// The router's description of it.
+    pub fn spec(&self, b: &BackendConfig) -> BackendSpec {
+        BackendSpec {
+            name: self.name.clone(),
+            region: b.region.clone(),
+            models: b.models.clone(),
+            max_inflight: b.max_inflight,
+        }
+    }
 }
 
 /// State shared by every connection and task of one gateway.
@@ -59,10 +133,13 @@ pub struct Shared {
     /// The configuration it was started with.
     pub config: GatewayConfig,
     router: Mutex<Router>,
-    /// Backends, indexed by `BackendId.0`.
-    pub upstreams: Vec<Upstream>,
-    /// Pooled client.
+    /// Backends, indexed by `BackendId.0` (removed ones stay as tombstones: ids are never
+    /// reused).
+    upstreams: RwLock<Vec<Arc<Upstream>>>,
+    /// Pooled hyper client (probes, masquerade proxy).
     pub client: UpstreamClient,
+    /// Streaming HTTP/1.1 connections to backends (the proxy path).
+    pub h1: Arc<H1Pool>,
     /// Request metrics.
     pub metrics: RequestMetrics,
     /// Backend gauges.
@@ -98,49 +175,10 @@ impl Shared {
         let mut router = Router::with_config(config.policy, router_config, rand::random());
         let mut upstreams = Vec::with_capacity(config.backends.len());
         for b in &config.backends {
-            let name = b.display_name();
-            let uri: Uri = b.url.parse().map_err(|e| {
-                GatewayError::Config(format!("backend {name}: url {:?}: {e}", b.url))
-            })?;
-            let base = Uri::builder()
-                .scheme(uri.scheme_str().unwrap_or("http"))
-                .authority(uri.authority().map(|a| a.as_str()).unwrap_or_default())
-                .path_and_query("/")
-                .build()
-                .map_err(|e| GatewayError::Config(format!("backend {name}: url: {e}")))?;
-            let authorization = match &b.api_key {
-                Some(k) => Some(HeaderValue::try_from(format!("Bearer {k}")).map_err(|_| {
-                    GatewayError::Config(format!(
-                        "backends.api_key of {name} holds characters not allowed in a header"
-                    ))
-                })?),
-                None => None,
-            };
-            let id = router.add_backend(BackendSpec {
-                name: name.clone(),
-                region: b.region.clone(),
-                models: b.models.clone(),
-                max_inflight: b.max_inflight,
-            });
+            let upstream = Upstream::from_config(b, Source::Static)?;
+            let id = router.add_backend(upstream.spec(b));
             debug_assert_eq!(id.0, upstreams.len());
-            let entries = b
-                .models
-                .iter()
-                .map(|m| serde_json::json!({"id": m, "object": "model", "created": 0, "owned_by": name}))
-                .collect();
-            upstreams.push(Upstream {
-                labels: BackendLabels {
-                    backend: name.clone(),
-                    region: b.region.clone(),
-                },
-                name_header: HeaderValue::from_str(&name).ok(),
-                name,
-                base,
-                authorization,
-                model_entries: Mutex::new(entries),
-                models_known: AtomicBool::new(!b.models.is_empty()),
-                models_configured: !b.models.is_empty(),
-            });
+            upstreams.push(Arc::new(upstream));
         }
 
         let mut connector = HttpConnector::new();
@@ -156,7 +194,7 @@ impl Shared {
         let metrics = RequestMetrics::register(&mut registry);
         let backend_metrics = BackendMetrics::register(&mut registry);
         let quic_metrics = QuicMetrics::register(&mut registry);
-        for u in &upstreams {
+        for u in upstreams.iter() {
             backend_metrics.healthy.get_or_create(&u.labels).set(1);
             backend_metrics.inflight.get_or_create(&u.labels).set(0);
         }
@@ -168,11 +206,13 @@ impl Shared {
             }
         }
         regions.push("other".to_string());
+        let h1 = H1Pool::new(config.timeouts.connect());
         Ok(Arc::new(Self {
+            h1,
             tunnel,
             config,
             router: Mutex::new(router),
-            upstreams,
+            upstreams: RwLock::new(upstreams),
             client,
             metrics,
             backend_metrics,
@@ -238,8 +278,51 @@ impl Shared {
     }
 
     /// The upstream of `id`.
-    pub fn upstream(&self, id: BackendId) -> &Upstream {
-        &self.upstreams[id.0]
+    pub fn upstream(&self, id: BackendId) -> Arc<Upstream> {
+        self.upstreams.read().unwrap_or_else(|p| p.into_inner())[id.0].clone()
+    }
+
+    /// Every backend not removed, with its id.
+    pub fn live_upstreams(&self) -> Vec<(BackendId, Arc<Upstream>)> {
+        self.upstreams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .enumerate()
+            .filter(|(_, u)| !u.removed.load(Ordering::Relaxed))
+            .map(|(i, u)| (BackendId(i), u.clone()))
+            .collect()
+    }
+
+    /// Adds a backend (from discovery); the caller starts its probes.
+    pub fn add_backend(
+        &self,
+        b: &BackendConfig,
+        source: Source,
+    ) -> Result<BackendId, GatewayError> {
+        let upstream = Upstream::from_config(b, source)?;
+        let mut upstreams = self.upstreams.write().unwrap_or_else(|p| p.into_inner());
+        let id = self.router().add_backend(upstream.spec(b));
+        debug_assert_eq!(id.0, upstreams.len());
+        self.backend_metrics
+            .healthy
+            .get_or_create(&upstream.labels)
+            .set(1);
+        self.backend_metrics
+            .inflight
+            .get_or_create(&upstream.labels)
+            .set(0);
+        upstreams.push(Arc::new(upstream));
+        Ok(id)
+    }
+
+    /// Removes a backend: no new requests go to it; requests in flight finish.
+    pub fn remove_backend(&self, id: BackendId) {
+        let u = self.upstream(id);
+        u.removed.store(true, Ordering::Relaxed);
+        self.router().remove_backend(id);
+        self.backend_metrics.healthy.remove(&u.labels);
+        self.backend_metrics.inflight.remove(&u.labels);
     }
 
     /// Records a health change in logs and gauges.
@@ -268,9 +351,9 @@ impl Shared {
 
     /// Whether every backend has reported (or been configured with) its models.
     pub fn all_models_known(&self) -> bool {
-        self.upstreams
+        self.live_upstreams()
             .iter()
-            .all(|u| u.models_known.load(Ordering::Relaxed))
+            .all(|(_, u)| u.models_known.load(Ordering::Relaxed))
     }
 }
 
@@ -311,8 +394,8 @@ impl Attempt {
     }
 
     /// The backend's name.
-    pub fn backend_name(&self) -> &str {
-        &self.shared.upstream(self.id).name
+    pub fn backend_name(&self) -> String {
+        self.shared.upstream(self.id).name.clone()
     }
 
     /// Reports the first token (the first body frame) `ttft` after the request was sent.

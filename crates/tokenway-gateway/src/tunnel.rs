@@ -113,6 +113,7 @@ mod tests {
             max_replay_keys: 10,
             forward_allow: vec!["127.0.0.1:7000".into()],
             masquerade: MasqueradeConfig::default(),
+            datagram: None,
         })
     }
 

@@ -308,7 +308,7 @@ async fn models_health_and_metrics_endpoints() {
         ),
         "{text}"
     );
-    assert!(text.contains("tokenway_ttft_seconds_count{route=\"/v1/completions\",backend=\"self\",transport=\"h1\"} 1"), "{text}");
+    assert!(text.contains("tokenway_ttft_seconds_count{route=\"/v1/completions\",backend=\"self\",transport=\"h1\",client_region=\"local\",backend_region=\"local\"} 1"), "{text}");
     assert!(
         text.contains("vllm:num_requests_running{model_name=\"a\"} 0"),
         "{text}"

@@ -6,6 +6,7 @@
 //! come from histograms, never from averages. This crate does no I/O of its own: a role serves
 //! [`render`] at `/metrics` over whatever HTTP front it already has.
 
+pub mod datagram;
 mod families;
 pub mod quic;
 mod tracing_setup;

@@ -68,6 +68,9 @@ pub struct QuicMetrics {
     pub tcp_fallback: Family<PeerLabels, Counter>,
     /// `tokenway_tunnel_connections_total{peer,transport}`: connections established.
     pub connections: Family<ConnectLabels, Counter>,
+    /// The tunnel's datagram layer (FEC, obfuscation), registered with the QUIC series so
+    /// that every role exporting QUIC metrics exports these too.
+    pub datagram: crate::datagram::DatagramMetrics,
 }
 
 impl QuicMetrics {
@@ -85,6 +88,7 @@ impl QuicMetrics {
             zero_rtt: Family::default(),
             tcp_fallback: Family::default(),
             connections: Family::default(),
+            datagram: crate::datagram::DatagramMetrics::register(registry),
         };
         registry.register("quic_rtt_seconds", "Smoothed QUIC RTT", m.rtt.clone());
         registry.register(

@@ -4,10 +4,15 @@
 //!
 //! This crate moves bytes between an edge and a gateway; it knows nothing of HTTP routing or of
 //! OpenAI requests. Server side: [`endpoint::server_endpoint`]; client side:
-//! [`client`], [`dial`], [`fallback`]. Certificates and trust: [`certs`], [`trust`].
+//! [`client`], [`dial`], [`fallback`]. Certificates and trust: [`certs`], [`trust`]. The
+//! tunnel's datagram layer (FEC, obfuscation) is [`datagram`]; its congestion control is
+//! [`cc`] and [`brutal`].
 
+pub mod brutal;
+pub mod cc;
 pub mod certs;
 pub mod client;
+pub mod datagram;
 pub mod dial;
 pub mod endpoint;
 pub mod error;
@@ -19,7 +24,7 @@ pub mod stats;
 pub mod trust;
 
 pub use error::TransportError;
-pub use settings::{CongestionControl, QuicSettings};
+pub use settings::{Bandwidth, CongestionControl, DatagramSettings, QuicSettings};
 
 /// ALPN of HTTP/3 (RFC 9114 §3.1). The tunnel uses it too, so it looks like any HTTP/3 site.
 pub const ALPN_H3: &[u8] = b"h3";

@@ -1,8 +1,8 @@
 //! UDP sockets for QUIC endpoints, and the plug point of the datagram layer.
 //!
-//! Endpoints are built on a `quinn::AsyncUdpSocket`. Today that is quinn's own tokio socket over
-//! a UDP socket with large kernel buffers; the loss-resilient datagram layer (FEC and
-//! obfuscation, a later stage) wraps it here, below QUIC, without the endpoints changing.
+//! Endpoints are built on a `quinn::AsyncUdpSocket`: quinn's own tokio socket over a UDP socket
+//! with large kernel buffers, wrapped by the datagram layer ([`crate::datagram`]: FEC and
+//! obfuscation) when the settings carry one.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -10,7 +10,9 @@ use std::sync::Arc;
 use quinn::{AsyncUdpSocket, Runtime, TokioRuntime};
 use socket2::{Domain, Protocol, Socket, Type};
 
+use crate::datagram::{DatagramHandle, DatagramSocket, LayerConfig};
 use crate::error::TransportError;
+use crate::settings::QuicSettings;
 
 /// Binds a non-blocking UDP socket with `buffer` bytes of kernel send and receive buffer (the
 /// kernel may clamp it to `net.core.{r,w}mem_max`; that is logged, not fatal).
@@ -45,4 +47,23 @@ pub fn async_socket(
     TokioRuntime
         .wrap_udp_socket(socket)
         .map_err(|source| TransportError::Socket { addr, source })
+}
+
+/// Wraps a bound UDP socket into the socket an endpoint runs on: with the datagram layer when
+/// `settings.datagram` is set (then its handle is returned too), plain otherwise. `side` is the
+/// metrics label (`server` or `client`).
+pub fn layered_socket(
+    socket: std::net::UdpSocket,
+    settings: &QuicSettings,
+    side: &'static str,
+) -> Result<(Arc<dyn AsyncUdpSocket>, Option<DatagramHandle>), TransportError> {
+    let inner = async_socket(socket)?;
+    match &settings.datagram {
+        None => Ok((inner, None)),
+        Some(d) => {
+            let config = LayerConfig::from_settings(d, side, settings.datagram_metrics.clone())?;
+            let (socket, handle) = DatagramSocket::wrap(inner, config)?;
+            Ok((socket, Some(handle)))
+        }
+    }
 }

@@ -87,7 +87,14 @@ struct ServerState {
     uploaded: AtomicU64,
     /// The priorities of the last connection's streams.
     priorities: Mutex<Option<PriorityMap>>,
+    /// The last connection.
+    conn: Mutex<Option<quinn::Connection>>,
 }
+
+/// Chunks of the `/stream` response.
+const STREAM_CHUNKS: usize = 300;
+/// Pause between two chunks of the `/stream` response (a token stream).
+const STREAM_GAP: Duration = Duration::from_millis(3);
 
 struct Server {
     addr: SocketAddr,
@@ -99,7 +106,11 @@ struct Server {
 /// Starts the test server on loopback. Routes:
 /// - `POST /upload`: counts the body into `uploaded`, answers with the count;
 /// - `GET /download`: answers with [`BULK`] zero bytes, sent as [`Priority::Bulk`];
-/// - `POST /ping`: reads the body, answers with `uploaded` as it is at that moment.
+/// - `POST /ping`: reads the body, answers with `uploaded` as it is at that moment;
+/// - `GET /stream`: [`STREAM_CHUNKS`] chunks of 64 bytes, [`STREAM_GAP`] apart.
+///
+/// A request carrying `tw-rx-rate` is applied to the connection's rate handle, as the gateway's
+/// tunnel code does.
 fn start_server(fair: bool) -> Server {
     let identity = Identity::self_signed(&["localhost"]).expect("self-signed identity");
     let tls = identity.quic_server_config(false).expect("TLS config");
@@ -125,6 +136,8 @@ fn start_server(fair: bool) -> Server {
 
 async fn serve_connection(incoming: quinn::Incoming, state: Arc<ServerState>) {
     let Ok(conn) = incoming.await else { return };
+    *state.conn.lock().expect("not poisoned") = Some(conn.clone());
+    let rate = tokenway_transport::cc::rate_handle(&conn);
     let conn = Connection::new(conn);
     let priorities = conn.priorities();
     *state.priorities.lock().expect("not poisoned") = Some(priorities.clone());
@@ -132,11 +145,14 @@ async fn serve_connection(incoming: quinn::Incoming, state: Arc<ServerState>) {
         return;
     };
     while let Ok(Some(resolver)) = h3.accept().await {
-        let (state, priorities) = (state.clone(), priorities.clone());
+        let (state, priorities, rate) = (state.clone(), priorities.clone(), rate.clone());
         tokio::spawn(async move {
-            let Ok((req, mut stream)) = resolver.resolve_request().await else {
+            let Ok((mut req, mut stream)) = resolver.resolve_request().await else {
                 return;
             };
+            if let Some(rate) = &rate {
+                rate.apply_peer_rx_rate(req.headers_mut());
+            }
             let path = req.uri().path();
             let mut received = 0u64;
             while let Ok(Some(chunk)) = stream.recv_data().await {
@@ -167,7 +183,14 @@ async fn serve_connection(incoming: quinn::Incoming, state: Arc<ServerState>) {
                     return;
                 }
             }
-            if !download && stream.send_data(Bytes::from(answer)).await.is_err() {
+            if path == "/stream" {
+                for _ in 0..STREAM_CHUNKS {
+                    tokio::time::sleep(STREAM_GAP).await;
+                    if stream.send_data(zeros(64)).await.is_err() {
+                        return;
+                    }
+                }
+            } else if !download && stream.send_data(Bytes::from(answer)).await.is_err() {
                 return;
             }
             let _ = stream.finish().await;
@@ -451,4 +474,309 @@ async fn report_priority_races() {
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The datagram layer (FEC and obfuscation below QUIC) and the tunnel's congestion control.
+
+use tokenway_transport::datagram::DatagramHandle;
+use tokenway_transport::settings::{
+    Bandwidth, BandwidthSettings, FecScopeSetting, FecSetting, ObfsSettings,
+};
+use tokenway_transport::{CongestionControl, DatagramSettings};
+
+const PSK: &str = "a pre-shared key for the tests";
+
+/// QUIC settings with a datagram layer: `fec` as in config files, obfuscation under `psk`.
+fn layered(fec: &str, psk: &str) -> QuicSettings {
+    QuicSettings {
+        zero_rtt: false,
+        datagram: Some(DatagramSettings {
+            fec: FecSetting::try_from(fec.to_string()).expect("fec mode"),
+            fec_scope: FecScopeSetting::All,
+            obfs: Some(ObfsSettings { psk: psk.into() }),
+            ..DatagramSettings::default()
+        }),
+        ..QuicSettings::default()
+    }
+}
+
+struct LayeredServer {
+    server: Server,
+    layer: DatagramHandle,
+}
+
+/// The test server (routes as in [`start_server`]) on the project's server endpoint.
+fn start_layered_server(settings: &QuicSettings) -> LayeredServer {
+    let identity = Identity::self_signed(&["localhost"]).expect("self-signed identity");
+    let (ep, layer) = endpoint::server_endpoint_with_layer(
+        "127.0.0.1:0".parse().expect("addr"),
+        &identity,
+        settings,
+    )
+    .expect("server endpoint");
+    let state = Arc::new(ServerState::default());
+    let server = Server {
+        addr: ep.local_addr().expect("bound address"),
+        fingerprint: identity.fingerprint(),
+        state: state.clone(),
+        _endpoint: ep.clone(),
+    };
+    tokio::spawn(async move {
+        while let Some(incoming) = ep.accept().await {
+            tokio::spawn(serve_connection(incoming, state.clone()));
+        }
+    });
+    LayeredServer {
+        server,
+        layer: layer.expect("the settings carry a datagram layer"),
+    }
+}
+
+/// A bare h3 client on the project's client endpoint with `settings`, connecting to `addr`
+/// (the server, or a relay in front of it) within `within`.
+async fn layered_client(
+    server: &Server,
+    addr: SocketAddr,
+    settings: &QuicSettings,
+    within: Duration,
+) -> Result<(RawClient, DatagramHandle, quinn::Connection), String> {
+    let (ep, layer) =
+        endpoint::client_endpoint_with_layer("127.0.0.1:0".parse().expect("addr"), settings)
+            .expect("client endpoint");
+    let config = endpoint::client_config(pinned_tls(server), settings, None).expect("config");
+    let connecting = ep
+        .connect_with(config, addr, "localhost")
+        .map_err(|e| e.to_string())?;
+    let conn = tokio::time::timeout(within, connecting)
+        .await
+        .map_err(|_| "handshake timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    let h3_conn = Connection::new(conn.clone());
+    let priorities = h3_conn.priorities();
+    let (mut driver, sender) = h3::client::new(h3_conn).await.map_err(|e| e.to_string())?;
+    tokio::spawn(async move { driver.wait_idle().await });
+    let client = RawClient {
+        sender,
+        priorities,
+        _endpoint: ep,
+    };
+    Ok((client, layer.expect("a datagram layer"), conn))
+}
+
+/// Reads `/stream` and returns how many body bytes arrived.
+async fn stream_bytes(client: &RawClient) -> u64 {
+    let got = Arc::new(AtomicU64::new(0));
+    let g = got.clone();
+    let add = move |n: usize| {
+        g.fetch_add(n as u64, Ordering::SeqCst);
+    };
+    tokio::time::timeout(
+        DEADLINE,
+        raw_exchange(
+            client,
+            Method::GET,
+            "/stream",
+            0,
+            Priority::Interactive,
+            add,
+        ),
+    )
+    .await
+    .expect("the stream finished");
+    got.load(Ordering::SeqCst)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h3_works_over_the_datagram_layer_with_fec_and_obfuscation() {
+    let settings = layered("auto", PSK);
+    let s = start_layered_server(&settings);
+    let (client, client_layer, _conn) =
+        layered_client(&s.server, s.server.addr, &settings, DEADLINE)
+            .await
+            .expect("connected");
+    let answer = raw_exchange(
+        &client,
+        Method::POST,
+        "/ping",
+        2,
+        Priority::Interactive,
+        |_| {},
+    )
+    .await;
+    assert_eq!(count(&answer), 0);
+    assert_eq!(stream_bytes(&client).await, 64 * STREAM_CHUNKS as u64);
+    let (c, sv) = (client_layer.stats(), s.layer.stats());
+    assert!(
+        c.sent.source_packets > 0,
+        "the client sent FEC source packets: {c:?}"
+    );
+    assert!(sv.sent.source_packets > 0, "the server too: {sv:?}");
+    assert!(
+        sv.sent.repair_packets > 0,
+        "the token stream got repair packets: {sv:?}"
+    );
+    assert_eq!(sv.dropped() - sv.received.dropped.late_repair, 0, "{sv:?}");
+}
+
+/// A UDP relay between a client and `server`: every datagram is delayed by `delay`, and
+/// dropped with probability `loss` (seeded, per direction). Returns the client-facing address.
+async fn start_lossy_relay(
+    server: SocketAddr,
+    loss: f64,
+    delay: Duration,
+    seed: u64,
+) -> SocketAddr {
+    use rand::{Rng, SeedableRng};
+    let front = Arc::new(
+        tokio::net::UdpSocket::bind("127.0.0.1:0")
+            .await
+            .expect("bind"),
+    );
+    let back = Arc::new(
+        tokio::net::UdpSocket::bind("127.0.0.1:0")
+            .await
+            .expect("bind"),
+    );
+    let addr = front.local_addr().expect("relay address");
+    let client: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+    for (from, to, towards_server, seed) in [
+        (front.clone(), back.clone(), true, seed),
+        (back, front, false, seed.wrapping_add(1)),
+    ] {
+        let client = client.clone();
+        let (tx, mut rx) =
+            tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+        let out = to.clone();
+        let route = client.clone();
+        tokio::spawn(async move {
+            while let Some((at, datagram)) = rx.recv().await {
+                tokio::time::sleep_until(at).await;
+                let dest = if towards_server {
+                    Some(server)
+                } else {
+                    *route.lock().expect("not poisoned")
+                };
+                if let Some(dest) = dest {
+                    let _ = out.send_to(&datagram, dest).await;
+                }
+            }
+        });
+        tokio::spawn(async move {
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+            let mut buf = vec![0u8; 65_536];
+            while let Ok((n, peer)) = from.recv_from(&mut buf).await {
+                if towards_server {
+                    *client.lock().expect("not poisoned") = Some(peer);
+                }
+                if rng.random::<f64>() < loss {
+                    continue;
+                }
+                let at = tokio::time::Instant::now() + delay;
+                if tx.send((at, buf[..n].to_vec())).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    addr
+}
+
+/// Streams `/stream` through a relay with 5% loss and 20 ms of delay each way; returns the
+/// client's layer counters and the server's QUIC lost-packet count.
+async fn lossy_stream_run(fec: &str) -> (tokenway_transport::datagram::DatagramStats, u64) {
+    let settings = layered(fec, PSK);
+    let s = start_layered_server(&settings);
+    let relay = start_lossy_relay(s.server.addr, 0.05, Duration::from_millis(20), 7).await;
+    let (client, client_layer, _conn) = layered_client(&s.server, relay, &settings, DEADLINE)
+        .await
+        .expect("connected through the relay");
+    assert_eq!(stream_bytes(&client).await, 64 * STREAM_CHUNKS as u64);
+    let conn = s
+        .server
+        .state
+        .conn
+        .lock()
+        .expect("not poisoned")
+        .clone()
+        .expect("served a connection");
+    (client_layer.stats(), conn.stats().path.lost_packets)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fec_recovers_a_lossy_stream_and_quic_sees_fewer_losses() {
+    let (with_fec, lost_with_fec) = lossy_stream_run("fixed:4:2").await;
+    let (without, lost_without) = lossy_stream_run("off").await;
+    assert!(
+        with_fec.received.recovered > 0,
+        "FEC restored packets: {with_fec:?}"
+    );
+    eprintln!(
+        "recovered {}, QUIC lost {lost_with_fec} with FEC, {lost_without} without",
+        with_fec.received.recovered
+    );
+    assert_eq!(without.received.recovered, 0);
+    assert!(
+        lost_with_fec < lost_without,
+        "QUIC declared {lost_with_fec} packets lost with FEC, {lost_without} without"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_with_the_wrong_psk_cannot_connect_and_is_counted() {
+    let s = start_layered_server(&layered("auto", PSK));
+    let wrong = layered("auto", "not the pre-shared key at all");
+    let attempt = layered_client(&s.server, s.server.addr, &wrong, Duration::from_secs(2)).await;
+    assert!(attempt.is_err(), "connected with the wrong psk");
+    let stats = s.layer.stats();
+    assert!(stats.stranger_drops > 0, "{stats:?}");
+    assert_eq!(stats.peers, 0, "no state for a peer without the key");
+    assert_eq!(
+        stats.sent.source_packets + stats.sent.plain_packets,
+        0,
+        "never answered"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_side_switches_to_brutal_at_the_advertised_rate() {
+    let mut settings = layered("off", PSK);
+    if let Some(d) = settings.datagram.as_mut() {
+        d.cc = Some(CongestionControl::Brutal);
+        d.bandwidth = BandwidthSettings {
+            up: Some(Bandwidth(2_000_000)),
+            down: None,
+        };
+    }
+    let s = start_layered_server(&settings);
+    let (client, _layer, conn) = layered_client(&s.server, s.server.addr, &settings, DEADLINE)
+        .await
+        .expect("connected");
+    let client_rate = tokenway_transport::cc::rate_handle(&conn).expect("a tunnel connection");
+    assert_eq!(
+        client_rate.rate(),
+        Some(2_000_000),
+        "the edge starts at its up"
+    );
+    let mut sender = client.sender.clone();
+    let mut req = request(Method::POST, "/ping", ());
+    req.headers_mut().insert(
+        tokenway_transport::cc::RX_RATE_HEADER,
+        http::HeaderValue::from_static("500000"),
+    );
+    let mut stream = sender.send_request(req).await.expect("request");
+    stream.finish().await.expect("request end");
+    stream.recv_response().await.expect("response");
+    while stream.recv_data().await.expect("body").is_some() {}
+    let server_conn = s
+        .server
+        .state
+        .conn
+        .lock()
+        .expect("not poisoned")
+        .clone()
+        .expect("a connection");
+    let rate = tokenway_transport::cc::rate_handle(&server_conn).expect("a tunnel connection");
+    assert_eq!(rate.rate(), Some(500_000), "min(edge rx, gateway up)");
+    assert!(server_conn.congestion_state().window() >= 4 * 1200);
 }

@@ -12,6 +12,10 @@ pub enum BenchCommand {
     /// Same streaming load directly to a `tokenway sim`, through `tokenway gateway`, and
     /// through nginx (when installed): added latency, throughput, memory.
     Gateway(GatewayBenchArgs),
+    /// h1, h2, h3, the tunnel and its TCP fallback side by side, on loopback or on emulated
+    /// links (netlab profiles, root): TTFT with and without connection setup, 0-RTT, largest
+    /// inter-token gap, uploads and mixes; JSON, Markdown and SVG plots.
+    Transport(TransportBenchArgs),
 }
 
 /// Flags of `tokenway bench gateway`.
@@ -40,11 +44,160 @@ pub struct GatewayBenchArgs {
     pub no_nginx: bool,
 }
 
+/// Flags of `tokenway bench transport`.
+#[derive(clap::Args)]
+pub struct TransportBenchArgs {
+    /// Prove the pipeline: one profile (`wifi` as root, else `loopback`), 2 requests each of
+    /// four scenarios; well under a minute.
+    #[arg(long)]
+    pub quick: bool,
+    /// Directory for results.json, results.md, plots/, generated configs and server logs.
+    #[arg(long, default_value = "bench-out/transport")]
+    pub out: PathBuf,
+    /// One profile: `loopback` (no lab, no root) or a netlab profile name or file (root).
+    #[arg(long, conflicts_with_all = ["profiles", "all_profiles"])]
+    pub profile: Option<String>,
+    /// Several profiles, comma-separated, run one after another.
+    #[arg(long, value_delimiter = ',', conflicts_with = "all_profiles")]
+    pub profiles: Vec<String>,
+    /// Every built-in netlab profile: fiber, wifi, 4g, lossy, satellite, udp-blocked, handover.
+    #[arg(long)]
+    pub all_profiles: bool,
+    /// Transports to compare.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "h1,h2,h3,tunnel,tunnel-tcp"
+    )]
+    pub transports: Vec<String>,
+    /// Scenarios: first, first-0rtt, first-reused, stream, stream-fresh, upload, mix
+    /// [default: all; --quick: first,first-0rtt,stream,mix].
+    #[arg(long, value_delimiter = ',')]
+    pub scenarios: Vec<String>,
+    /// Requests per transport and scenario [default: 30, --quick 2].
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Output tokens of a streaming request.
+    #[arg(long, default_value_t = 32)]
+    pub tokens: u32,
+    /// The simulated backend's time per output token, milliseconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub token_ms: f64,
+    /// Prompt size of the long-prompt upload, KiB.
+    #[arg(long, default_value_t = 200)]
+    pub upload_kib: usize,
+    /// Transport the ratios in the tables are relative to.
+    #[arg(long, default_value = "h1")]
+    pub baseline: String,
+    /// Name prefix of the netlab lab (namespaces `NAME-client`, `NAME-server`).
+    #[arg(long, default_value = "twbench")]
+    pub netlab_name: String,
+    /// Seed of the link emulator.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
 /// Runs a benchmark.
 pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Gateway(args) => gateway(args).await,
+        BenchCommand::Transport(args) => transport(args).await,
     }
+}
+
+async fn transport(args: TransportBenchArgs) -> anyhow::Result<()> {
+    use tokenway_bench::transport::{self as tb, Scenario, Transport};
+    let root = tokenway_netlab::is_root();
+    let profiles = if args.all_profiles {
+        tb::ALL_PROFILES.iter().map(|p| (*p).to_owned()).collect()
+    } else if let Some(p) = args.profile {
+        vec![p]
+    } else if !args.profiles.is_empty() {
+        args.profiles
+    } else if args.quick && root {
+        vec!["wifi".to_owned()]
+    } else {
+        vec![tb::LOOPBACK.to_owned()]
+    };
+    if !root {
+        if let Some(p) = profiles.iter().find(|p| *p != tb::LOOPBACK) {
+            anyhow::bail!(
+                "profile {p:?} needs root (network namespaces and TUN devices); \
+                 without root use --profile loopback"
+            );
+        }
+    }
+    let parse_all = |what: &str, list: &[String]| -> anyhow::Result<()> {
+        if list.is_empty() {
+            anyhow::bail!("--{what} must name at least one");
+        }
+        Ok(())
+    };
+    parse_all("transports", &args.transports)?;
+    let scenario_names: Vec<String> = if !args.scenarios.is_empty() {
+        args.scenarios
+    } else if args.quick {
+        vec![
+            Scenario::First.name().to_owned(),
+            Scenario::First0rtt.name().to_owned(),
+            Scenario::Stream.name().to_owned(),
+            Scenario::Mix.name().to_owned(),
+        ]
+    } else {
+        Scenario::ALL.iter().map(|s| s.name().to_owned()).collect()
+    };
+    let transports = args
+        .transports
+        .iter()
+        .map(|t| t.parse::<Transport>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow::anyhow!("--transports: {e}"))?;
+    let scenarios = scenario_names
+        .iter()
+        .map(|s| s.parse::<Scenario>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow::anyhow!("--scenarios: {e}"))?;
+    let baseline = args
+        .baseline
+        .parse::<Transport>()
+        .map_err(|e| anyhow::anyhow!("--baseline: {e}"))?;
+    let requests = args.requests.unwrap_or(if args.quick { 2 } else { 30 });
+    if requests == 0 || requests > 100_000 {
+        anyhow::bail!("--requests must be in 1..=100000, got {requests}");
+    }
+    if args.tokens == 0 || args.tokens > 100_000 {
+        anyhow::bail!("--tokens must be in 1..=100000, got {}", args.tokens);
+    }
+    if !(args.token_ms.is_finite() && args.token_ms >= 0.0 && args.token_ms <= 10_000.0) {
+        anyhow::bail!("--token-ms must be in 0..=10000, got {}", args.token_ms);
+    }
+    if args.upload_kib == 0 || args.upload_kib > 16 * 1024 {
+        anyhow::bail!("--upload-kib must be in 1..=16384, got {}", args.upload_kib);
+    }
+    let options = tb::TransportBenchOptions {
+        exe: std::env::current_exe().context("cannot locate the tokenway executable")?,
+        out_dir: args.out,
+        profiles,
+        transports,
+        scenarios,
+        requests,
+        tokens: args.tokens,
+        token_ms: args.token_ms,
+        upload_bytes: args.upload_kib * 1024,
+        baseline,
+        netlab_name: args.netlab_name,
+        seed: args.seed,
+        command_line: command_line(),
+    };
+    let report = tb::run(&options).await?;
+    println!("{}", report.to_markdown());
+    println!(
+        "results: {} and {}, plots in {}",
+        options.out_dir.join("results.json").display(),
+        options.out_dir.join("results.md").display(),
+        options.out_dir.join("plots").display()
+    );
+    Ok(())
 }
 
 async fn gateway(args: GatewayBenchArgs) -> anyhow::Result<()> {

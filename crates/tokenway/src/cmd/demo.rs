@@ -107,6 +107,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             max_replay_keys: 100_000,
             forward_allow: Vec::new(),
             masquerade: Default::default(),
+            datagram: Default::default(),
         }),
         backends,
         ..GatewayConfig::default()

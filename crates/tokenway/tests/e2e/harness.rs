@@ -167,6 +167,11 @@ pub fn start_args(args: &[&str], want_tls: bool) -> Proc {
     start_inner(role, None, rest, want_tls)
 }
 
+/// Starts `tokenway ROLE --config FILE` with `toml` as the file.
+pub fn start_args_with_config(role: &str, toml: &str) -> Proc {
+    start(role, toml, &[], false)
+}
+
 /// Starts a simulated backend with `toml` (SimConfig keys).
 pub fn sim(toml: &str) -> Proc {
     start("sim", toml, &["--listen", "127.0.0.1:0"], false)

@@ -4,6 +4,7 @@
 //! One test binary for the crate; each file below is one concern.
 
 mod bad_input;
+mod bench;
 mod clients;
 mod examples;
 mod failover;

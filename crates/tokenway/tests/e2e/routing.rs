@@ -85,7 +85,7 @@ async fn a_session_stays_on_its_backend_and_the_gateway_says_why() {
     let url = format!("{}/v1/chat/completions", gw.url());
     let mut seen = std::collections::HashSet::new();
     for turn in 0..6 {
-        let mut req = http::Request::post(&url)
+        let req = http::Request::post(&url)
             .header("content-type", "application/json")
             .header("x-session-id", "conversation-42")
             .body(http_body_util::Full::new(bytes::Bytes::from(chat(
@@ -121,4 +121,72 @@ async fn a_session_stays_on_its_backend_and_the_gateway_says_why() {
     let v: serde_json::Value = serde_json::from_str(&admin.body).expect("JSON");
     assert_eq!(v["backends"].as_array().map(Vec::len), Some(4), "{v}");
     assert_eq!(v["policy"], "cost");
+}
+
+#[tokio::test]
+async fn discovery_picks_up_added_and_removed_backends_from_a_changed_file() {
+    let a = sim(FAST_SIM);
+    let b = sim(FAST_SIM);
+    let dir = TempDir::new("discovery");
+    let file = dir.0.join("backends.toml");
+    let entry = |name: &str, p: &Proc| {
+        format!(
+            "[[backends]]\nname = \"{name}\"\nurl = \"{}\"\nmodels = [\"sim-model\"]\n",
+            p.url()
+        )
+    };
+    std::fs::write(&file, entry("file-a", &a)).expect("write");
+    let gw = start_args_with_config(
+        "gateway",
+        &format!(
+            "listen = \"127.0.0.1:0\"\nbackends_file = \"{}\"\n[health]\nprobe_interval_ms = 200\n",
+            file.display()
+        ),
+    );
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let served_by = |url: String| async move {
+        let mut names = std::collections::BTreeSet::new();
+        for i in 0..8 {
+            let r = post(&url, &chat(&format!("d{i}"), false, 1), None).await;
+            if r.status == 200 {
+                names.insert(backend_of(&r));
+            } else {
+                names.insert(format!("status {}", r.status));
+            }
+        }
+        names
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            served_by(url.clone()).await.into_iter().collect::<Vec<_>>() == ["file-a"]
+        })
+        .await
+    );
+    // Add b (and give the mtime a chance to differ).
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    std::fs::write(&file, entry("file-a", &a) + &entry("file-b", &b)).expect("write");
+    let admin = format!("{}/admin/backends", gw.url());
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            get(&admin).await.body.contains("file-b")
+        })
+        .await,
+        "file-b was not added"
+    );
+    // Remove a: only b serves afterwards.
+    std::fs::write(&file, entry("file-b", &b)).expect("write");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            served_by(url.clone()).await.into_iter().collect::<Vec<_>>() == ["file-b"]
+        })
+        .await,
+        "file-a was not removed"
+    );
+    // A broken edit keeps the current set.
+    std::fs::write(&file, "[[backends]]\nurl = 42\n").expect("write");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        served_by(url.clone()).await.into_iter().collect::<Vec<_>>(),
+        ["file-b"]
+    );
 }

@@ -1,0 +1,330 @@
+//! Brutal congestion control: a fixed target rate, compensated for loss.
+//!
+//! For links of known capacity (a leased line, a metered uplink) where loss is not a signal of
+//! congestion but of a bad radio or a policer, loss-based controllers (cubic) collapse and
+//! model-based ones (bbr) under-estimate. Brutal (Hysteria 2's controller) sends at the
+//! configured rate whatever the loss, and raises the send rate by the inverse of the delivery
+//! rate so that the *goodput* stays at the target.
+//!
+//! quinn has no pacing hook: it paces at 1.25 · cwnd / sRTT from the window alone. So brutal is
+//! window-based here:
+//!
+//! ```text
+//! cwnd     = max(rate · sRTT / ack_rate, MIN_WINDOW_PACKETS · mtu)
+//! ack_rate = max(acked / (acked + lost), MIN_ACK_RATE)   over the last SLOTS seconds
+//! ```
+//!
+//! With cwnd/sRTT = rate/ack_rate in flight, the acked bytes per second are `rate`, and quinn's
+//! pacer (1.25 × that) never becomes the bottleneck. `acked` and `lost` are bytes (quinn
+//! reports lost bytes per congestion event, not packets), kept in per-second slots of a sliding
+//! window; with fewer than [`MIN_SAMPLE_BYTES`] in the window the ack rate counts as 1. The
+//! floor of 0.8 (Hysteria's) bounds the extra sending at 1.25 × rate: beyond 20% loss brutal
+//! stops compensating rather than flooding a link that is really congested.
+//!
+//! The controller reads no clock: `now` comes from quinn, and [`Brutal::on_rtt`] takes the
+//! smoothed RTT, so tests drive it with simulated time.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quinn::congestion::{Controller, ControllerFactory};
+
+/// Floor of the ack rate (Hysteria 2's).
+pub const MIN_ACK_RATE: f64 = 0.8;
+/// Smallest window, in packets of the current MTU.
+pub const MIN_WINDOW_PACKETS: u64 = 4;
+/// Length of the sliding window of delivery statistics, in one-second slots.
+pub const SLOTS: usize = 5;
+/// Below this many bytes (acked + lost) in the window, the ack rate counts as 1.
+pub const MIN_SAMPLE_BYTES: u64 = 64 * 1024;
+/// RTT assumed before the first sample.
+const INITIAL_RTT: Duration = Duration::from_millis(100);
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Slot {
+    /// Whole seconds since the controller's epoch.
+    second: u64,
+    acked: u64,
+    lost: u64,
+}
+
+/// The brutal controller.
+#[derive(Clone, Debug)]
+pub struct Brutal {
+    /// Target goodput, bytes per second.
+    rate: u64,
+    mtu: u16,
+    srtt: Option<Duration>,
+    epoch: Instant,
+    slots: [Slot; SLOTS],
+}
+
+impl Brutal {
+    /// A controller at `rate` bytes per second; `now` is its epoch.
+    pub fn new(rate: u64, now: Instant, mtu: u16) -> Self {
+        Self {
+            rate,
+            mtu,
+            srtt: None,
+            epoch: now,
+            slots: [Slot::default(); SLOTS],
+        }
+    }
+
+    /// The target rate, bytes per second.
+    pub fn rate(&self) -> u64 {
+        self.rate
+    }
+
+    /// Changes the target rate (bytes per second).
+    pub fn set_rate(&mut self, rate: u64) {
+        self.rate = rate;
+    }
+
+    /// Updates the MTU (the window's floor is a few packets of it).
+    pub fn set_mtu(&mut self, mtu: u16) {
+        self.mtu = mtu;
+    }
+
+    /// Feeds the smoothed RTT.
+    pub fn on_rtt(&mut self, srtt: Duration) {
+        self.srtt = Some(srtt);
+    }
+
+    fn slot(&mut self, now: Instant) -> &mut Slot {
+        let second = now.saturating_duration_since(self.epoch).as_secs();
+        let i = (second % SLOTS as u64) as usize;
+        let s = &mut self.slots[i];
+        if s.second != second {
+            *s = Slot {
+                second,
+                ..Slot::default()
+            };
+        }
+        s
+    }
+
+    /// Counts `bytes` delivered at `now`.
+    pub fn on_acked(&mut self, now: Instant, bytes: u64) {
+        self.slot(now).acked += bytes;
+    }
+
+    /// Counts `bytes` lost at `now`.
+    pub fn on_lost(&mut self, now: Instant, bytes: u64) {
+        self.slot(now).lost += bytes;
+    }
+
+    /// The delivery rate over the last [`SLOTS`] seconds before `now`, floored at
+    /// [`MIN_ACK_RATE`] (1 without enough samples).
+    pub fn ack_rate(&self, now: Instant) -> f64 {
+        let second = now.saturating_duration_since(self.epoch).as_secs();
+        let (mut acked, mut lost) = (0u64, 0u64);
+        for s in &self.slots {
+            if second.saturating_sub(s.second) < SLOTS as u64 && s.second <= second {
+                acked += s.acked;
+                lost += s.lost;
+            }
+        }
+        if acked + lost < MIN_SAMPLE_BYTES {
+            return 1.0;
+        }
+        (acked as f64 / (acked + lost) as f64).max(MIN_ACK_RATE)
+    }
+
+    /// The window for `now`.
+    pub fn window_at(&self, now: Instant) -> u64 {
+        self.window_with_rate(self.rate, now)
+    }
+
+    /// The window for `now` at `rate` bytes per second instead of the stored rate.
+    pub fn window_with_rate(&self, rate: u64, now: Instant) -> u64 {
+        let rtt = self.srtt.unwrap_or(INITIAL_RTT).as_secs_f64();
+        let w = rate as f64 * rtt / self.ack_rate(now);
+        let min = MIN_WINDOW_PACKETS * u64::from(self.mtu);
+        (w as u64).max(min)
+    }
+}
+
+/// Brutal as a quinn controller. quinn asks for the window without a time, so the controller
+/// remembers the last `now` it was given.
+#[derive(Clone, Debug)]
+pub struct BrutalController {
+    inner: Brutal,
+    last_now: Instant,
+}
+
+impl BrutalController {
+    /// A controller at `rate` bytes per second.
+    pub fn new(rate: u64, now: Instant, mtu: u16) -> Self {
+        Self {
+            inner: Brutal::new(rate, now, mtu),
+            last_now: now,
+        }
+    }
+
+    /// The brutal state.
+    pub fn brutal(&self) -> &Brutal {
+        &self.inner
+    }
+
+    /// The brutal state, to change the rate.
+    pub fn brutal_mut(&mut self) -> &mut Brutal {
+        &mut self.inner
+    }
+
+    fn touch(&mut self, now: Instant) {
+        if now > self.last_now {
+            self.last_now = now;
+        }
+    }
+}
+
+impl Controller for BrutalController {
+    fn on_ack(
+        &mut self,
+        now: Instant,
+        _sent: Instant,
+        bytes: u64,
+        _app_limited: bool,
+        rtt: &quinn_proto::RttEstimator,
+    ) {
+        self.touch(now);
+        self.inner.on_rtt(rtt.get());
+        self.inner.on_acked(now, bytes);
+    }
+
+    fn on_congestion_event(
+        &mut self,
+        now: Instant,
+        _sent: Instant,
+        _is_persistent_congestion: bool,
+        lost_bytes: u64,
+    ) {
+        self.touch(now);
+        self.inner.on_lost(now, lost_bytes);
+    }
+
+    fn on_mtu_update(&mut self, new_mtu: u16) {
+        self.inner.set_mtu(new_mtu);
+    }
+
+    fn window(&self) -> u64 {
+        self.inner.window_at(self.last_now)
+    }
+
+    fn clone_box(&self) -> Box<dyn Controller> {
+        Box::new(self.clone())
+    }
+
+    fn initial_window(&self) -> u64 {
+        self.inner.window_at(self.last_now)
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+
+/// A factory of brutal controllers at a fixed rate (bytes per second). Tunnel connections use
+/// [`crate::cc::SwitchableConfig`] instead, whose rate can change after the handshake.
+#[derive(Clone, Copy, Debug)]
+pub struct BrutalConfig {
+    /// Target rate, bytes per second.
+    pub rate: u64,
+}
+
+impl ControllerFactory for BrutalConfig {
+    fn build(self: Arc<Self>, now: Instant, current_mtu: u16) -> Box<dyn Controller> {
+        Box::new(BrutalController::new(self.rate, now, current_mtu))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MTU: u16 = 1200;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn window_is_rate_times_rtt_without_loss() {
+        let t0 = Instant::now();
+        let mut b = Brutal::new(1_000_000, t0, MTU);
+        b.on_rtt(ms(50));
+        for i in 0..100 {
+            b.on_acked(t0 + ms(10 * i), 10_000);
+        }
+        assert_eq!(b.ack_rate(t0 + ms(1000)), 1.0);
+        assert_eq!(b.window_at(t0 + ms(1000)), 50_000);
+    }
+
+    #[test]
+    fn window_grows_by_the_inverse_of_the_ack_rate() {
+        let t0 = Instant::now();
+        let mut b = Brutal::new(1_000_000, t0, MTU);
+        b.on_rtt(ms(100));
+        // 10% loss: ack rate 0.9, window = 100 000 / 0.9.
+        for i in 0..10 {
+            b.on_acked(t0 + ms(100 * i), 90_000);
+            b.on_lost(t0 + ms(100 * i), 10_000);
+        }
+        let now = t0 + ms(999);
+        assert!((b.ack_rate(now) - 0.9).abs() < 1e-9);
+        assert_eq!(b.window_at(now), (100_000.0 / 0.9) as u64);
+    }
+
+    #[test]
+    fn ack_rate_is_floored_at_0_8() {
+        let t0 = Instant::now();
+        let mut b = Brutal::new(1_000_000, t0, MTU);
+        b.on_rtt(ms(100));
+        b.on_acked(t0, 50_000);
+        b.on_lost(t0, 50_000);
+        assert_eq!(b.ack_rate(t0), MIN_ACK_RATE);
+        assert_eq!(b.window_at(t0), 125_000);
+    }
+
+    #[test]
+    fn old_losses_leave_the_window_after_a_few_seconds() {
+        let t0 = Instant::now();
+        let mut b = Brutal::new(1_000_000, t0, MTU);
+        b.on_rtt(ms(100));
+        b.on_acked(t0, 50_000);
+        b.on_lost(t0, 50_000);
+        for s in 1..=SLOTS as u64 {
+            b.on_acked(t0 + Duration::from_secs(s), 100_000);
+        }
+        assert_eq!(b.ack_rate(t0 + Duration::from_secs(SLOTS as u64)), 1.0);
+        assert_eq!(b.window_at(t0 + Duration::from_secs(SLOTS as u64)), 100_000);
+    }
+
+    #[test]
+    fn window_has_a_minimum_of_a_few_packets() {
+        let t0 = Instant::now();
+        let mut b = Brutal::new(1_000, t0, MTU);
+        b.on_rtt(ms(1));
+        assert_eq!(b.window_at(t0), MIN_WINDOW_PACKETS * u64::from(MTU));
+    }
+
+    #[test]
+    fn few_samples_count_as_no_loss() {
+        let t0 = Instant::now();
+        let mut b = Brutal::new(1_000_000, t0, MTU);
+        b.on_lost(t0, 10_000);
+        assert_eq!(b.ack_rate(t0), 1.0);
+    }
+
+    #[test]
+    fn rate_changes_apply_to_the_window() {
+        let t0 = Instant::now();
+        let mut c = BrutalController::new(1_000_000, t0, MTU);
+        c.brutal_mut().on_rtt(ms(20));
+        assert_eq!(c.window(), 20_000);
+        c.brutal_mut().set_rate(5_000_000);
+        assert_eq!(c.window(), 100_000);
+    }
+}

@@ -1,0 +1,868 @@
+//! The datagram layer's socket adapter: a `quinn::AsyncUdpSocket` that puts FEC and
+//! obfuscation (the sans-IO core in `tokenway_wire::fec` and `tokenway_wire::obfs`) between
+//! QUIC and the UDP socket. See docs/datagram-layer.md for the wire format.
+//!
+//! ```text
+//! send:    quinn ─try_send─► FecSender (per peer) ─► obfuscation ─► UDP
+//!          timer task ─► due repair packets, loss reports ─► UDP
+//! receive: UDP ─► de-obfuscation ─► FecReceiver (per peer) ─► quinn (poll_recv)
+//!                                    └► restored packets ─► quinn, as if they had arrived
+//!                                    └► peer's loss reports ─► our FecSender
+//! ```
+//!
+//! **Peers.** Layer state (an `FecSender` and an `FecReceiver`) is kept per remote address, in
+//! a map bounded at [`MAX_PEERS`] (the least recently seen peer is evicted) and swept of peers
+//! idle for [`PEER_IDLE`]. A datagram from an address without state is first checked on a copy
+//! (de-obfuscate and parse the framing): only a well-framed packet creates state, so a prober
+//! or a scanner without the key costs one parse and no memory. Its datagrams are dropped and
+//! counted (`stranger`); QUIC never sees them, so it never answers: a prober sees silence.
+//!
+//! **Timers.** A task per socket sleeps until the earliest deadline of any peer (a block's
+//! flush deadline, a spaced repair packet, a receiver's block expiry or loss report), or until
+//! a send or receive sets an earlier one, and at least once a second for housekeeping and
+//! metrics. It holds only a weak reference, and ends when the socket is dropped.
+//!
+//! **GSO/GRO.** The adapter reports `max_transmit_segments() = 1` and
+//! `max_receive_segments() = 1`: quinn hands over one QUIC datagram per `try_send`, and gets
+//! one per `RecvMeta`. The inner socket may still coalesce received datagrams (GRO); they are
+//! split by their stride before the layer sees them. Disabling GSO costs some send-side CPU on
+//! bulk transfers; every datagram needs its own header, salt and key stream anyway.
+//!
+//! **Back-pressure.** When the inner socket would block, the framed datagram is kept and
+//! quinn is told `WouldBlock`; quinn retries the same transmit and the kept bytes go out, so a
+//! source packet is framed exactly once. Repair packets and loss reports are best effort: if
+//! the socket would block they are dropped and counted (`send_failed`).
+//!
+//! **MTU.** QUIC's payload must shrink by [`DatagramSettings::overhead`] (18 bytes with FEC
+//! and obfuscation); `QuicSettings::transport_config` lowers MTU discovery's ceiling
+//! accordingly.
+//!
+//! **Interactive scope.** With `fec_scope = "interactive"`, a peer counts as interactive while
+//! what is sent to it stays below `fec_bulk_above` (measured over 100 ms windows, leaving the
+//! bulk state only below half of it): token streams and short requests get FEC, a bulk upload
+//! or download goes out plain.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, IoSliceMut};
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use quinn::udp::{EcnCodepoint, RecvMeta, Transmit};
+use quinn::{AsyncUdpSocket, UdpPoller};
+use tokenway_telemetry::datagram::{DatagramMetrics, SideLabels};
+use tokenway_wire::fec::{
+    FecConfig, FecReceiver, FecSender, Received, ReceiverConfig, ReceiverStats, SenderStats,
+};
+use tokenway_wire::obfs::Obfuscator;
+use tokio::sync::Notify;
+
+use crate::error::TransportError;
+use crate::settings::DatagramSettings;
+
+/// Most peers with layer state; the least recently seen is evicted beyond it.
+pub const MAX_PEERS: usize = 1024;
+/// A peer silent for this long loses its layer state.
+pub const PEER_IDLE: Duration = Duration::from_secs(120);
+/// How often idle peers are swept and metrics published.
+const HOUSEKEEPING: Duration = Duration::from_secs(1);
+/// Datagrams read from the inner socket per call.
+const RECV_BATCH: usize = 4;
+/// Size of each receive buffer (a GRO batch or the largest UDP payload).
+const RECV_BUF: usize = 65_536;
+/// Most datagrams waiting for quinn to read them; beyond it they are dropped and counted.
+const MAX_READY: usize = 256;
+/// Window over which a peer's send rate is measured (interactive scope).
+const RATE_WINDOW: Duration = Duration::from_millis(100);
+
+/// The layer's runtime configuration.
+#[derive(Debug, Clone)]
+pub struct LayerConfig {
+    /// FEC sender configuration.
+    pub fec: FecConfig,
+    /// FEC receiver configuration.
+    pub receiver: ReceiverConfig,
+    /// Obfuscation, if any.
+    pub obfs: Option<Obfuscator>,
+    /// Interactive scope: above this send rate (bytes/s) a peer counts as bulk.
+    pub bulk_above: u64,
+    /// Where counters are published (once a second).
+    pub metrics: Option<DatagramMetrics>,
+    /// `server` or `client`, the metrics' `side` label.
+    pub side: &'static str,
+}
+
+impl LayerConfig {
+    /// From the config-file settings.
+    pub fn from_settings(
+        s: &DatagramSettings,
+        side: &'static str,
+        metrics: Option<DatagramMetrics>,
+    ) -> Result<Self, TransportError> {
+        s.validate("datagram")?;
+        let obfs = match &s.obfs {
+            Some(o) => Some(
+                Obfuscator::new(o.psk.as_bytes())
+                    .map_err(|e| TransportError::Config(format!("datagram.{e}")))?,
+            ),
+            None => None,
+        };
+        Ok(Self {
+            fec: s.fec_config(),
+            receiver: ReceiverConfig::default(),
+            obfs,
+            bulk_above: s.fec_bulk_above.bytes_per_sec(),
+            metrics,
+            side,
+        })
+    }
+}
+
+/// Cumulative counters of a datagram socket, over all peers it has had.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DatagramStats {
+    /// FEC senders' counters, summed.
+    pub sent: SenderStats,
+    /// FEC receivers' counters, summed.
+    pub received: ReceiverStats,
+    /// Datagrams from addresses without state that were not valid layer packets.
+    pub stranger_drops: u64,
+    /// Datagrams (repairs, loss reports) the inner socket refused, and framed datagrams that
+    /// quinn did not retry.
+    pub send_failed: u64,
+    /// Received datagrams dropped because quinn did not read them in time, or too large.
+    pub deliver_dropped: u64,
+    /// Peers currently with state.
+    pub peers: usize,
+    /// Peers evicted (for room or idleness).
+    pub peers_evicted: u64,
+}
+
+impl DatagramStats {
+    /// Every datagram dropped on receipt (framing, duplicates, strangers).
+    pub fn dropped(&self) -> u64 {
+        self.received.dropped.total() + self.stranger_drops
+    }
+}
+
+fn add_sender(a: &mut SenderStats, b: &SenderStats) {
+    a.plain_packets += b.plain_packets;
+    a.source_packets += b.source_packets;
+    a.source_bytes += b.source_bytes;
+    a.repair_packets += b.repair_packets;
+    a.repair_bytes += b.repair_bytes;
+    a.blocks += b.blocks;
+    a.blocks_flushed += b.blocks_flushed;
+    a.repairs_skipped_by_budget += b.repairs_skipped_by_budget;
+    a.repairs_dropped_queue_full += b.repairs_dropped_queue_full;
+    a.reports_applied += b.reports_applied;
+    a.reports_stale += b.reports_stale;
+}
+
+fn add_receiver(a: &mut ReceiverStats, b: &ReceiverStats) {
+    a.datagrams += b.datagrams;
+    a.plain_packets += b.plain_packets;
+    a.source_packets += b.source_packets;
+    a.late_sources += b.late_sources;
+    a.repair_packets += b.repair_packets;
+    a.lost += b.lost;
+    a.recovered += b.recovered;
+    a.residual += b.residual;
+    for (x, y) in a.bursts.0.iter_mut().zip(b.bursts.0.iter()) {
+        *x += y;
+    }
+    a.blocks_complete += b.blocks_complete;
+    a.blocks_incomplete += b.blocks_incomplete;
+    a.decode_failures += b.decode_failures;
+    a.recovered_dropped += b.recovered_dropped;
+    a.reports_received += b.reports_received;
+    a.reports_sent += b.reports_sent;
+    a.resyncs += b.resyncs;
+    let (d, e) = (&mut a.dropped, &b.dropped);
+    d.truncated += e.truncated;
+    d.unknown_version += e.unknown_version;
+    d.unknown_type += e.unknown_type;
+    d.malformed += e.malformed;
+    d.duplicate += e.duplicate;
+    d.late_repair += e.late_repair;
+    d.stale += e.stale;
+}
+
+/// A framed datagram the inner socket refused, kept for quinn's retry of the same transmit.
+struct Stalled {
+    original: Vec<u8>,
+    framed: Vec<u8>,
+}
+
+struct Peer {
+    tx: FecSender,
+    rx: FecReceiver,
+    last_seen: Instant,
+    /// Local address to send from (multi-homed servers).
+    src_ip: Option<IpAddr>,
+    stalled: Option<Stalled>,
+    window_start: Instant,
+    window_bytes: u64,
+    interactive: bool,
+}
+
+impl Peer {
+    fn deadline(&self) -> Option<Instant> {
+        match (self.tx.next_deadline(), self.rx.next_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Accounts `bytes` sent at `now` and moves between interactive and bulk.
+    fn on_send(&mut self, now: Instant, bytes: usize, bulk_above: u64) {
+        let elapsed = now.saturating_duration_since(self.window_start);
+        if elapsed >= RATE_WINDOW {
+            let rate = self.window_bytes as f64 / elapsed.as_secs_f64();
+            let limit = bulk_above as f64;
+            let interactive = if self.interactive {
+                rate <= limit
+            } else {
+                rate < limit / 2.0
+            };
+            if interactive != self.interactive {
+                self.interactive = interactive;
+                self.tx.set_interactive(now, interactive);
+            }
+            self.window_start = now;
+            self.window_bytes = 0;
+        }
+        self.window_bytes += bytes as u64;
+    }
+}
+
+struct Ready {
+    addr: SocketAddr,
+    buf: Vec<u8>,
+    ecn: Option<EcnCodepoint>,
+    dst_ip: Option<IpAddr>,
+}
+
+struct State {
+    config: LayerConfig,
+    peers: HashMap<SocketAddr, Peer>,
+    /// Scratch buffers: framed output, repairs, stranger checks, restored packets.
+    out: Vec<u8>,
+    extra: Vec<u8>,
+    ready: VecDeque<Ready>,
+    pool: Vec<Vec<u8>>,
+    retired_sent: SenderStats,
+    retired_received: ReceiverStats,
+    stranger_drops: u64,
+    send_failed: u64,
+    deliver_dropped: u64,
+    peers_evicted: u64,
+    /// When the timer task will next wake.
+    timer_at: Option<Instant>,
+    published: DatagramStats,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn send_raw(
+    inner: &dyn AsyncUdpSocket,
+    destination: SocketAddr,
+    src_ip: Option<IpAddr>,
+    ecn: Option<EcnCodepoint>,
+    contents: &[u8],
+) -> io::Result<()> {
+    inner.try_send(&Transmit {
+        destination,
+        ecn,
+        contents,
+        segment_size: None,
+        src_ip,
+    })
+}
+
+impl State {
+    fn new_peer(&self, now: Instant) -> Result<Peer, TransportError> {
+        let err = |e: tokenway_wire::WireError| TransportError::Config(format!("datagram.{e}"));
+        let mut tx = FecSender::new(
+            self.config.fec.clone(),
+            self.config.obfs.clone(),
+            rand::random(),
+        )
+        .map_err(err)?;
+        tx.set_interactive(now, true);
+        let rx = FecReceiver::new(
+            self.config.receiver.clone(),
+            self.config.obfs.clone(),
+            rand::random(),
+        )
+        .map_err(err)?;
+        Ok(Peer {
+            tx,
+            rx,
+            last_seen: now,
+            src_ip: None,
+            stalled: None,
+            window_start: now,
+            window_bytes: 0,
+            interactive: true,
+        })
+    }
+
+    /// Makes sure `addr` has state, evicting the least recently seen peer at the bound.
+    fn ensure_peer(&mut self, addr: SocketAddr, now: Instant) -> bool {
+        if self.peers.contains_key(&addr) {
+            return true;
+        }
+        if self.peers.len() >= MAX_PEERS {
+            let oldest = self
+                .peers
+                .iter()
+                .min_by_key(|(_, p)| p.last_seen)
+                .map(|(a, _)| *a);
+            if let Some(a) = oldest {
+                self.retire(a);
+            }
+        }
+        match self.new_peer(now) {
+            Ok(p) => {
+                self.peers.insert(addr, p);
+                true
+            }
+            Err(e) => {
+                // Unreachable with validated settings; never panic on the data path.
+                tracing::warn!(error = %e, "datagram layer: cannot create peer state");
+                false
+            }
+        }
+    }
+
+    fn retire(&mut self, addr: SocketAddr) {
+        if let Some(p) = self.peers.remove(&addr) {
+            add_sender(&mut self.retired_sent, p.tx.stats());
+            add_receiver(&mut self.retired_received, p.rx.stats());
+            self.peers_evicted += 1;
+        }
+    }
+
+    /// Whether a datagram from an address without state is a well-framed layer packet
+    /// (checked on a copy, so the real receiver sees it untouched).
+    fn is_layer_packet(&mut self, datagram: &[u8]) -> bool {
+        self.extra.clear();
+        self.extra.extend_from_slice(datagram);
+        let inner = match &self.config.obfs {
+            Some(o) => match o.open_in_place(&mut self.extra) {
+                Ok(inner) => &*inner,
+                Err(_) => return false,
+            },
+            None => &self.extra[..],
+        };
+        tokenway_wire::packet::parse(inner).is_ok()
+    }
+
+    fn push_ready(&mut self, r: Ready) {
+        if self.ready.len() >= MAX_READY {
+            self.deliver_dropped += 1;
+            self.pool.push(r.buf);
+        } else {
+            self.ready.push_back(r);
+        }
+    }
+
+    fn pooled(&mut self, bytes: &[u8]) -> Vec<u8> {
+        let mut v = self.pool.pop().unwrap_or_default();
+        v.clear();
+        v.extend_from_slice(bytes);
+        v
+    }
+
+    /// Processes one received UDP datagram. Returns the peer's next deadline.
+    fn on_datagram(
+        &mut self,
+        now: Instant,
+        meta: &RecvMeta,
+        datagram: &mut [u8],
+    ) -> Option<Instant> {
+        let addr = meta.addr;
+        if !self.peers.contains_key(&addr) {
+            if !self.is_layer_packet(datagram) {
+                self.stranger_drops += 1;
+                return None;
+            }
+            if !self.ensure_peer(addr, now) {
+                return None;
+            }
+        }
+        let peer = self.peers.get_mut(&addr)?;
+        peer.last_seen = now;
+        if meta.dst_ip.is_some() {
+            peer.src_ip = meta.dst_ip;
+        }
+        let mut deliver = None;
+        match peer.rx.on_datagram(now, datagram) {
+            Received::Deliver(range) => deliver = datagram.get(range),
+            Received::LossReport(r) => peer.tx.on_loss_report(&r),
+            Received::Repair | Received::Dropped(_) => {}
+        }
+        if let Some(d) = deliver {
+            let buf = self.pooled(d);
+            self.push_ready(Ready {
+                addr,
+                buf,
+                ecn: meta.ecn,
+                dst_ip: meta.dst_ip,
+            });
+        }
+        let mut restored = std::mem::take(&mut self.out);
+        while let Some(true) = self
+            .peers
+            .get_mut(&addr)
+            .map(|p| p.rx.pop_recovered(&mut restored))
+        {
+            let buf = self.pooled(&restored);
+            self.push_ready(Ready {
+                addr,
+                buf,
+                ecn: None,
+                dst_ip: meta.dst_ip,
+            });
+        }
+        self.out = restored;
+        self.peers.get(&addr).and_then(Peer::deadline)
+    }
+
+    /// Moves ready datagrams into quinn's buffers; returns how many.
+    fn deliver(&mut self, bufs: &mut [IoSliceMut<'_>], meta: &mut [RecvMeta]) -> usize {
+        let mut n = 0;
+        while n < bufs.len().min(meta.len()) {
+            let Some(r) = self.ready.pop_front() else {
+                break;
+            };
+            let len = r.buf.len();
+            if len > bufs[n].len() {
+                self.deliver_dropped += 1;
+            } else {
+                bufs[n][..len].copy_from_slice(&r.buf);
+                meta[n] = RecvMeta {
+                    addr: r.addr,
+                    len,
+                    stride: len,
+                    ecn: r.ecn,
+                    dst_ip: r.dst_ip,
+                };
+                n += 1;
+            }
+            self.pool.push(r.buf);
+        }
+        n
+    }
+
+    /// Runs every peer's timers and sends what is due.
+    fn service(&mut self, now: Instant, inner: &dyn AsyncUdpSocket) {
+        let mut failed = 0;
+        let out = &mut self.out;
+        for (addr, p) in self.peers.iter_mut() {
+            p.tx.on_timeout(now);
+            while p.tx.poll_transmit(now, out) {
+                if send_raw(inner, *addr, p.src_ip, None, out).is_err() {
+                    failed += 1;
+                }
+            }
+            p.rx.on_timeout(now);
+            while p.rx.poll_transmit(now, out) {
+                if send_raw(inner, *addr, p.src_ip, None, out).is_err() {
+                    failed += 1;
+                }
+            }
+        }
+        self.send_failed += failed;
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.peers.values().filter_map(Peer::deadline).min()
+    }
+
+    /// Sweeps idle peers and publishes metrics.
+    fn housekeeping(&mut self, now: Instant) {
+        let idle: Vec<SocketAddr> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| now.saturating_duration_since(p.last_seen) > PEER_IDLE)
+            .map(|(a, _)| *a)
+            .collect();
+        for a in idle {
+            self.retire(a);
+        }
+        self.publish();
+    }
+
+    fn stats(&self) -> DatagramStats {
+        let mut s = DatagramStats {
+            sent: self.retired_sent,
+            received: self.retired_received,
+            stranger_drops: self.stranger_drops,
+            send_failed: self.send_failed,
+            deliver_dropped: self.deliver_dropped,
+            peers: self.peers.len(),
+            peers_evicted: self.peers_evicted,
+        };
+        for p in self.peers.values() {
+            add_sender(&mut s.sent, p.tx.stats());
+            add_receiver(&mut s.received, p.rx.stats());
+        }
+        s
+    }
+
+    fn publish(&mut self) {
+        let Some(m) = self.config.metrics.clone() else {
+            return;
+        };
+        let t = self.stats();
+        let p = self.published;
+        let side = self.config.side;
+        let labels = SideLabels {
+            side: side.to_string(),
+        };
+        let inc = |f: &tokenway_telemetry::Family<SideLabels, tokenway_telemetry::Counter>,
+                   now: u64,
+                   before: u64| {
+            if now > before {
+                f.get_or_create(&labels).inc_by(now - before);
+            }
+        };
+        inc(
+            &m.source_packets,
+            t.sent.source_packets,
+            p.sent.source_packets,
+        );
+        inc(&m.source_bytes, t.sent.source_bytes, p.sent.source_bytes);
+        inc(&m.plain_packets, t.sent.plain_packets, p.sent.plain_packets);
+        inc(
+            &m.repair_packets,
+            t.sent.repair_packets,
+            p.sent.repair_packets,
+        );
+        inc(&m.repair_bytes, t.sent.repair_bytes, p.sent.repair_bytes);
+        inc(&m.recovered, t.received.recovered, p.received.recovered);
+        inc(&m.lost, t.received.lost, p.received.lost);
+        inc(&m.residual, t.received.residual, p.received.residual);
+        const BURST_VALUES: [f64; 8] = [1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0];
+        let hist = m.bursts.get_or_create(&labels);
+        for (i, v) in BURST_VALUES.iter().enumerate() {
+            let d = t.received.bursts.0[i].saturating_sub(p.received.bursts.0[i]);
+            for _ in 0..d.min(100_000) {
+                hist.observe(*v);
+            }
+        }
+        drop(hist);
+        let (d, e) = (&t.received.dropped, &p.received.dropped);
+        for (reason, now, before) in [
+            ("truncated", d.truncated, e.truncated),
+            ("unknown_version", d.unknown_version, e.unknown_version),
+            ("unknown_type", d.unknown_type, e.unknown_type),
+            ("malformed", d.malformed, e.malformed),
+            ("duplicate", d.duplicate, e.duplicate),
+            ("late_repair", d.late_repair, e.late_repair),
+            ("stale", d.stale, e.stale),
+            ("stranger", t.stranger_drops, p.stranger_drops),
+            ("send_failed", t.send_failed, p.send_failed),
+            ("deliver_dropped", t.deliver_dropped, p.deliver_dropped),
+        ] {
+            m.add_dropped(side, reason, now.saturating_sub(before));
+        }
+        m.peers
+            .get_or_create(&labels)
+            .set(i64::try_from(t.peers).unwrap_or(i64::MAX));
+        self.published = t;
+    }
+}
+
+struct RecvBufs {
+    bufs: [Vec<u8>; RECV_BATCH],
+    meta: [RecvMeta; RECV_BATCH],
+}
+
+/// The `AsyncUdpSocket` with the datagram layer; wraps quinn's own socket.
+pub struct DatagramSocket {
+    inner: Arc<dyn AsyncUdpSocket>,
+    state: Mutex<State>,
+    recv: Mutex<RecvBufs>,
+    wake: Arc<Notify>,
+}
+
+impl std::fmt::Debug for DatagramSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatagramSocket")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A handle on a datagram socket, for counters and tests.
+#[derive(Clone, Debug)]
+pub struct DatagramHandle {
+    socket: Arc<DatagramSocket>,
+}
+
+impl DatagramHandle {
+    /// The cumulative counters.
+    pub fn stats(&self) -> DatagramStats {
+        lock(&self.socket.state).stats()
+    }
+
+    /// Tells the FEC sender towards `peer` the connection's smoothed RTT (the flush delay is
+    /// min(5 ms, sRTT/8)); without it the flush delay is 5 ms.
+    pub fn set_srtt(&self, peer: SocketAddr, srtt: Duration) {
+        if let Some(p) = lock(&self.socket.state).peers.get_mut(&peer) {
+            p.tx.set_srtt(srtt);
+        }
+    }
+}
+
+impl DatagramSocket {
+    /// Wraps `inner` (quinn's socket over a bound UDP socket) with the layer, and starts the
+    /// timer task on the current tokio runtime.
+    pub fn wrap(
+        inner: Arc<dyn AsyncUdpSocket>,
+        config: LayerConfig,
+    ) -> Result<(Arc<dyn AsyncUdpSocket>, DatagramHandle), TransportError> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            TransportError::Config("the datagram layer needs a tokio runtime".into())
+        })?;
+        let socket = Arc::new(DatagramSocket {
+            inner,
+            state: Mutex::new(State {
+                config,
+                peers: HashMap::new(),
+                out: Vec::with_capacity(2048),
+                extra: Vec::with_capacity(2048),
+                ready: VecDeque::new(),
+                pool: Vec::new(),
+                retired_sent: SenderStats::default(),
+                retired_received: ReceiverStats::default(),
+                stranger_drops: 0,
+                send_failed: 0,
+                deliver_dropped: 0,
+                peers_evicted: 0,
+                timer_at: None,
+                published: DatagramStats::default(),
+            }),
+            recv: Mutex::new(RecvBufs {
+                bufs: std::array::from_fn(|_| vec![0u8; RECV_BUF]),
+                meta: [RecvMeta::default(); RECV_BATCH],
+            }),
+            wake: Arc::new(Notify::new()),
+        });
+        runtime.spawn(timer_task(Arc::downgrade(&socket), socket.wake.clone()));
+        let handle = DatagramHandle {
+            socket: socket.clone(),
+        };
+        let dyn_socket: Arc<dyn AsyncUdpSocket> = Arc::new(Outer(socket));
+        Ok((dyn_socket, handle))
+    }
+
+    /// Wakes the timer task if `deadline` is earlier than its current one.
+    fn schedule(&self, st: &mut State, deadline: Option<Instant>) {
+        if let Some(d) = deadline {
+            if st.timer_at.is_none_or(|t| d < t) {
+                st.timer_at = Some(d);
+                self.wake.notify_one();
+            }
+        }
+    }
+
+    fn send(&self, t: &Transmit<'_>) -> io::Result<()> {
+        let now = Instant::now();
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        if !st.ensure_peer(t.destination, now) {
+            st.send_failed += 1;
+            return Ok(());
+        }
+        let bulk_above = st.config.bulk_above;
+        let State {
+            peers,
+            out,
+            extra,
+            send_failed,
+            ..
+        } = st;
+        let Some(peer) = peers.get_mut(&t.destination) else {
+            return Ok(());
+        };
+        peer.last_seen = now;
+        if t.src_ip.is_some() {
+            peer.src_ip = t.src_ip;
+        }
+        let inner = self.inner.as_ref();
+        let segment = t.segment_size.unwrap_or(t.contents.len()).max(1);
+        let single = t.contents.len() <= segment;
+        if let Some(s) = peer.stalled.take() {
+            if single && s.original == t.contents {
+                return match send_raw(inner, t.destination, t.src_ip, t.ecn, &s.framed) {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        peer.stalled = Some(s);
+                        Err(e)
+                    }
+                    r => r,
+                };
+            }
+            *send_failed += 1;
+        }
+        for quic in t.contents.chunks(segment) {
+            peer.on_send(now, quic.len(), bulk_above);
+            if peer.tx.send(now, quic, out).is_err() {
+                // Larger than the layer can frame: dropped, like an oversized datagram.
+                *send_failed += 1;
+                continue;
+            }
+            match send_raw(inner, t.destination, t.src_ip, t.ecn, out) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && single => {
+                    peer.stalled = Some(Stalled {
+                        original: t.contents.to_vec(),
+                        framed: std::mem::take(out),
+                    });
+                    return Err(e);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => *send_failed += 1,
+                Err(e) => return Err(e),
+            }
+        }
+        while peer.tx.poll_transmit(now, extra) {
+            if send_raw(inner, t.destination, peer.src_ip, None, extra).is_err() {
+                *send_failed += 1;
+            }
+        }
+        let deadline = peer.deadline();
+        self.schedule(st, deadline);
+        Ok(())
+    }
+
+    fn recv(
+        &self,
+        cx: &mut Context<'_>,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            {
+                let mut st = lock(&self.state);
+                if !st.ready.is_empty() {
+                    let n = st.deliver(bufs, meta);
+                    if n > 0 {
+                        return Poll::Ready(Ok(n));
+                    }
+                }
+            }
+            let mut guard = lock(&self.recv);
+            let RecvBufs {
+                bufs: ours,
+                meta: metas,
+            } = &mut *guard;
+            let n = {
+                let mut slices = ours.each_mut().map(|b| IoSliceMut::new(b.as_mut_slice()));
+                match self.inner.poll_recv(cx, &mut slices, metas) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Ready(Ok(n)) => n,
+                }
+            };
+            let now = Instant::now();
+            let mut st = lock(&self.state);
+            let mut earliest: Option<Instant> = None;
+            for (buf, m) in ours.iter_mut().zip(metas.iter()).take(n) {
+                let len = m.len.min(buf.len());
+                let stride = if m.stride == 0 { len } else { m.stride };
+                for datagram in buf[..len].chunks_mut(stride.max(1)) {
+                    if let Some(d) = st.on_datagram(now, m, datagram) {
+                        earliest = Some(earliest.map_or(d, |e| e.min(d)));
+                    }
+                }
+            }
+            self.schedule(&mut st, earliest);
+        }
+    }
+}
+
+/// What quinn holds: dropping it (the endpoint closing) wakes the timer task so it ends.
+#[derive(Debug)]
+struct Outer(Arc<DatagramSocket>);
+
+impl Drop for Outer {
+    fn drop(&mut self) {
+        self.0.wake.notify_one();
+    }
+}
+
+impl AsyncUdpSocket for Outer {
+    fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
+        self.0.inner.clone().create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &Transmit<'_>) -> io::Result<()> {
+        self.0.send(transmit)
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context<'_>,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Poll<io::Result<usize>> {
+        self.0.recv(cx, bufs, meta)
+    }
+
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.0.inner.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        1
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        1
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.0.inner.may_fragment()
+    }
+}
+
+/// Sleeps until the earliest deadline of any peer (or the next housekeeping), then runs the
+/// peers' timers. Ends when the socket is gone (quinn dropped it and no handle is left).
+async fn timer_task(socket: Weak<DatagramSocket>, wake: Arc<Notify>) {
+    let mut housekeeping = Instant::now() + HOUSEKEEPING;
+    loop {
+        let deadline = {
+            let Some(socket) = socket.upgrade() else {
+                return;
+            };
+            if Arc::strong_count(&socket) == 1 {
+                // Only this task holds it: the endpoint is gone.
+                return;
+            }
+            let mut st = lock(&socket.state);
+            let now = Instant::now();
+            st.service(now, socket.inner.as_ref());
+            if now >= housekeeping {
+                st.housekeeping(now);
+                housekeeping = now + HOUSEKEEPING;
+            }
+            let d = st
+                .next_deadline()
+                .map_or(housekeeping, |d| d.min(housekeeping))
+                .max(now + Duration::from_millis(1));
+            st.timer_at = Some(d);
+            d
+        };
+        tokio::select! {
+            _ = wake.notified() => {}
+            _ = tokio::time::sleep_until(deadline.into()) => {}
+        }
+    }
+}

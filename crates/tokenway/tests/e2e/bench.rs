@@ -1,0 +1,76 @@
+//! `tokenway bench transport --quick`: the whole pipeline (lab, servers in namespaces, every
+//! transport, report, plots) runs and writes its files. Never asserts on time.
+
+use std::path::Path;
+use std::process::Command;
+
+use crate::harness::TempDir;
+
+const TRANSPORTS: [&str; 5] = ["h1", "h2", "h3", "tunnel", "tunnel-tcp"];
+
+fn non_empty(path: &Path) -> String {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{} is readable: {e}", path.display()));
+    assert!(!text.trim().is_empty(), "{} is empty", path.display());
+    text
+}
+
+#[test]
+fn bench_transport_quick_writes_json_markdown_and_plots_for_every_transport() {
+    if !tokenway_netlab::is_root() {
+        eprintln!("SKIP: bench transport --quick runs on a netlab profile, which needs root");
+        return;
+    }
+    let dir = TempDir::new("bench-transport");
+    let out = dir.0.join("out");
+    let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))
+        .args(["bench", "transport", "--quick", "--netlab-name", "twbtest", "--out"])
+        .arg(&out)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("tokenway runs");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "bench transport --quick failed ({}):\nstdout: {stdout}\nstderr: {stderr}",
+        run.status
+    );
+
+    let json: serde_json::Value =
+        serde_json::from_str(&non_empty(&out.join("results.json"))).expect("results.json is JSON");
+    for key in ["machine", "command_line", "timestamp", "settings", "profiles"] {
+        assert!(json.get(key).is_some(), "results.json lacks {key}: {json}");
+    }
+    assert!(json["machine"].get("kernel").is_some(), "{}", json["machine"]);
+    let profiles = json["profiles"].as_array().expect("profiles is a list");
+    assert_eq!(profiles.len(), 1, "--quick runs one profile");
+    let runs = profiles[0]["runs"].as_array().expect("runs is a list");
+    for t in TRANSPORTS {
+        let mine: Vec<&serde_json::Value> = runs.iter().filter(|r| r["transport"] == t).collect();
+        assert!(!mine.is_empty(), "no run of {t} in {}", profiles[0]);
+        let ok: u64 = mine
+            .iter()
+            .map(|r| r["requests"].as_u64().unwrap_or(0) - r["errors"].as_u64().unwrap_or(0))
+            .sum();
+        assert!(ok > 0, "every request over {t} failed: {mine:?}");
+    }
+
+    let md = non_empty(&out.join("results.md"));
+    for t in TRANSPORTS {
+        assert!(md.contains(&format!("| {t} |")), "results.md has no row for {t}:\n{md}");
+    }
+
+    let plots = json["plots"].as_array().expect("plots is a list");
+    assert!(plots.len() >= 2, "a TTFT and a gap plot: {plots:?}");
+    for p in plots {
+        let svg = non_empty(&out.join(p.as_str().expect("plot paths are strings")));
+        assert!(svg.contains("<svg"), "{p} is not an SVG");
+        for t in TRANSPORTS {
+            assert!(svg.contains(t), "{p} has no line for {t}");
+        }
+    }
+    // The lab is gone.
+    let (namespaces, links) = tokenway_netlab::leftovers("twbtest");
+    assert!(namespaces.is_empty() && links.is_empty(), "{namespaces:?} {links:?}");
+}
