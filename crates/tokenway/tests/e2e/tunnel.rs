@@ -470,3 +470,61 @@ async fn an_edge_pinning_another_certificate_never_sends_the_request() {
         "{gw_text}"
     );
 }
+
+#[tokio::test]
+async fn the_edge_fails_over_to_another_gateway_when_its_gateway_dies() {
+    let backends = [sim(FAST_SIM), sim(FAST_SIM)];
+    let mut gws = [
+        tunnel_gateway(&backends[0], "", ""),
+        tunnel_gateway(&backends[1], "", ""),
+    ];
+    let names = ["gw-a", "gw-b"];
+    let mut toml = format!(
+        "token = \"{TOKEN}\"\nreevaluate_ms = 500\n[quic]\nidle_timeout_ms = 1500\nkeep_alive_ms = 300\n[trust]\npin_sha256 = [\"{}\", \"{}\"]\n",
+        fingerprint(&gws[0]),
+        fingerprint(&gws[1])
+    );
+    for (gw, name) in gws.iter().zip(names) {
+        toml.push_str(&format!(
+            "[[gateways]]\nname = \"{name}\"\nquic = \"{}\"\n",
+            tunnel_addr(gw)
+        ));
+    }
+    let edge = edge(&toml);
+    let url = format!("{}/v1/chat/completions", edge.url());
+    let served = |text: &str, name: &str| {
+        metric_sum(
+            text,
+            &format!(
+                "tokenway_ttft_seconds_count{{route=\"/v1/chat/completions\",backend=\"{name}\""
+            ),
+        )
+    };
+    for i in 0..4 {
+        let r = post(&url, &chat(&format!("before {i}"), true, 4), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let text = metrics(&edge).await;
+    let in_use = if served(&text, "gw-a") >= served(&text, "gw-b") {
+        0
+    } else {
+        1
+    };
+    let other = 1 - in_use;
+    let before_other = served(&text, names[other]);
+    gws[in_use].kill();
+    for i in 0..6 {
+        let r = post(&url, &chat(&format!("after {i}"), true, 4), None).await;
+        assert_eq!(
+            r.status, 200,
+            "request {i} after the gateway died: {}",
+            r.body
+        );
+        assert!(r.body.trim_end().ends_with("data: [DONE]"), "{}", r.body);
+    }
+    let text = metrics(&edge).await;
+    assert!(
+        served(&text, names[other]) >= before_other + 6.0,
+        "the surviving gateway did not take over:\n{text}"
+    );
+}
