@@ -24,7 +24,14 @@ fn bench_transport_quick_writes_json_markdown_and_plots_for_every_transport() {
     let dir = TempDir::new("bench-transport");
     let out = dir.0.join("out");
     let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))
-        .args(["bench", "transport", "--quick", "--netlab-name", "twbtest", "--out"])
+        .args([
+            "bench",
+            "transport",
+            "--quick",
+            "--netlab-name",
+            "twbtest",
+            "--out",
+        ])
         .arg(&out)
         .env("RUST_LOG", "warn")
         .output()
@@ -39,10 +46,20 @@ fn bench_transport_quick_writes_json_markdown_and_plots_for_every_transport() {
 
     let json: serde_json::Value =
         serde_json::from_str(&non_empty(&out.join("results.json"))).expect("results.json is JSON");
-    for key in ["machine", "command_line", "timestamp", "settings", "profiles"] {
+    for key in [
+        "machine",
+        "command_line",
+        "timestamp",
+        "settings",
+        "profiles",
+    ] {
         assert!(json.get(key).is_some(), "results.json lacks {key}: {json}");
     }
-    assert!(json["machine"].get("kernel").is_some(), "{}", json["machine"]);
+    assert!(
+        json["machine"].get("kernel").is_some(),
+        "{}",
+        json["machine"]
+    );
     let profiles = json["profiles"].as_array().expect("profiles is a list");
     assert_eq!(profiles.len(), 1, "--quick runs one profile");
     let runs = profiles[0]["runs"].as_array().expect("runs is a list");
@@ -58,7 +75,10 @@ fn bench_transport_quick_writes_json_markdown_and_plots_for_every_transport() {
 
     let md = non_empty(&out.join("results.md"));
     for t in TRANSPORTS {
-        assert!(md.contains(&format!("| {t} |")), "results.md has no row for {t}:\n{md}");
+        assert!(
+            md.contains(&format!("| {t} |")),
+            "results.md has no row for {t}:\n{md}"
+        );
     }
 
     let plots = json["plots"].as_array().expect("plots is a list");
@@ -72,5 +92,8 @@ fn bench_transport_quick_writes_json_markdown_and_plots_for_every_transport() {
     }
     // The lab is gone.
     let (namespaces, links) = tokenway_netlab::leftovers("twbtest");
-    assert!(namespaces.is_empty() && links.is_empty(), "{namespaces:?} {links:?}");
+    assert!(
+        namespaces.is_empty() && links.is_empty(),
+        "{namespaces:?} {links:?}"
+    );
 }
