@@ -4,79 +4,32 @@
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Instant;
 
 use bytes::Bytes;
 use http_body::{Body, Frame};
-use tokenway_telemetry::Histogram;
+use tokenway_telemetry::stream_clock::StreamClock;
 use tokenway_transport::client::{BoxError, ClientBody};
-use tokenway_wire::sse::SseScanner;
-
-/// Histograms one response is timed into.
-pub struct Timing {
-    /// Time to first token.
-    pub ttft: Histogram,
-    /// Gap between token events.
-    pub gap: Histogram,
-    /// Whole duration.
-    pub duration: Histogram,
-    /// When the local request arrived.
-    pub start: Instant,
-}
 
 /// See the module docs.
 pub struct EdgeBody {
     inner: ClientBody,
-    scanner: Option<SseScanner>,
-    timing: Timing,
-    last_event: Option<Instant>,
+    clock: StreamClock,
     finished: bool,
 }
 
 impl EdgeBody {
-    /// Wraps `inner`; `sse` when the response is an event stream.
-    pub fn new(inner: ClientBody, sse: bool, timing: Timing) -> Self {
+    /// Wraps `inner`, timed by `clock`.
+    pub fn new(inner: ClientBody, clock: StreamClock) -> Self {
         Self {
             inner,
-            scanner: sse.then(SseScanner::new),
-            timing,
-            last_event: None,
+            clock,
             finished: false,
         }
     }
 
-    fn observe(&mut self, data: &Bytes) {
-        if data.is_empty() {
-            return;
-        }
-        let tokens = match self.scanner.as_mut() {
-            Some(s) => {
-                let r = s.feed(data);
-                r.events.saturating_sub(u32::from(r.done))
-            }
-            None => u32::from(self.last_event.is_none()),
-        };
-        if tokens == 0 {
-            return;
-        }
-        let now = Instant::now();
-        match self.last_event {
-            None => self
-                .timing
-                .ttft
-                .observe((now - self.timing.start).as_secs_f64()),
-            Some(prev) => self.timing.gap.observe((now - prev).as_secs_f64()),
-        }
-        self.last_event = Some(now);
-    }
-
     fn finish(&mut self) {
-        if !self.finished {
-            self.finished = true;
-            self.timing
-                .duration
-                .observe(self.timing.start.elapsed().as_secs_f64());
-        }
+        self.finished = true;
+        self.clock.finish();
     }
 }
 
@@ -96,7 +49,7 @@ impl Body for EdgeBody {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(d) = frame.data_ref() {
                     let d = d.clone();
-                    self.observe(&d);
+                    self.clock.observe(&d);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -107,7 +60,7 @@ impl Body for EdgeBody {
             Poll::Ready(Some(Err(e))) => {
                 self.finish();
                 tracing::warn!(error = %e, "tunnel stream failed after the first byte");
-                if self.scanner.is_some() {
+                if self.clock.sse() {
                     let event = tokenway_wire::sse::error_event(
                         &format!(
                             "the tunnel to the gateway failed in the middle of the response: {e}"

@@ -20,9 +20,10 @@ use tokenway_telemetry::{RequestLabels, StreamLabels};
 use tokenway_transport::client::BoxError;
 use tokio::net::TcpListener;
 
-use crate::body::{EdgeBody, Timing};
+use crate::body::EdgeBody;
 use crate::metrics::EdgeMetrics;
 use crate::tunnel::{Outgoing, Tunnel};
+use tokenway_telemetry::stream_clock::{StreamClock, StreamHistograms};
 
 /// The body of every local response.
 pub type LocalBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -235,11 +236,10 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
                 backend_region: "local".to_string(),
             };
             let m = &local.metrics.requests;
-            let timing = Timing {
+            let histograms = StreamHistograms {
                 ttft: m.ttft.get_or_create(&labels).clone(),
                 gap: m.inter_token.get_or_create(&labels).clone(),
                 duration: m.duration.get_or_create(&labels).clone(),
-                start,
             };
             let (mut parts, body) = answer.response.into_parts();
             let sse = parts
@@ -251,7 +251,10 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             parts.headers = stripped;
             // The local connection's version, not the tunnel's (HTTP/3 or HTTP/2).
             parts.version = version;
-            let resp = Response::from_parts(parts, EdgeBody::new(body, sse, timing).boxed_unsync());
+            let resp = Response::from_parts(
+                parts,
+                EdgeBody::new(body, StreamClock::new(histograms, start, sse)).boxed_unsync(),
+            );
             count(local, route, &answer.gateway, resp)
         }
         Err(e) => count(

@@ -18,9 +18,10 @@ use http_body_util::BodyExt;
 use tokenway_router::{BackendId, HedgeWinner, Outcome, Route, RouteRequest};
 
 use crate::error::{ApiError, ResponseBody};
-use crate::relay::{Meter, RelayBody};
+use crate::relay::RelayBody;
 use crate::state::{Attempt, Shared, Upstream};
 use crate::upstream_h1::{H1Body, H1Error};
+use tokenway_telemetry::stream_clock::{StreamClock, StreamHistograms};
 
 /// Header naming the backend that served a response.
 pub const BACKEND_HEADER: &str = "x-tokenway-backend";
@@ -265,18 +266,20 @@ fn respond(
         .unwrap_or(&shared.config.region);
     let [ttft, gap, duration] =
         shared.stream_histograms(id, req.route, req.transport, client_region);
-    let meter = Meter {
-        ttft,
-        gap,
-        duration,
-        start: req.start,
-        sse: is_event_stream(&parts.headers),
-    };
+    let clock = StreamClock::new(
+        StreamHistograms {
+            ttft,
+            gap,
+            duration,
+        },
+        req.start,
+        is_event_stream(&parts.headers),
+    );
     let body = RelayBody::new(
         first,
         body,
         attempt,
-        meter,
+        clock,
         shared.config.timeouts.stream_idle(),
     );
     let mut resp = Response::new(BodyExt::boxed(body));

@@ -16,13 +16,12 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use tokenway_router::Outcome;
-use tokenway_telemetry::Histogram;
-use tokenway_wire::sse::SseScanner;
+use tokenway_telemetry::stream_clock::StreamClock;
 use tokio::time::Sleep;
 
 use crate::error::BoxError;
@@ -31,20 +30,6 @@ use crate::upstream_h1::H1Body;
 
 /// Most bytes merged from frames that arrived together.
 pub const COALESCE_BYTES: usize = 16 * 1024;
-
-/// The latency histograms one response feeds.
-pub struct Meter {
-    /// `tokenway_ttft_seconds` of this route, backend and transport.
-    pub ttft: Histogram,
-    /// `tokenway_inter_token_seconds`.
-    pub gap: Histogram,
-    /// `tokenway_request_duration_seconds`.
-    pub duration: Histogram,
-    /// When the client's request arrived.
-    pub start: Instant,
-    /// Whether the body is an event stream.
-    pub sse: bool,
-}
 
 /// What the relay does after the upstream body ended or failed.
 enum Tail {
@@ -61,7 +46,7 @@ pub struct RelayBody {
     upstream: H1Body,
     first: Option<Frame<Bytes>>,
     attempt: Attempt,
-    clock: EventClock,
+    clock: StreamClock,
     idle: Pin<Box<Sleep>>,
     idle_timeout: Duration,
     last_activity: tokio::time::Instant,
@@ -75,7 +60,7 @@ impl RelayBody {
         first: Option<Frame<Bytes>>,
         upstream: H1Body,
         attempt: Attempt,
-        meter: Meter,
+        clock: StreamClock,
         stream_idle: Duration,
     ) -> Self {
         let now = tokio::time::Instant::now();
@@ -83,7 +68,7 @@ impl RelayBody {
             upstream,
             first,
             attempt,
-            clock: EventClock::new(meter),
+            clock,
             idle: Box::pin(tokio::time::sleep_until(now + stream_idle)),
             idle_timeout: stream_idle,
             last_activity: now,
@@ -241,65 +226,5 @@ impl Body for RelayBody {
         }
         hint.set_lower(upstream.lower() + n);
         hint
-    }
-}
-
-/// Event timing of one response, recorded into the latency histograms as frames pass.
-struct EventClock {
-    meter: Meter,
-    scanner: Option<SseScanner>,
-    last_event: Option<Instant>,
-    finished: bool,
-}
-
-impl EventClock {
-    fn new(meter: Meter) -> Self {
-        Self {
-            scanner: meter.sse.then(SseScanner::new),
-            meter,
-            last_event: None,
-            finished: false,
-        }
-    }
-
-    fn sse(&self) -> bool {
-        self.meter.sse
-    }
-
-    /// Notes a data frame. In an event stream a token is a data event other than `[DONE]`;
-    /// otherwise the first byte stands for the first token.
-    fn observe(&mut self, data: &[u8]) {
-        if data.is_empty() {
-            return;
-        }
-        let tokens = match self.scanner.as_mut() {
-            Some(scanner) => {
-                let r = scanner.feed(data);
-                r.events.saturating_sub(u32::from(r.done))
-            }
-            None => u32::from(self.last_event.is_none()),
-        };
-        if tokens == 0 {
-            return;
-        }
-        let now = Instant::now();
-        match self.last_event {
-            None => self
-                .meter
-                .ttft
-                .observe((now - self.meter.start).as_secs_f64()),
-            // Events that arrive in one chunk arrived together: one gap per chunk.
-            Some(prev) => self.meter.gap.observe((now - prev).as_secs_f64()),
-        }
-        self.last_event = Some(now);
-    }
-
-    fn finish(&mut self) {
-        if !self.finished {
-            self.finished = true;
-            self.meter
-                .duration
-                .observe(self.meter.start.elapsed().as_secs_f64());
-        }
     }
 }

@@ -9,6 +9,7 @@
 pub mod datagram;
 mod families;
 pub mod quic;
+pub mod stream_clock;
 mod tracing_setup;
 
 pub use families::{
