@@ -96,6 +96,7 @@ pub enum Scenario {
     /// First request (1 token) on a fresh connection: TTFT includes the handshake.
     First,
     /// First request (1 token) on a 0-RTT resumed connection (h3, tunnel).
+    #[serde(rename = "first-0rtt")]
     First0rtt,
     /// A 1-token request on an existing connection.
     FirstReused,
@@ -373,7 +374,34 @@ async fn run_profile(
         description,
         unavailable: measured.unavailable,
         runs: measured.runs,
+        notes: edge_log_notes(&dir.join("logs")),
     })
+}
+
+/// Counts, per edge, the retries and redials its log (at info) recorded: the edge re-sends a
+/// request refused before its first byte, which a client cannot see but pays for in TTFT.
+fn edge_log_notes(logs: &std::path::Path) -> Vec<String> {
+    let mut notes = Vec::new();
+    for (edge, carries) in [
+        ("edge", "tunnel (except fresh)"),
+        ("edge-full", "tunnel fresh"),
+        ("edge-tcp", "tunnel-tcp"),
+    ] {
+        let Ok(log) = std::fs::read_to_string(logs.join(format!("{edge}.log"))) else {
+            continue;
+        };
+        let count = |needle: &str| log.lines().filter(|l| l.contains(needle)).count();
+        let refused = count("refused before the first byte; retrying");
+        let rejected = count("0-RTT early data was rejected");
+        let fresh = count("retrying on a fresh connection");
+        let connected = count("tunnel connected");
+        notes.push(format!(
+            "{edge} ({carries}): {connected} tunnel connections, {refused} requests re-sent on \
+             the same connection ({rejected} after \"0-RTT early data was rejected\"), {fresh} \
+             re-sent on a fresh connection"
+        ));
+    }
+    notes
 }
 
 struct Plan {

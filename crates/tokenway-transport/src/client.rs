@@ -332,9 +332,18 @@ impl QuicClient {
         };
         let mut zero = self.inner.zero_rtt.clone();
         let outcome = if started_early {
+            let mut verdict = zero.clone();
+            // Fires only on a real rejection: once the handshake task has sent its verdict it
+            // drops the sender, and `wait_for` then errs, which must not read as "rejected"
+            // (that re-sent every accepted early request).
+            let rejected = async move {
+                if verdict.wait_for(|z| *z == ZeroRtt::Rejected).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            };
             tokio::select! {
                 r = result => r,
-                _ = zero.wait_for(|z| *z == ZeroRtt::Rejected) => {
+                () = rejected => {
                     Err(("0-RTT early data was rejected".to_string(), true))
                 }
             }

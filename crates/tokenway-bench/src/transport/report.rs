@@ -167,6 +167,8 @@ pub struct ProfileResult {
     pub unavailable: Vec<(Transport, String)>,
     /// Runs, by scenario then transport.
     pub runs: Vec<RunResult>,
+    /// What the servers' logs say happened (edge retries and redials).
+    pub notes: Vec<String>,
 }
 
 fn ser_unavailable<S: serde::Serializer>(
@@ -561,7 +563,10 @@ impl TransportReport {
             for (t, reason) in &p.unavailable {
                 let _ = writeln!(out, "- **{}** unavailable: {reason}", t.name());
             }
-            if !p.unavailable.is_empty() {
+            for note in &p.notes {
+                let _ = writeln!(out, "- {note}");
+            }
+            if !p.unavailable.is_empty() || !p.notes.is_empty() {
                 out.push('\n');
             }
             let _ = writeln!(

@@ -231,6 +231,16 @@ async fn a_second_connection_resumes_with_0rtt() {
         ) >= 2.0,
         "{text}"
     );
+    // An accepted early request is executed once: the backend saw exactly the two requests.
+    let backend_text = metrics(&backend).await;
+    assert_eq!(
+        metric_sum(
+            &backend_text,
+            "tokenway_requests_total{route=\"/v1/chat/completions\""
+        ),
+        2.0,
+        "{backend_text}"
+    );
 }
 
 /// Opens a streaming chat through `base` and returns the response body.
