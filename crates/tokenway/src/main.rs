@@ -32,6 +32,10 @@ enum Command {
     /// Emulated lossy links between network namespaces (needs root).
     #[command(subcommand)]
     Netlab(cmd::netlab::NetlabCommand),
+    /// Upload a model directory to an origin object store as one revision.
+    Publish(cmd::publish::PublishArgs),
+    /// Download a model revision, verifying every piece; resumable.
+    Pull(cmd::pull::PullArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -55,6 +59,8 @@ fn main() -> std::process::ExitCode {
             Command::Demo(args) => cmd::demo::run(args).await,
             Command::Bench(command) => cmd::bench::run(command).await,
             Command::Netlab(command) => cmd::netlab::run(command).await,
+            Command::Publish(args) => cmd::publish::run(args).await,
+            Command::Pull(args) => cmd::pull::run(args).await,
         }
     });
     match result {

@@ -5,6 +5,8 @@ pub mod demo;
 pub mod edge;
 pub mod gateway;
 pub mod netlab;
+pub mod publish;
+pub mod pull;
 pub mod signal;
 pub mod sim;
 pub mod smoke;

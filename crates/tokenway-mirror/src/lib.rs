@@ -1,0 +1,156 @@
+//! Weights distribution: content-addressed models on an object store, publish, and verified,
+//! resumable, parallel pulls.
+//!
+//! - [`manifest`]: the model format (sans-IO): manifests, tags, names, object layout.
+//! - [`origin`]: opens an object store from a URL (`file://` this round).
+//! - [`publish`]: hashes a directory and uploads blobs, manifest and tag.
+//! - [`pull`]: downloads pieces in parallel with ranged GETs, verifies each, writes in place,
+//!   records progress for resume, verifies the whole file and renames it atomically.
+//! - [`progress`]: the on-disk record of completed pieces (sans-IO encoding).
+//!
+//! Not here yet (see `docs/weights.md`): mirror server, single flight, LRU cache, peers,
+//! hedging, `s3://`.
+
+pub mod manifest;
+pub mod origin;
+pub mod progress;
+pub mod publish;
+pub mod pull;
+
+pub use manifest::{Blake3Hash, FileEntry, Manifest, ModelRef, Selector};
+pub use origin::open_origin;
+pub use publish::{publish, PublishOptions, PublishReport};
+pub use pull::{pull, PullOptions, PullProgress, PullReport};
+
+/// Every error of this crate; messages say what was wrong and where.
+#[derive(Debug, thiserror::Error)]
+pub enum MirrorError {
+    /// A model, revision or tag name is not acceptable.
+    #[error("invalid {field} {value:?}: {reason}")]
+    InvalidName {
+        /// Which name (`model`, `revision`, `tag`).
+        field: String,
+        /// The value given.
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A manifest failed to parse or validate.
+    #[error("invalid manifest: field {field}: {reason}")]
+    Manifest {
+        /// Field path, e.g. `files[2].path`.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The origin URL cannot be used.
+    #[error("origin {url:?}: {reason}")]
+    Origin {
+        /// URL given.
+        url: String,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// A tag or revision does not exist in the origin.
+    #[error("{what} not found in the origin (object {key})")]
+    NotFound {
+        /// Human description (`tag latest of model m`).
+        what: String,
+        /// Object key looked up.
+        key: String,
+    },
+    /// The object store failed.
+    #[error("object store: {context}: {source}")]
+    Store {
+        /// What was being done.
+        context: String,
+        /// Underlying error.
+        #[source]
+        source: object_store::Error,
+    },
+    /// A local file operation failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done, with the path.
+        context: String,
+        /// Underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A piece kept failing verification.
+    #[error(
+        "file {path:?} piece {piece} (bytes {start}..{end}) failed BLAKE3 verification \
+         {attempts} times: the source serves corrupt data{hint}"
+    )]
+    CorruptPiece {
+        /// File path in the model.
+        path: String,
+        /// Piece index.
+        piece: u64,
+        /// First byte.
+        start: u64,
+        /// One past the last byte.
+        end: u64,
+        /// How many fetches were tried.
+        attempts: u32,
+        /// Extra advice.
+        hint: String,
+    },
+    /// All pieces verified but the whole file did not.
+    #[error("file {path:?}: whole-file BLAKE3 {got} does not match the manifest's {want}")]
+    WholeFileMismatch {
+        /// File path in the model.
+        path: String,
+        /// Hash computed.
+        got: Blake3Hash,
+        /// Hash expected.
+        want: Blake3Hash,
+    },
+    /// A revision exists in the origin with a different manifest.
+    #[error("revision {revision:?} of {model:?} is already published with different content; revisions are immutable, publish a new one")]
+    RevisionExists {
+        /// Model.
+        model: String,
+        /// Revision.
+        revision: String,
+    },
+    /// Several pieces failed; the first error is shown.
+    #[error("{count} piece(s) failed; progress is kept, rerun to resume. First: {first}")]
+    PiecesFailed {
+        /// Number of failures.
+        count: usize,
+        /// The first failure.
+        first: Box<MirrorError>,
+    },
+}
+
+impl MirrorError {
+    pub(crate) fn invalid_name(field: &str, value: &str, reason: &str) -> Self {
+        Self::InvalidName {
+            field: field.into(),
+            value: value.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn manifest(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self::Manifest {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn store(context: impl Into<String>, source: object_store::Error) -> Self {
+        Self::Store {
+            context: context.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,505 @@
+//! Model format: manifests, tags, names and object-store layout. Sans-IO.
+//!
+//! A model revision is one JSON manifest listing its files; each file is stored once, as a
+//! blob named by its BLAKE3 hash. A file is also cut into fixed-size pieces whose BLAKE3
+//! hashes are listed in the manifest, so whoever receives any piece (from an origin, a mirror
+//! or a peer) can verify it without trusting the sender, and without the whole file.
+//!
+//! This module parses and validates; it never touches a file or the network. Everything it
+//! accepts is safe to join onto a local directory: paths are relative, have no `..`, no
+//! empty components, no NUL or backslash.
+//!
+//! Layout in the origin (and in any mirror):
+//! - `blobs/<hash>`: file contents,
+//! - `models/<name>/revisions/<rev>.json`: manifest,
+//! - `models/<name>/tags/<tag>`: the revision name, as text.
+
+use std::fmt;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::MirrorError;
+
+/// Version of the manifest format written by this crate.
+pub const MANIFEST_FORMAT: u32 = 1;
+/// Default piece size: 4 MiB.
+pub const DEFAULT_PIECE_SIZE: u64 = 4 << 20;
+/// Smallest piece size accepted (64 KiB).
+pub const MIN_PIECE_SIZE: u64 = 64 << 10;
+/// Largest piece size accepted (64 MiB): a piece is held in memory while it is verified.
+pub const MAX_PIECE_SIZE: u64 = 64 << 20;
+/// Longest accepted model, revision or tag name.
+pub const MAX_NAME_LEN: usize = 128;
+/// Longest accepted file path in a manifest.
+pub const MAX_PATH_LEN: usize = 1024;
+
+/// A BLAKE3 hash (32 bytes), written as 64 lowercase hex characters.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Blake3Hash(pub [u8; 32]);
+
+impl Blake3Hash {
+    /// Hash of `data`.
+    pub fn of(data: &[u8]) -> Self {
+        Self(*blake3::hash(data).as_bytes())
+    }
+
+    /// Parses 64 hex characters.
+    pub fn from_hex(s: &str) -> Result<Self, String> {
+        if s.len() != 64 {
+            return Err(format!("expected 64 hex characters, got {}", s.len()));
+        }
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s, &mut out).map_err(|e| format!("not hex: {e}"))?;
+        Ok(Self(out))
+    }
+
+    /// Lowercase hex form.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+}
+
+impl From<blake3::Hash> for Blake3Hash {
+    fn from(h: blake3::Hash) -> Self {
+        Self(*h.as_bytes())
+    }
+}
+
+impl fmt::Display for Blake3Hash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl fmt::Debug for Blake3Hash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Blake3Hash({})", self.to_hex())
+    }
+}
+
+impl Serialize for Blake3Hash {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_hex())
+    }
+}
+
+impl<'de> Deserialize<'de> for Blake3Hash {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Self::from_hex(&s).map_err(|e| serde::de::Error::custom(format!("BLAKE3 hash: {e}")))
+    }
+}
+
+/// Checks a model name: one or two `/`-separated components (`org/model`), each a
+/// [`validate_name`]-valid name.
+pub fn validate_model_name(field: &str, name: &str) -> Result<(), MirrorError> {
+    let parts: Vec<&str> = name.split('/').collect();
+    if parts.len() > 2 {
+        return Err(MirrorError::invalid_name(
+            field,
+            name,
+            "at most one '/' (as in org/model)",
+        ));
+    }
+    for part in &parts {
+        if parts.len() == 2 && matches!(*part, "tags" | "revisions") {
+            return Err(MirrorError::invalid_name(
+                field,
+                name,
+                "'tags' and 'revisions' are reserved (they would clash in the origin layout)",
+            ));
+        }
+        validate_name(field, part).map_err(|_| {
+            MirrorError::invalid_name(
+                field,
+                name,
+                "each part must be 1-128 of [A-Za-z0-9._-], not starting with '.' or '-'",
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Checks a revision or tag name: 1 to 128 of `[A-Za-z0-9._-]`, not starting with `.` or `-`.
+pub fn validate_name(field: &str, name: &str) -> Result<(), MirrorError> {
+    let reason = if name.is_empty() {
+        Some("must not be empty")
+    } else if name.len() > MAX_NAME_LEN {
+        Some("longer than 128 characters")
+    } else if name.starts_with('.') || name.starts_with('-') {
+        Some("must not start with '.' or '-'")
+    } else if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        Some("only [A-Za-z0-9._-] allowed")
+    } else {
+        None
+    };
+    match reason {
+        Some(r) => Err(MirrorError::invalid_name(field, name, r)),
+        None => Ok(()),
+    }
+}
+
+/// Checks a relative file path from a manifest: `/`-separated, no leading `/`, no empty,
+/// `.` or `..` components, no NUL, no backslash, at most [`MAX_PATH_LEN`] bytes.
+pub fn validate_rel_path(field: &str, path: &str) -> Result<(), MirrorError> {
+    let bad = |reason: &str| Err(MirrorError::manifest(field, format!("{path:?}: {reason}")));
+    if path.is_empty() {
+        return bad("empty path");
+    }
+    if path.len() > MAX_PATH_LEN {
+        return bad("path longer than 1024 bytes");
+    }
+    if path.starts_with('/') {
+        return bad("absolute path");
+    }
+    if path.contains('\0') || path.contains('\\') {
+        return bad("NUL or backslash in path");
+    }
+    for comp in path.split('/') {
+        match comp {
+            "" => return bad("empty path component"),
+            "." | ".." => return bad("'.' or '..' component (path traversal)"),
+            _ => {}
+        }
+    }
+    // `.partial` is where pulls keep unfinished files.
+    if path == ".partial" || path.starts_with(".partial/") {
+        return bad("'.partial' is reserved");
+    }
+    Ok(())
+}
+
+/// One file of a model revision.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileEntry {
+    /// Relative path inside the model directory (`/`-separated).
+    pub path: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// BLAKE3 hash of the whole file; also the blob name.
+    pub hash: Blake3Hash,
+    /// Size of every piece but the last.
+    pub piece_size: u64,
+    /// BLAKE3 hash of each piece, in order; `ceil(size / piece_size)` of them.
+    pub pieces: Vec<Blake3Hash>,
+}
+
+impl FileEntry {
+    /// Number of pieces a file of `size` bytes has with `piece_size`.
+    pub fn piece_count_for(size: u64, piece_size: u64) -> u64 {
+        size.div_ceil(piece_size)
+    }
+
+    /// Byte range of piece `index`.
+    pub fn piece_range(&self, index: u64) -> std::ops::Range<u64> {
+        let start = index * self.piece_size;
+        start..(start + self.piece_size).min(self.size)
+    }
+
+    fn validate(&self, field: &str) -> Result<(), MirrorError> {
+        validate_rel_path(&format!("{field}.path"), &self.path)?;
+        if !(MIN_PIECE_SIZE..=MAX_PIECE_SIZE).contains(&self.piece_size) {
+            return Err(MirrorError::manifest(
+                format!("{field}.piece_size"),
+                format!(
+                    "{} is outside {MIN_PIECE_SIZE}..={MAX_PIECE_SIZE}",
+                    self.piece_size
+                ),
+            ));
+        }
+        let want = Self::piece_count_for(self.size, self.piece_size);
+        if self.pieces.len() as u64 != want {
+            return Err(MirrorError::manifest(
+                format!("{field}.pieces"),
+                format!(
+                    "{} piece hashes for size {} and piece_size {} (expected {want})",
+                    self.pieces.len(),
+                    self.size,
+                    self.piece_size
+                ),
+            ));
+        }
+        if self.size == 0 && self.hash != Blake3Hash::of(&[]) {
+            return Err(MirrorError::manifest(
+                format!("{field}.hash"),
+                "an empty file must have the hash of no bytes",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The manifest of one model revision.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// Format version, [`MANIFEST_FORMAT`].
+    pub format: u32,
+    /// Model name.
+    pub model: String,
+    /// Revision name.
+    pub revision: String,
+    /// Files, sorted by path, no duplicates.
+    pub files: Vec<FileEntry>,
+}
+
+impl Manifest {
+    /// Parses and validates manifest JSON.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, MirrorError> {
+        let m: Manifest = serde_json::from_slice(bytes)
+            .map_err(|e| MirrorError::manifest("(json)", e.to_string()))?;
+        m.validate()?;
+        Ok(m)
+    }
+
+    /// Pretty JSON, as stored in the origin.
+    pub fn to_json(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec_pretty(self)
+            .expect("invariant: a Manifest always serializes (only strings, numbers, arrays)");
+        v.push(b'\n');
+        v
+    }
+
+    /// Total bytes of all files.
+    pub fn total_size(&self) -> u64 {
+        self.files.iter().map(|f| f.size).sum()
+    }
+
+    /// Checks every field; errors name the field (`files[2].path`).
+    pub fn validate(&self) -> Result<(), MirrorError> {
+        if self.format != MANIFEST_FORMAT {
+            return Err(MirrorError::manifest(
+                "format",
+                format!(
+                    "version {} not supported (this build reads {MANIFEST_FORMAT})",
+                    self.format
+                ),
+            ));
+        }
+        validate_model_name("model", &self.model)?;
+        validate_name("revision", &self.revision)?;
+        for (i, f) in self.files.iter().enumerate() {
+            f.validate(&format!("files[{i}]"))?;
+        }
+        let mut paths: Vec<&str> = self.files.iter().map(|f| f.path.as_str()).collect();
+        paths.sort_unstable();
+        for w in paths.windows(2) {
+            if w[0] == w[1] {
+                return Err(MirrorError::manifest(
+                    "files",
+                    format!("duplicate path {:?}", w[0]),
+                ));
+            }
+            // `a` as a file and `a/b` as another would clash on disk.
+            if w[1].starts_with(w[0]) && w[1].as_bytes().get(w[0].len()) == Some(&b'/') {
+                return Err(MirrorError::manifest(
+                    "files",
+                    format!("{:?} is both a file and a directory", w[0]),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a user asks to pull: `name`, `name:tag` or `name@revision`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelRef {
+    /// Model name.
+    pub model: String,
+    /// Tag or revision.
+    pub selector: Selector,
+}
+
+/// Which revision of a model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Selector {
+    /// Follow a tag.
+    Tag(String),
+    /// An exact revision.
+    Revision(String),
+}
+
+impl ModelRef {
+    /// Parses `name`, `name:tag` or `name@revision`; a bare name means tag `latest`.
+    pub fn parse(s: &str) -> Result<Self, MirrorError> {
+        let (model, selector) = if let Some((m, rev)) = s.split_once('@') {
+            validate_name("revision", rev)?;
+            (m, Selector::Revision(rev.to_string()))
+        } else if let Some((m, tag)) = s.split_once(':') {
+            validate_name("tag", tag)?;
+            (m, Selector::Tag(tag.to_string()))
+        } else {
+            (s, Selector::Tag("latest".to_string()))
+        };
+        validate_model_name("model", model)?;
+        Ok(Self {
+            model: model.to_string(),
+            selector,
+        })
+    }
+}
+
+impl fmt::Display for ModelRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.selector {
+            Selector::Tag(t) => write!(f, "{}:{t}", self.model),
+            Selector::Revision(r) => write!(f, "{}@{r}", self.model),
+        }
+    }
+}
+
+/// Object key of a blob.
+pub fn blob_key(hash: &Blake3Hash) -> String {
+    format!("blobs/{hash}")
+}
+
+/// Object key of a revision manifest.
+pub fn manifest_key(model: &str, revision: &str) -> String {
+    format!("models/{model}/revisions/{revision}.json")
+}
+
+/// Object key of a tag.
+pub fn tag_key(model: &str, tag: &str) -> String {
+    format!("models/{model}/tags/{tag}")
+}
+
+/// Parses the contents of a tag object: a revision name, surrounding whitespace ignored.
+pub fn parse_tag(bytes: &[u8]) -> Result<String, MirrorError> {
+    let s = std::str::from_utf8(bytes)
+        .map_err(|_| MirrorError::invalid_name("tag target", "<not UTF-8>", "not UTF-8"))?
+        .trim();
+    validate_name("tag target", s)?;
+    Ok(s.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(path: &str, data: &[u8], piece_size: u64) -> FileEntry {
+        FileEntry {
+            path: path.into(),
+            size: data.len() as u64,
+            hash: Blake3Hash::of(data),
+            piece_size,
+            pieces: data
+                .chunks(piece_size as usize)
+                .map(Blake3Hash::of)
+                .collect(),
+        }
+    }
+
+    fn manifest(files: Vec<FileEntry>) -> Manifest {
+        Manifest {
+            format: MANIFEST_FORMAT,
+            model: "org/m".into(),
+            revision: "r1".into(),
+            files,
+        }
+    }
+
+    #[test]
+    fn manifest_round_trips_through_json() {
+        let m = manifest(vec![
+            entry("a.bin", &[1u8; 200_000], MIN_PIECE_SIZE),
+            entry("dir/empty", &[], MIN_PIECE_SIZE),
+        ]);
+        let back = Manifest::from_json(&m.to_json()).unwrap();
+        assert_eq!(back, m);
+        assert_eq!(back.files[0].pieces.len(), 4);
+        assert_eq!(back.files[0].piece_range(3), 196_608..200_000);
+    }
+
+    #[test]
+    fn traversal_and_absolute_paths_are_rejected_naming_the_field() {
+        for bad in [
+            "../etc/passwd",
+            "a/../../b",
+            "/abs",
+            "a//b",
+            "a/./b",
+            "a\\b",
+            "a\0b",
+            "",
+            ".partial/x",
+        ] {
+            let m = manifest(vec![
+                entry("ok", b"x", MIN_PIECE_SIZE),
+                entry(bad, b"y", MIN_PIECE_SIZE),
+            ]);
+            let err = Manifest::from_json(&m.to_json()).unwrap_err().to_string();
+            assert!(err.contains("files[1].path"), "{bad:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn wrong_piece_count_and_piece_size_are_rejected() {
+        let mut e = entry("a", &[0u8; 100_000], MIN_PIECE_SIZE);
+        e.pieces.pop();
+        let err = manifest(vec![e]).validate().unwrap_err().to_string();
+        assert!(err.contains("files[0].pieces"), "{err}");
+        let e = entry("a", &[0u8; 10], 1000);
+        let err = manifest(vec![e]).validate().unwrap_err().to_string();
+        assert!(err.contains("files[0].piece_size"), "{err}");
+    }
+
+    #[test]
+    fn duplicate_and_file_dir_clashes_are_rejected() {
+        let m = manifest(vec![
+            entry("a", b"1", MIN_PIECE_SIZE),
+            entry("a", b"2", MIN_PIECE_SIZE),
+        ]);
+        assert!(m.validate().unwrap_err().to_string().contains("duplicate"));
+        let m = manifest(vec![
+            entry("a", b"1", MIN_PIECE_SIZE),
+            entry("a/b", b"2", MIN_PIECE_SIZE),
+        ]);
+        assert!(m.validate().unwrap_err().to_string().contains("directory"));
+    }
+
+    #[test]
+    fn truncated_json_and_bad_hashes_give_clear_errors() {
+        let json = manifest(vec![entry("a", b"1", MIN_PIECE_SIZE)]).to_json();
+        let err = Manifest::from_json(&json[..json.len() / 2]).unwrap_err();
+        assert!(err.to_string().contains("manifest"), "{err}");
+        let s = String::from_utf8(json)
+            .unwrap()
+            .replacen("\"hash\": \"", "\"hash\": \"zz", 1);
+        let err = Manifest::from_json(s.as_bytes()).unwrap_err().to_string();
+        assert!(err.contains("BLAKE3 hash"), "{err}");
+    }
+
+    #[test]
+    fn names_and_refs_are_validated() {
+        assert!(validate_name("tag", "latest").is_ok());
+        assert!(validate_name("tag", "v1.2-rc_3").is_ok());
+        for bad in ["", "..", ".hidden", "-x", "a/b", "a b", "ü"] {
+            assert!(validate_name("tag", bad).is_err(), "{bad:?}");
+        }
+        assert!(validate_model_name("model", "org/name").is_ok());
+        assert!(validate_model_name("model", "a/b/c").is_err());
+        assert!(validate_model_name("model", "../x").is_err());
+        assert!(validate_model_name("model", "org/tags").is_err());
+        assert!(validate_model_name("model", "revisions/x").is_err());
+        assert_eq!(
+            ModelRef::parse("org/m").unwrap().selector,
+            Selector::Tag("latest".into())
+        );
+        assert_eq!(
+            ModelRef::parse("m:v2").unwrap().selector,
+            Selector::Tag("v2".into())
+        );
+        assert_eq!(
+            ModelRef::parse("m@abc").unwrap().selector,
+            Selector::Revision("abc".into())
+        );
+        assert!(ModelRef::parse("m@../x").is_err());
+        assert_eq!(parse_tag(b"rev-1\n").unwrap(), "rev-1");
+        assert!(parse_tag(b"../x").is_err());
+    }
+}

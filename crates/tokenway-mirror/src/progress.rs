@@ -1,0 +1,103 @@
+//! The record of completed pieces that lets an interrupted pull resume (sans-IO encoding).
+//!
+//! One small JSON file per unfinished blob, beside its partial file. A piece is marked only
+//! after its verified bytes are written, so the record never claims more than the partial
+//! file holds; on resume the puller re-hashes the marked pieces locally anyway, which also
+//! covers a crash that lost unflushed writes.
+
+use serde::{Deserialize, Serialize};
+
+use crate::manifest::Blake3Hash;
+
+/// Which pieces of one blob are done.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PieceProgress {
+    /// Blob hash this record belongs to.
+    pub hash: Blake3Hash,
+    /// Piece size used.
+    pub piece_size: u64,
+    /// Number of pieces.
+    pub pieces: u64,
+    /// Bitset of done pieces, hex, bit `i` is byte `i / 8`, mask `1 << (i % 8)`.
+    done: String,
+    #[serde(skip)]
+    bits: Vec<u8>,
+}
+
+impl PieceProgress {
+    /// An empty record.
+    pub fn new(hash: Blake3Hash, piece_size: u64, pieces: u64) -> Self {
+        Self {
+            hash,
+            piece_size,
+            pieces,
+            done: String::new(),
+            bits: vec![0; pieces.div_ceil(8) as usize],
+        }
+    }
+
+    /// Decodes a record; `None` if it is unreadable or for another blob layout (then the
+    /// pull starts that blob over).
+    pub fn decode(bytes: &[u8], hash: &Blake3Hash, piece_size: u64, pieces: u64) -> Option<Self> {
+        let mut p: PieceProgress = serde_json::from_slice(bytes).ok()?;
+        if p.hash != *hash || p.piece_size != piece_size || p.pieces != pieces {
+            return None;
+        }
+        p.bits = hex::decode(&p.done).ok()?;
+        if p.bits.len() != pieces.div_ceil(8) as usize {
+            return None;
+        }
+        Some(p)
+    }
+
+    /// Encodes the record.
+    pub fn encode(&mut self) -> Vec<u8> {
+        self.done = hex::encode(&self.bits);
+        serde_json::to_vec(self).expect("invariant: PieceProgress always serializes")
+    }
+
+    /// Is piece `i` done?
+    pub fn is_done(&self, i: u64) -> bool {
+        self.bits
+            .get((i / 8) as usize)
+            .is_some_and(|b| b & (1 << (i % 8)) != 0)
+    }
+
+    /// Marks piece `i` done or not done.
+    pub fn set(&mut self, i: u64, done: bool) {
+        if let Some(b) = self.bits.get_mut((i / 8) as usize) {
+            if done {
+                *b |= 1 << (i % 8);
+            } else {
+                *b &= !(1 << (i % 8));
+            }
+        }
+    }
+
+    /// Number of done pieces.
+    pub fn done_count(&self) -> u64 {
+        self.bits.iter().map(|b| u64::from(b.count_ones())).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_round_trips_and_rejects_other_layouts() {
+        let h = Blake3Hash::of(b"x");
+        let mut p = PieceProgress::new(h, 1024, 20);
+        p.set(0, true);
+        p.set(19, true);
+        p.set(7, true);
+        p.set(7, false);
+        let bytes = p.encode();
+        let back = PieceProgress::decode(&bytes, &h, 1024, 20).unwrap();
+        assert!(back.is_done(0) && back.is_done(19) && !back.is_done(7));
+        assert_eq!(back.done_count(), 2);
+        assert!(PieceProgress::decode(&bytes, &h, 2048, 20).is_none());
+        assert!(PieceProgress::decode(&bytes, &Blake3Hash::of(b"y"), 1024, 20).is_none());
+        assert!(PieceProgress::decode(b"{garbage", &h, 1024, 20).is_none());
+    }
+}

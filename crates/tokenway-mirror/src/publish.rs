@@ -1,0 +1,323 @@
+//! `publish`: hash a directory and upload it to the origin as one model revision.
+//!
+//! Order matters for readers that race with a publish: blobs first, then the manifest, then
+//! the tag, so a tag never points at a manifest whose blobs are missing. Blobs already in the
+//! origin (same hash, same size) are skipped, so republishing a model that shares files with
+//! an earlier revision uploads only what changed. Hashing runs on blocking threads, at most
+//! `parallel` files at a time; every buffer is one piece.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use futures_util::stream::{self, StreamExt, TryStreamExt};
+use object_store::path::Path as StorePath;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+
+use crate::manifest::{
+    self, blob_key, manifest_key, tag_key, Blake3Hash, FileEntry, Manifest, DEFAULT_PIECE_SIZE,
+    MANIFEST_FORMAT, MAX_PIECE_SIZE, MIN_PIECE_SIZE,
+};
+use crate::MirrorError;
+
+/// Settings of a publish.
+#[derive(Clone, Debug)]
+pub struct PublishOptions {
+    /// Piece size, [`MIN_PIECE_SIZE`]..=[`MAX_PIECE_SIZE`].
+    pub piece_size: u64,
+    /// Files hashed and uploaded at once.
+    pub parallel: usize,
+}
+
+impl Default for PublishOptions {
+    fn default() -> Self {
+        Self {
+            piece_size: DEFAULT_PIECE_SIZE,
+            parallel: 4,
+        }
+    }
+}
+
+/// What a publish did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PublishReport {
+    /// The manifest written.
+    pub manifest: Option<Manifest>,
+    /// Files in the revision.
+    pub files: usize,
+    /// Bytes hashed.
+    pub bytes_hashed: u64,
+    /// Blobs uploaded.
+    pub blobs_uploaded: usize,
+    /// Blobs already present in the origin.
+    pub blobs_skipped: usize,
+}
+
+/// Publishes `dir` as `model` revision `revision`, and points `tag` at it if given.
+pub async fn publish(
+    store: Arc<dyn ObjectStore>,
+    dir: &Path,
+    model: &str,
+    revision: &str,
+    tag: Option<&str>,
+    opts: &PublishOptions,
+) -> Result<PublishReport, MirrorError> {
+    manifest::validate_model_name("model", model)?;
+    manifest::validate_name("revision", revision)?;
+    if let Some(t) = tag {
+        manifest::validate_name("tag", t)?;
+    }
+    if !(MIN_PIECE_SIZE..=MAX_PIECE_SIZE).contains(&opts.piece_size) {
+        return Err(MirrorError::manifest(
+            "piece_size",
+            format!(
+                "{} is outside {MIN_PIECE_SIZE}..={MAX_PIECE_SIZE}",
+                opts.piece_size
+            ),
+        ));
+    }
+    let parallel = opts.parallel.max(1);
+    let dir_owned = dir.to_path_buf();
+    let files = tokio::task::spawn_blocking(move || list_files(&dir_owned))
+        .await
+        .map_err(|e| MirrorError::io("listing files", std::io::Error::other(e)))??;
+
+    let piece_size = opts.piece_size;
+    let mut entries: Vec<FileEntry> = stream::iter(files.clone())
+        .map(|(rel, abs)| async move {
+            tokio::task::spawn_blocking(move || hash_file(&rel, &abs, piece_size))
+                .await
+                .map_err(|e| MirrorError::io("hashing", std::io::Error::other(e)))?
+        })
+        .buffer_unordered(parallel)
+        .try_collect()
+        .await?;
+    entries.sort_by(|a, b| a.path.cmp(&b.path));
+
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT,
+        model: model.to_string(),
+        revision: revision.to_string(),
+        files: entries,
+    };
+    manifest.validate()?;
+
+    let mut report = PublishReport {
+        files: manifest.files.len(),
+        bytes_hashed: manifest.total_size(),
+        ..Default::default()
+    };
+
+    // One upload per distinct blob.
+    let mut uploads: Vec<(Blake3Hash, u64, PathBuf)> = Vec::new();
+    for f in &manifest.files {
+        if !uploads.iter().any(|(h, _, _)| *h == f.hash) {
+            uploads.push((f.hash, f.size, dir.join(&f.path)));
+        }
+    }
+    let results: Vec<bool> = stream::iter(uploads)
+        .map(|(hash, size, abs)| {
+            let store = Arc::clone(&store);
+            async move { upload_blob(store.as_ref(), &hash, size, &abs, piece_size).await }
+        })
+        .buffer_unordered(parallel)
+        .try_collect()
+        .await?;
+    report.blobs_uploaded = results.iter().filter(|u| **u).count();
+    report.blobs_skipped = results.len() - report.blobs_uploaded;
+
+    let mkey = StorePath::from(manifest_key(model, revision));
+    let json = manifest.to_json();
+    match store.get(&mkey).await {
+        Ok(existing) => {
+            let bytes = existing
+                .bytes()
+                .await
+                .map_err(|e| MirrorError::store(format!("reading {mkey}"), e))?;
+            let same = Manifest::from_json(&bytes).is_ok_and(|old| old == manifest);
+            if !same {
+                return Err(MirrorError::RevisionExists {
+                    model: model.into(),
+                    revision: revision.into(),
+                });
+            }
+        }
+        Err(object_store::Error::NotFound { .. }) => {
+            store
+                .put(&mkey, PutPayload::from(json))
+                .await
+                .map_err(|e| MirrorError::store(format!("writing {mkey}"), e))?;
+        }
+        Err(e) => return Err(MirrorError::store(format!("reading {mkey}"), e)),
+    }
+    if let Some(t) = tag {
+        let tkey = StorePath::from(tag_key(model, t));
+        store
+            .put(&tkey, PutPayload::from(format!("{revision}\n")))
+            .await
+            .map_err(|e| MirrorError::store(format!("writing {tkey}"), e))?;
+    }
+    report.manifest = Some(manifest);
+    Ok(report)
+}
+
+/// Regular files under `dir`, with their `/`-separated relative paths. Symlinks are refused
+/// rather than followed, so a publish never reaches outside `dir`.
+fn list_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, MirrorError> {
+    let mut out = Vec::new();
+    let mut stack = vec![(String::new(), dir.to_path_buf())];
+    while let Some((prefix, path)) = stack.pop() {
+        let rd = std::fs::read_dir(&path)
+            .map_err(|e| MirrorError::io(format!("reading directory {}", path.display()), e))?;
+        for ent in rd {
+            let ent = ent
+                .map_err(|e| MirrorError::io(format!("reading directory {}", path.display()), e))?;
+            let name = ent.file_name().into_string().map_err(|n| {
+                MirrorError::io(
+                    format!("file name {n:?} in {}", path.display()),
+                    std::io::Error::other("not UTF-8"),
+                )
+            })?;
+            let rel = if prefix.is_empty() {
+                name
+            } else {
+                format!("{prefix}/{name}")
+            };
+            let ft = ent
+                .file_type()
+                .map_err(|e| MirrorError::io(format!("stat {}", ent.path().display()), e))?;
+            if ft.is_dir() {
+                stack.push((rel, ent.path()));
+            } else if ft.is_file() {
+                out.push((rel, ent.path()));
+            } else {
+                return Err(MirrorError::io(
+                    format!("{}", ent.path().display()),
+                    std::io::Error::other("not a regular file or directory (symlinks are refused)"),
+                ));
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(MirrorError::io(
+            format!("publishing {}", dir.display()),
+            std::io::Error::other("no files to publish"),
+        ));
+    }
+    Ok(out)
+}
+
+/// Hashes one file: whole-file BLAKE3 and one BLAKE3 per piece, in one read.
+pub fn hash_file(rel: &str, abs: &Path, piece_size: u64) -> Result<FileEntry, MirrorError> {
+    let ctx = || format!("hashing {}", abs.display());
+    let mut f = std::fs::File::open(abs).map_err(|e| MirrorError::io(ctx(), e))?;
+    let mut whole = blake3::Hasher::new();
+    let mut pieces = Vec::new();
+    let mut buf = vec![0u8; piece_size as usize];
+    let mut size = 0u64;
+    loop {
+        let n = read_full(&mut f, &mut buf).map_err(|e| MirrorError::io(ctx(), e))?;
+        if n == 0 {
+            break;
+        }
+        whole.update(&buf[..n]);
+        pieces.push(Blake3Hash::of(&buf[..n]));
+        size += n as u64;
+        if n < buf.len() {
+            break;
+        }
+    }
+    Ok(FileEntry {
+        path: rel.to_string(),
+        size,
+        hash: whole.finalize().into(),
+        piece_size,
+        pieces,
+    })
+}
+
+/// Reads until `buf` is full or end of file.
+pub(crate) fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+async fn read_full_async(
+    r: &mut (impl tokio::io::AsyncRead + Unpin),
+    buf: &mut [u8],
+) -> std::io::Result<usize> {
+    use tokio::io::AsyncReadExt as _;
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]).await? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+/// Uploads one blob unless an object of that name and size exists. Returns whether it
+/// uploaded. Large files go up as a multipart upload, one piece per part.
+async fn upload_blob(
+    store: &dyn ObjectStore,
+    hash: &Blake3Hash,
+    size: u64,
+    abs: &Path,
+    piece_size: u64,
+) -> Result<bool, MirrorError> {
+    let key = StorePath::from(blob_key(hash));
+    match store.head(&key).await {
+        Ok(meta) if meta.size == size => return Ok(false),
+        Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+        Err(e) => return Err(MirrorError::store(format!("checking {key}"), e)),
+    }
+    let ctx = || format!("uploading {} as {key}", abs.display());
+    let mut upload = store
+        .put_multipart(&key)
+        .await
+        .map_err(|e| MirrorError::store(ctx(), e))?;
+    let mut file = tokio::fs::File::open(abs)
+        .await
+        .map_err(|e| MirrorError::io(ctx(), e))?;
+    let mut sent = 0u64;
+    let mut hasher = blake3::Hasher::new();
+    loop {
+        let mut buf = vec![0u8; piece_size as usize];
+        let n = read_full_async(&mut file, &mut buf)
+            .await
+            .map_err(|e| MirrorError::io(ctx(), e))?;
+        if n == 0 {
+            break;
+        }
+        buf.truncate(n);
+        hasher.update(&buf);
+        sent += n as u64;
+        if let Err(e) = upload.put_part(PutPayload::from(buf)).await {
+            let _ = upload.abort().await;
+            return Err(MirrorError::store(ctx(), e));
+        }
+    }
+    // The file must not have changed between hashing and upload.
+    let got: Blake3Hash = hasher.finalize().into();
+    if got != *hash || sent != size {
+        let _ = upload.abort().await;
+        return Err(MirrorError::io(
+            ctx(),
+            std::io::Error::other("file changed while publishing; publish again"),
+        ));
+    }
+    upload
+        .complete()
+        .await
+        .map_err(|e| MirrorError::store(ctx(), e))?;
+    Ok(true)
+}

@@ -1,0 +1,670 @@
+//! `pull`: download a model revision with parallel ranged GETs, verifying every piece.
+//!
+//! For each distinct blob the puller keeps `<out>/.partial/<hash>` (preallocated to the full
+//! size, written in place) and `<out>/.partial/<hash>.progress` (which pieces are done, see
+//! [`crate::progress`]). A piece is fetched with one ranged GET, hashed, and only if its
+//! BLAKE3 matches the manifest is it written and then marked done; so an interrupted pull
+//! loses at most the pieces that were in flight. When every piece of a blob is done the whole
+//! file is hashed again (the root check), synced, and renamed atomically into `<out>/<path>`;
+//! nothing unverified ever appears under its final name.
+//!
+//! A corrupt piece is discarded and refetched up to `max_attempts` times. With a single
+//! source (the origin) a refetch only helps against corruption in transit; corruption at rest
+//! ends in an error naming the file and piece. Local I/O errors (disk full) stop the pull
+//! with progress kept.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::FileExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::stream::{self, StreamExt};
+use object_store::path::Path as StorePath;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+use crate::manifest::{
+    blob_key, manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
+};
+use crate::progress::PieceProgress;
+use crate::publish::read_full;
+use crate::MirrorError;
+
+/// Directory under the output directory that holds unfinished blobs.
+pub const PARTIAL_DIR: &str = ".partial";
+
+/// Progress callback: called after every completed piece and file.
+pub type ProgressFn = Arc<dyn Fn(&PullProgress) + Send + Sync>;
+
+/// Settings of a pull.
+#[derive(Clone)]
+pub struct PullOptions {
+    /// Pieces fetched at once.
+    pub parallel: usize,
+    /// Fetches of one piece before giving up (corrupt data or store errors).
+    pub max_attempts: u32,
+    /// Stop (as if interrupted) once this many pieces have been written. For tests and for
+    /// bounded work; the pull returns `complete: false` and can be resumed.
+    pub piece_budget: Option<u64>,
+    /// Set to stop the pull: no new pieces start, pieces in flight are discarded.
+    pub cancel: Arc<AtomicBool>,
+    /// Called as the pull advances.
+    pub progress: Option<ProgressFn>,
+}
+
+impl Default for PullOptions {
+    fn default() -> Self {
+        Self {
+            parallel: 8,
+            max_attempts: 3,
+            piece_budget: None,
+            cancel: Arc::new(AtomicBool::new(false)),
+            progress: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for PullOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PullOptions")
+            .field("parallel", &self.parallel)
+            .field("max_attempts", &self.max_attempts)
+            .field("piece_budget", &self.piece_budget)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A snapshot of a pull's advance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PullProgress {
+    /// Bytes verified and on disk (including what earlier runs left).
+    pub bytes_done: u64,
+    /// Bytes of the whole revision.
+    pub bytes_total: u64,
+    /// Files in place.
+    pub files_done: usize,
+    /// Files in the revision.
+    pub files_total: usize,
+    /// A file that just got into place, if any.
+    pub file_finished: Option<String>,
+}
+
+/// What a pull did; counters are for this run only.
+#[derive(Clone, Debug)]
+pub struct PullReport {
+    /// The manifest pulled.
+    pub manifest: Manifest,
+    /// Every file is in place and verified.
+    pub complete: bool,
+    /// Ranged GETs that returned data (including discarded and refetched ones).
+    pub pieces_fetched: u64,
+    /// Bytes those GETs returned.
+    pub bytes_fetched: u64,
+    /// Pieces verified, written and recorded.
+    pub pieces_written: u64,
+    /// Pieces fetched but discarded because the pull was stopped while they were in flight.
+    pub pieces_discarded_in_flight: u64,
+    /// Pieces that failed verification and were discarded.
+    pub pieces_corrupt: u64,
+    /// Pieces found done from an earlier run (re-verified locally).
+    pub pieces_resumed: u64,
+    /// Files already in place and verified before this run.
+    pub files_already_present: usize,
+    /// Files renamed into place by this run.
+    pub files_written: usize,
+}
+
+/// Fetches and validates the manifest `mref` names.
+pub async fn resolve(store: &dyn ObjectStore, mref: &ModelRef) -> Result<Manifest, MirrorError> {
+    let revision = match &mref.selector {
+        Selector::Revision(r) => r.clone(),
+        Selector::Tag(t) => {
+            let key = tag_key(&mref.model, t);
+            let bytes = get_all(store, &key, || format!("tag {t} of model {}", mref.model)).await?;
+            parse_tag(&bytes)?
+        }
+    };
+    let key = manifest_key(&mref.model, &revision);
+    let bytes = get_all(store, &key, || {
+        format!("revision {revision} of model {}", mref.model)
+    })
+    .await?;
+    let manifest = Manifest::from_json(&bytes)?;
+    if manifest.model != mref.model || manifest.revision != revision {
+        return Err(MirrorError::manifest(
+            "model/revision",
+            format!(
+                "object {key} describes {}@{}, not {}@{revision}",
+                manifest.model, manifest.revision, mref.model
+            ),
+        ));
+    }
+    Ok(manifest)
+}
+
+async fn get_all(
+    store: &dyn ObjectStore,
+    key: &str,
+    what: impl Fn() -> String,
+) -> Result<bytes::Bytes, MirrorError> {
+    let path = StorePath::from(key);
+    let res = match store.get(&path).await {
+        Ok(r) => r,
+        Err(object_store::Error::NotFound { .. }) => {
+            return Err(MirrorError::NotFound {
+                what: what(),
+                key: key.into(),
+            })
+        }
+        Err(e) => return Err(MirrorError::store(format!("reading {key}"), e)),
+    };
+    res.bytes()
+        .await
+        .map_err(|e| MirrorError::store(format!("reading {key}"), e))
+}
+
+/// Stops a pull: set from outside (`PullOptions::cancel`) or by the pull itself (piece
+/// budget reached, local I/O error), without touching the caller's flag.
+#[derive(Clone)]
+struct Stop {
+    external: Arc<AtomicBool>,
+    internal: Arc<AtomicBool>,
+}
+
+impl Stop {
+    fn is_set(&self) -> bool {
+        self.external.load(Ordering::Relaxed) || self.internal.load(Ordering::Relaxed)
+    }
+}
+
+/// One blob being assembled.
+struct Blob {
+    entry: FileEntry,
+    /// Every manifest path with this content (usually one).
+    paths: Vec<String>,
+    partial: PathBuf,
+    progress_path: PathBuf,
+    file: Option<Arc<std::fs::File>>,
+    progress: PieceProgress,
+    remaining: u64,
+}
+
+enum PieceEnd {
+    Written,
+    Discarded,
+    Failed(MirrorError),
+}
+
+struct PieceOutcome {
+    blob: usize,
+    piece: u64,
+    fetched: u64,
+    bytes_fetched: u64,
+    corrupt: u64,
+    end: PieceEnd,
+}
+
+/// Pulls `mref` from `store` into `out`.
+pub async fn pull(
+    store: Arc<dyn ObjectStore>,
+    mref: &ModelRef,
+    out: &Path,
+    opts: &PullOptions,
+) -> Result<PullReport, MirrorError> {
+    let manifest = resolve(store.as_ref(), mref).await?;
+    let partial_dir = out.join(PARTIAL_DIR);
+    tokio::fs::create_dir_all(&partial_dir)
+        .await
+        .map_err(|e| MirrorError::io(format!("creating {}", partial_dir.display()), e))?;
+
+    let mut report = PullReport {
+        manifest: manifest.clone(),
+        complete: false,
+        pieces_fetched: 0,
+        bytes_fetched: 0,
+        pieces_written: 0,
+        pieces_discarded_in_flight: 0,
+        pieces_corrupt: 0,
+        pieces_resumed: 0,
+        files_already_present: 0,
+        files_written: 0,
+    };
+    let mut prog = PullProgress {
+        bytes_done: 0,
+        bytes_total: manifest.total_size(),
+        files_done: 0,
+        files_total: manifest.files.len(),
+        file_finished: None,
+    };
+
+    // Group files by content; skip blobs whose every path is already in place and verified.
+    let mut by_hash: BTreeMap<Blake3Hash, (FileEntry, Vec<String>)> = BTreeMap::new();
+    for f in &manifest.files {
+        by_hash
+            .entry(f.hash)
+            .or_insert_with(|| (f.clone(), Vec::new()))
+            .1
+            .push(f.path.clone());
+    }
+    let mut blobs: Vec<Blob> = Vec::new();
+    for (hash, (entry, paths)) in by_hash {
+        let (out2, paths2, size) = (out.to_path_buf(), paths.clone(), entry.size);
+        let present = blocking(move || {
+            Ok(paths2
+                .iter()
+                .all(|p| file_matches(&out2.join(p), size, &hash)))
+        })
+        .await?;
+        if present {
+            report.files_already_present += paths.len();
+            prog.files_done += paths.len();
+            prog.bytes_done += entry.size * paths.len() as u64;
+            continue;
+        }
+        let partial = partial_dir.join(hash.to_hex());
+        let progress_path = partial_dir.join(format!("{}.progress", hash.to_hex()));
+        let (e2, pp, prp) = (entry.clone(), partial.clone(), progress_path.clone());
+        let (file, progress) = blocking(move || open_partial(&e2, &pp, &prp)).await?;
+        let done = progress.done_count();
+        report.pieces_resumed += done;
+        for i in 0..entry.pieces.len() as u64 {
+            if progress.is_done(i) {
+                prog.bytes_done += entry.piece_range(i).end - entry.piece_range(i).start;
+            }
+        }
+        blobs.push(Blob {
+            remaining: entry.pieces.len() as u64 - done,
+            entry,
+            paths,
+            partial,
+            progress_path,
+            file: Some(Arc::new(file)),
+            progress,
+        });
+    }
+
+    let jobs: Vec<(usize, u64)> = blobs
+        .iter()
+        .enumerate()
+        .flat_map(|(b, blob)| {
+            (0..blob.entry.pieces.len() as u64)
+                .filter(|i| !blob.progress.is_done(*i))
+                .map(move |i| (b, i))
+        })
+        .collect();
+    let jobs_meta: Vec<(String, FileEntry, Arc<std::fs::File>)> = blobs
+        .iter()
+        .map(|b| {
+            (
+                b.paths[0].clone(),
+                b.entry.clone(),
+                Arc::clone(
+                    b.file
+                        .as_ref()
+                        .expect("invariant: file open until finished"),
+                ),
+            )
+        })
+        .collect();
+    let jobs_meta = Arc::new(jobs_meta);
+    let mut errors: Vec<MirrorError> = Vec::new();
+    // Blobs with nothing left to fetch (empty files, or all pieces from an earlier run).
+    for blob in blobs.iter_mut() {
+        if blob.remaining == 0 {
+            finish_blob(out, blob, &mut report, &mut prog, opts, &mut errors).await;
+        }
+    }
+
+    let stop = Stop {
+        external: Arc::clone(&opts.cancel),
+        internal: Arc::new(AtomicBool::new(false)),
+    };
+    let stop2 = stop.clone();
+    let stream = stream::iter(jobs)
+        .take_while(move |_| {
+            let go = !stop2.is_set();
+            async move { go }
+        })
+        .map(|(b, i)| {
+            let store = Arc::clone(&store);
+            let meta = Arc::clone(&jobs_meta);
+            let stop = stop.clone();
+            let attempts = opts.max_attempts.max(1);
+            async move {
+                let (path, entry, file) = &meta[b];
+                fetch_piece(store.as_ref(), path, entry, file, b, i, attempts, &stop).await
+            }
+        })
+        .buffer_unordered(opts.parallel.max(1));
+    let mut stream = std::pin::pin!(stream);
+
+    while let Some(o) = stream.next().await {
+        report.pieces_fetched += o.fetched;
+        report.bytes_fetched += o.bytes_fetched;
+        report.pieces_corrupt += o.corrupt;
+        match o.end {
+            PieceEnd::Discarded => report.pieces_discarded_in_flight += 1,
+            PieceEnd::Failed(e) => {
+                if matches!(e, MirrorError::Io { .. }) {
+                    // Local trouble (disk full): stop starting pieces, keep progress.
+                    stop.internal.store(true, Ordering::Relaxed);
+                }
+                errors.push(e);
+            }
+            PieceEnd::Written => {
+                report.pieces_written += 1;
+                let blob = &mut blobs[o.blob];
+                blob.progress.set(o.piece, true);
+                blob.remaining -= 1;
+                let r = blob.entry.piece_range(o.piece);
+                prog.bytes_done += r.end - r.start;
+                let bytes = blob.progress.encode();
+                if let Err(e) = write_atomic(&blob.progress_path, &bytes).await {
+                    stop.internal.store(true, Ordering::Relaxed);
+                    errors.push(e);
+                }
+                if blob.remaining == 0 {
+                    finish_blob(out, blob, &mut report, &mut prog, opts, &mut errors).await;
+                } else if let Some(cb) = &opts.progress {
+                    cb(&prog);
+                }
+                if opts
+                    .piece_budget
+                    .is_some_and(|budget| report.pieces_written >= budget)
+                {
+                    stop.internal.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    let count = errors.len();
+    if let Some(first) = errors.into_iter().next() {
+        return Err(MirrorError::PiecesFailed {
+            count,
+            first: Box::new(first),
+        });
+    }
+    report.complete = prog.files_done == prog.files_total;
+    if report.complete {
+        // Best effort: the directory is empty once everything is in place.
+        let _ = tokio::fs::remove_dir(&partial_dir).await;
+    }
+    Ok(report)
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, MirrorError> + Send + 'static,
+) -> Result<T, MirrorError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| MirrorError::io("blocking task", std::io::Error::other(e)))?
+}
+
+/// Is `path` a file of `size` bytes whose BLAKE3 is `hash`?
+fn file_matches(path: &Path, size: u64, hash: &Blake3Hash) -> bool {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() && m.len() == size => {}
+        _ => return false,
+    }
+    hash_whole(path).is_ok_and(|h| h == *hash)
+}
+
+fn hash_whole(path: &Path) -> std::io::Result<Blake3Hash> {
+    let mut f = std::fs::File::open(path)?;
+    let mut hasher = blake3::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = read_full(&mut f, &mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher.finalize().into())
+}
+
+/// Opens (or creates and preallocates) the partial file of a blob and loads its progress,
+/// re-verifying every piece it claims.
+fn open_partial(
+    entry: &FileEntry,
+    partial: &Path,
+    progress_path: &Path,
+) -> Result<(std::fs::File, PieceProgress), MirrorError> {
+    let ctx = || format!("opening partial file {}", partial.display());
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(partial)
+        .map_err(|e| MirrorError::io(ctx(), e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| MirrorError::io(ctx(), e))?
+        .len();
+    let pieces = entry.pieces.len() as u64;
+    let mut progress = if len == entry.size {
+        std::fs::read(progress_path)
+            .ok()
+            .and_then(|b| PieceProgress::decode(&b, &entry.hash, entry.piece_size, pieces))
+    } else {
+        None
+    }
+    .unwrap_or_else(|| PieceProgress::new(entry.hash, entry.piece_size, pieces));
+    if len != entry.size {
+        file.set_len(entry.size).map_err(|e| {
+            MirrorError::io(
+                format!(
+                    "preallocating {} bytes for {}",
+                    entry.size,
+                    partial.display()
+                ),
+                e,
+            )
+        })?;
+    }
+    let mut buf = Vec::new();
+    for i in 0..pieces {
+        if !progress.is_done(i) {
+            continue;
+        }
+        let r = entry.piece_range(i);
+        buf.resize((r.end - r.start) as usize, 0);
+        let ok = file.read_exact_at(&mut buf, r.start).is_ok()
+            && Blake3Hash::of(&buf) == entry.pieces[i as usize];
+        if !ok {
+            progress.set(i, false);
+        }
+    }
+    Ok((file, progress))
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn fetch_piece(
+    store: &dyn ObjectStore,
+    path: &str,
+    entry: &FileEntry,
+    file: &Arc<std::fs::File>,
+    blob: usize,
+    piece: u64,
+    attempts: u32,
+    stop: &Stop,
+) -> PieceOutcome {
+    let key = StorePath::from(blob_key(&entry.hash));
+    let range = entry.piece_range(piece);
+    let want = entry.pieces[piece as usize];
+    let mut out = PieceOutcome {
+        blob,
+        piece,
+        fetched: 0,
+        bytes_fetched: 0,
+        corrupt: 0,
+        end: PieceEnd::Discarded,
+    };
+    let mut last_store_err = None;
+    for attempt in 1..=attempts {
+        if attempt > 1 {
+            tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+        }
+        let bytes = match store.get_range(&key, range.clone()).await {
+            Ok(b) => b,
+            Err(e @ object_store::Error::NotFound { .. }) => {
+                out.end = PieceEnd::Failed(MirrorError::store(
+                    format!("file {path:?}: blob {key} missing in the origin"),
+                    e,
+                ));
+                return out;
+            }
+            Err(e) => {
+                last_store_err = Some(e);
+                continue;
+            }
+        };
+        out.fetched += 1;
+        out.bytes_fetched += bytes.len() as u64;
+        if stop.is_set() {
+            out.end = PieceEnd::Discarded;
+            return out;
+        }
+        let file = Arc::clone(file);
+        let start = range.start;
+        let expected_len = range.end - range.start;
+        let written = tokio::task::spawn_blocking(move || {
+            if bytes.len() as u64 != expected_len || Blake3Hash::of(&bytes) != want {
+                return Ok(false);
+            }
+            file.write_all_at(&bytes, start).map(|()| true)
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        match written {
+            Ok(true) => {
+                out.end = PieceEnd::Written;
+                return out;
+            }
+            Ok(false) => out.corrupt += 1,
+            Err(e) => {
+                out.end = PieceEnd::Failed(MirrorError::io(
+                    format!(
+                        "file {path:?}: writing piece {piece} (bytes {}..{}) to the partial file; \
+                         progress is kept, fix the cause (disk full?) and rerun to resume",
+                        range.start, range.end
+                    ),
+                    e,
+                ));
+                return out;
+            }
+        }
+    }
+    out.end = PieceEnd::Failed(match last_store_err {
+        Some(e) if out.corrupt == 0 => MirrorError::store(
+            format!(
+                "file {path:?}: fetching piece {piece} (bytes {}..{}) failed {attempts} times",
+                range.start, range.end
+            ),
+            e,
+        ),
+        _ => MirrorError::CorruptPiece {
+            path: path.to_string(),
+            piece,
+            start: range.start,
+            end: range.end,
+            attempts,
+            hint: "; the origin is the only source, so there is nowhere else to refetch from \
+                   (republish the file)"
+                .into(),
+        },
+    });
+    out
+}
+
+/// Verifies a blob whose pieces are all in, and moves it into place under every path.
+async fn finish_blob(
+    out: &Path,
+    blob: &mut Blob,
+    report: &mut PullReport,
+    prog: &mut PullProgress,
+    opts: &PullOptions,
+    errors: &mut Vec<MirrorError>,
+) {
+    let file = blob.file.take();
+    let (entry, paths, partial, progress_path, out2) = (
+        blob.entry.clone(),
+        blob.paths.clone(),
+        blob.partial.clone(),
+        blob.progress_path.clone(),
+        out.to_path_buf(),
+    );
+    let res = blocking(move || {
+        if let Some(f) = &file {
+            f.sync_all()
+                .map_err(|e| MirrorError::io(format!("syncing {}", partial.display()), e))?;
+        }
+        drop(file);
+        let got = hash_whole(&partial)
+            .map_err(|e| MirrorError::io(format!("hashing {}", partial.display()), e))?;
+        if got != entry.hash {
+            // Every piece verified but the whole did not: the manifest is inconsistent.
+            let _ = std::fs::remove_file(&partial);
+            let _ = std::fs::remove_file(&progress_path);
+            return Err(MirrorError::WholeFileMismatch {
+                path: entry.path.clone(),
+                got,
+                want: entry.hash,
+            });
+        }
+        // Extra paths with the same content get copies; the first takes the partial itself.
+        for p in paths.iter().skip(1) {
+            let dst = out2.join(p);
+            let tmp = partial.with_extension("copy");
+            std::fs::copy(&partial, &tmp)
+                .map_err(|e| MirrorError::io(format!("copying to {}", tmp.display()), e))?;
+            place(&tmp, &dst)?;
+        }
+        place(&partial, &out2.join(&paths[0]))?;
+        let _ = std::fs::remove_file(&progress_path);
+        Ok(())
+    })
+    .await;
+    match res {
+        Ok(()) => {
+            report.files_written += blob.paths.len();
+            prog.files_done += blob.paths.len();
+            if let Some(cb) = &opts.progress {
+                for p in &blob.paths {
+                    prog.file_finished = Some(p.clone());
+                    cb(prog);
+                }
+                prog.file_finished = None;
+            }
+        }
+        Err(e) => errors.push(e),
+    }
+}
+
+/// Renames `src` to `dst`, creating parent directories.
+fn place(src: &Path, dst: &Path) -> Result<(), MirrorError> {
+    if let Some(parent) = dst.parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| MirrorError::io(format!("creating {}", parent.display()), e))?;
+    }
+    std::fs::rename(src, dst).map_err(|e| {
+        MirrorError::io(
+            format!("renaming {} to {}", src.display(), dst.display()),
+            e,
+        )
+    })
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename.
+async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), MirrorError> {
+    let tmp = path.with_extension("progress.tmp");
+    tokio::fs::write(&tmp, bytes)
+        .await
+        .map_err(|e| MirrorError::io(format!("writing {}", tmp.display()), e))?;
+    tokio::fs::rename(&tmp, path)
+        .await
+        .map_err(|e| MirrorError::io(format!("renaming {}", tmp.display()), e))
+}
