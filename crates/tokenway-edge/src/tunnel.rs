@@ -147,6 +147,7 @@ impl Tunnel {
             )?,
             settings: quic,
             head_start: config.head_start(),
+            tcp_won_last: Default::default(),
             connect_timeout: config.connect_timeout(),
             metrics: Some(metrics),
         };

@@ -29,8 +29,9 @@ const MAX_HEAD_BYTES: usize = 64 * 1024;
 const MAX_HEADERS: usize = 128;
 /// Largest chunk-size or trailer line.
 const MAX_LINE_BYTES: usize = 4 * 1024;
-/// Read buffer growth step.
-const READ_BYTES: usize = 16 * 1024;
+/// Read buffer growth step: a few KiB hold a burst of token events; large bodies simply take
+/// more reads. Kept small because every open stream holds one.
+const READ_BYTES: usize = 4 * 1024;
 /// Idle connections kept per backend.
 const MAX_IDLE_PER_BACKEND: usize = 512;
 /// An idle connection older than this is closed instead of reused.

@@ -115,9 +115,22 @@ pub struct Dialer {
     pub connect_timeout: Duration,
     /// Metrics.
     pub metrics: Option<QuicMetrics>,
+    /// Gateways where TCP won the last race: the next race starts both at once instead of
+    /// giving QUIC its head start again (Happy Eyeballs remembers, RFC 8305 §4). A QUIC
+    /// success clears the mark.
+    pub tcp_won_last: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 impl Dialer {
+    fn mark(&self, target: &Target, tcp_won: bool) {
+        let mut set = self.tcp_won_last.lock().unwrap_or_else(|p| p.into_inner());
+        if tcp_won {
+            set.insert(target.name.clone());
+        } else {
+            set.remove(&target.name);
+        }
+    }
+
     /// A QUIC connection to `target`.
     pub async fn quic(
         &self,
@@ -139,6 +152,8 @@ impl Dialer {
             timeout: self.connect_timeout,
         })
         .await?;
+        // QUIC works again: the next race gives it its head start.
+        self.mark(target, false);
         Ok(Conn::Quic(Arc::new(client)))
     }
 
@@ -176,14 +191,27 @@ impl Dialer {
             }
             (true, true) => {}
         }
+        let remembered = self
+            .tcp_won_last
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&target.name);
         let quic = self.quic(target, initial_rtt);
         tokio::pin!(quic);
-        let head_start = tokio::time::sleep(self.head_start);
+        let head_start = tokio::time::sleep(if remembered {
+            Duration::ZERO
+        } else {
+            self.head_start
+        });
         tokio::pin!(head_start);
         // Phase 1: QUIC alone.
         let quic_error = tokio::select! {
+            biased;
             r = &mut quic => match r {
-                Ok(c) => return Ok(c),
+                Ok(c) => {
+                    self.mark(target, false);
+                    return Ok(c);
+                }
                 Err(e) => Some(e),
             },
             _ = &mut head_start => None,
@@ -197,7 +225,10 @@ impl Dialer {
         // Phase 2: both; the first success wins.
         tokio::select! {
             r = &mut quic => match r {
-                Ok(c) => Ok(c),
+                Ok(c) => {
+                    self.mark(target, false);
+                    Ok(c)
+                }
                 Err(qe) => {
                     tracing::info!(gateway = %target.name, error = %qe, "QUIC failed; waiting for TCP");
                     self.count_fallback(target, tcp.await)
@@ -222,6 +253,7 @@ impl Dialer {
         r: Result<Conn, TransportError>,
     ) -> Result<Conn, TransportError> {
         if r.is_ok() {
+            self.mark(target, true);
             if let Some(m) = &self.metrics {
                 m.tcp_fallback
                     .get_or_create(&PeerLabels {
