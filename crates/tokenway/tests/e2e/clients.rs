@@ -97,38 +97,14 @@ async fn curl_over_http1_h2c_and_tls_h2_streams_the_backends_events() {
 
 #[tokio::test]
 async fn official_openai_python_client_streams_through_the_gateway() {
-    let probe = Command::new("python3")
-        .args(["-c", "import openai"])
-        .output();
-    let available = probe.map(|o| o.status.success()).unwrap_or(false);
-    if !available {
-        assert!(
-            std::env::var_os("TOKENWAY_REQUIRE_PYTHON").is_none(),
-            "TOKENWAY_REQUIRE_PYTHON is set but `import openai` fails"
-        );
-        eprintln!("SKIP: the `openai` Python package is not installed (.ci/run installs it)");
+    if !python_has("openai") {
         return;
     }
     let backend = sim(FAST_SIM);
     let gw = gateway(&[&backend], "api_keys = [\"sk-e2e\"]", "");
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/python/openai_client.py"
-    );
-    let out = Command::new("python3")
-        .arg(script)
-        .arg("--gateway")
-        .arg(format!("{}/v1", gw.url()))
-        .arg("--backend")
-        .arg(format!("{}/v1", backend.url()))
-        .arg("--key")
-        .arg("sk-e2e")
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "openai client check failed:\nstdout: {}\nstderr: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    openai_check(
+        &format!("{}/v1", gw.url()),
+        &format!("{}/v1", backend.url()),
+        "sk-e2e",
     );
 }

@@ -322,3 +322,43 @@ where
 pub fn edge(toml: &str) -> Proc {
     start("edge", toml, &["--listen", "127.0.0.1:0"], false)
 }
+
+/// Whether `python3 -c "import MODULE"` works; outside CI (no `TOKENWAY_REQUIRE_PYTHON`) a
+/// missing module makes the caller skip, in CI it fails the test.
+pub fn python_has(module: &str) -> bool {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", &format!("import {module}")])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !ok {
+        assert!(
+            std::env::var_os("TOKENWAY_REQUIRE_PYTHON").is_none(),
+            "TOKENWAY_REQUIRE_PYTHON is set but `import {module}` fails"
+        );
+        eprintln!(
+            "SKIP: the `{module}` Python package is not installed (scripts/setup.sh installs it)"
+        );
+    }
+    ok
+}
+
+/// Runs tests/python/openai_client.py against `api` (an OpenAI base URL ending in /v1),
+/// comparing with `backend`'s own answers, with API key `key`.
+pub fn openai_check(api: &str, backend: &str, key: &str) {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/python/openai_client.py"
+    );
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .args(["--gateway", api, "--backend", backend, "--key", key])
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "openai client check against {api} failed:\nstdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -123,40 +123,17 @@ async fn streamed_chat_through_the_edge_over_quic_equals_the_backends_own() {
 
 #[tokio::test]
 async fn official_openai_python_client_streams_through_the_edge() {
-    let probe = Command::new("python3")
-        .args(["-c", "import openai"])
-        .output();
-    if !probe.map(|o| o.status.success()).unwrap_or(false) {
-        assert!(
-            std::env::var_os("TOKENWAY_REQUIRE_PYTHON").is_none(),
-            "TOKENWAY_REQUIRE_PYTHON is set but `import openai` fails"
-        );
-        eprintln!("SKIP: the `openai` Python package is not installed");
+    if !python_has("openai") {
         return;
     }
     let backend = sim(FAST_SIM);
     // The API key travels through the tunnel untouched and the gateway checks it.
     let gw = tunnel_gateway(&backend, "api_keys = [\"sk-e2e\"]", "");
     let edge = edge_for(&gw, "", "");
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/python/openai_client.py"
-    );
-    let out = Command::new("python3")
-        .arg(script)
-        .arg("--gateway")
-        .arg(format!("{}/v1", edge.url()))
-        .arg("--backend")
-        .arg(format!("{}/v1", backend.url()))
-        .arg("--key")
-        .arg("sk-e2e")
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "openai client through the edge failed:\nstdout: {}\nstderr: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    openai_check(
+        &format!("{}/v1", edge.url()),
+        &format!("{}/v1", backend.url()),
+        "sk-e2e",
     );
 }
 
