@@ -389,6 +389,8 @@ fn upstream_headers(upstream: &Upstream, parts: &Parts) -> HeaderMap {
             || name == header::HOST
             || name == header::AUTHORIZATION
             || name == header::CONTENT_LENGTH
+            // The whole body is already here: the backend must not wait for a go-ahead.
+            || name == header::EXPECT
         {
             continue;
         }

@@ -108,3 +108,22 @@ async fn official_openai_python_client_streams_through_the_gateway() {
         "sk-e2e",
     );
 }
+
+#[tokio::test]
+async fn curl_with_expect_100_continue_and_a_large_prompt_is_served() {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(&[&backend], "", "");
+    let body = chat(&"a long prompt ".repeat(2_000), true, 4);
+    let out = curl_post(
+        &format!("{}/v1/chat/completions", gw.url()),
+        &body,
+        &["--http1.1", "-H", "Expect: 100-continue"],
+    );
+    let (got, trailer) = split_trailer(&out);
+    assert_eq!(trailer, "1.1 200", "{out}");
+    assert_eq!(
+        data_events(got).last().map(String::as_str),
+        Some("[DONE]"),
+        "{out}"
+    );
+}
