@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Installs what the tests need that a fresh machine may lack: curl and the official `openai`
-# Python package. Safe to run repeatedly; does nothing when everything is present.
+# Installs what the tests need that a fresh machine may lack: curl, iproute2 (as root, for the
+# netlab tests), and the Python packages `openai` (the official client) and `aioquic` (an
+# independent HTTP/3 client). Safe to run repeatedly; does nothing when everything is present.
 set -euo pipefail
 
 need_apt=()
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-pip)
+# The netlab tests (root only) build namespaces with iproute2's `ip`.
+if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null 2>&1; then need_apt+=(iproute2); fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
