@@ -51,6 +51,8 @@ pub struct GatewayConfig {
     pub backends: Vec<BackendConfig>,
     /// A TOML file of further `[[backends]]`, re-read when it changes and on SIGHUP.
     pub backends_file: Option<PathBuf>,
+    /// `[discovery]`: backends found in DNS (A/AAAA and SRV records), refreshed on an interval.
+    pub discovery: DiscoverySettings,
 }
 
 impl Default for GatewayConfig {
@@ -73,6 +75,7 @@ impl Default for GatewayConfig {
             health: HealthSettings::default(),
             backends: Vec::new(),
             backends_file: None,
+            discovery: DiscoverySettings::default(),
         }
     }
 }
@@ -476,14 +479,162 @@ impl GatewayConfig {
                 "api_keys must not contain an empty key".into(),
             ));
         }
-        if self.backends.is_empty() && self.backends_file.is_none() {
+        if self.backends.is_empty() && self.backends_file.is_none() && self.discovery.dns.is_empty()
+        {
             return Err(GatewayError::Config(
                 "backends must list at least one backend ([[backends]] url = \"http://host:port\"), \
-                 or backends_file must name a file of them"
+                 or backends_file must name a file of them, or [[discovery.dns]] a DNS name"
                     .into(),
             ));
         }
+        self.discovery.validate()?;
         validate_backends(&self.backends, "backends")
+    }
+}
+
+/// DNS discovery (`[discovery]`): every `refresh_ms` each `[[discovery.dns]]` name is resolved
+/// and the backends it names are added or removed (see `docs/routing.md`, Discovery).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DiscoverySettings {
+    /// Interval between resolutions of every name, milliseconds.
+    pub refresh_ms: u64,
+    /// Shortest time an answer is cached, milliseconds: record TTLs below it are raised to it
+    /// (a TTL of 0 would otherwise send a query on every refresh of every gateway).
+    pub min_ttl_ms: u64,
+    /// The DNS server to ask (`ip:port`, UDP with TCP fallback); absent means the system's
+    /// (`/etc/resolv.conf`, with its search domains, which Kubernetes pods rely on).
+    pub nameserver: Option<SocketAddr>,
+    /// Timeout of one DNS query, milliseconds.
+    pub timeout_ms: u64,
+    /// The names to resolve.
+    pub dns: Vec<DnsBackends>,
+}
+
+impl Default for DiscoverySettings {
+    fn default() -> Self {
+        Self {
+            refresh_ms: 5_000,
+            min_ttl_ms: 1_000,
+            nameserver: None,
+            timeout_ms: 2_000,
+            dns: Vec::new(),
+        }
+    }
+}
+
+/// Which records name the backends of a `[[discovery.dns]]` entry.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DnsRecord {
+    /// A and AAAA records: one backend per address, all on the entry's `port`.
+    #[default]
+    A,
+    /// SRV records: one backend per (target, port); the target is resolved to its address.
+    Srv,
+}
+
+/// One DNS name whose records are backends (`[[discovery.dns]]`). The fields after `port` apply
+/// to every backend the name yields, like the same keys of `[[backends]]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsBackends {
+    /// The name, e.g. `vllm.inference.svc.cluster.local` (A) or
+    /// `_http._tcp.vllm.inference.svc.cluster.local` (SRV).
+    pub name: String,
+    /// `a` (A and AAAA, default) or `srv`.
+    #[serde(default)]
+    pub record: DnsRecord,
+    /// The backends' port; required for `a`, not allowed for `srv` (the records carry it).
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// Region label.
+    #[serde(default = "default_region")]
+    pub region: String,
+    /// Models served; empty means learn them from each backend's `GET /v1/models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Most requests in flight to each backend at once.
+    #[serde(default = "default_max_inflight")]
+    pub max_inflight: u32,
+    /// Bearer key sent to the backends.
+    #[serde(default)]
+    pub api_key: Option<String>,
+}
+
+impl DiscoverySettings {
+    /// The refresh interval.
+    pub fn refresh(&self) -> Duration {
+        Duration::from_millis(self.refresh_ms)
+    }
+
+    /// Checks ranges; errors name `discovery.key` or `discovery.dns[i].key`.
+    pub fn validate(&self) -> Result<(), GatewayError> {
+        fn bad(key: &str, rule: &str, got: impl std::fmt::Display) -> GatewayError {
+            GatewayError::Config(format!("{key} must be {rule} (got {got})"))
+        }
+        if !(100..=3_600_000).contains(&self.refresh_ms) {
+            return Err(bad(
+                "discovery.refresh_ms",
+                "in 100..=3600000",
+                self.refresh_ms,
+            ));
+        }
+        if self.min_ttl_ms > 3_600_000 {
+            return Err(bad(
+                "discovery.min_ttl_ms",
+                "in 0..=3600000",
+                self.min_ttl_ms,
+            ));
+        }
+        if !(1..=60_000).contains(&self.timeout_ms) {
+            return Err(bad("discovery.timeout_ms", "in 1..=60000", self.timeout_ms));
+        }
+        if self.nameserver.is_some_and(|a| a.port() == 0) {
+            return Err(bad(
+                "discovery.nameserver",
+                "an ip:port with a non-zero port",
+                "port 0",
+            ));
+        }
+        for (i, d) in self.dns.iter().enumerate() {
+            let key = |k: &str| format!("discovery.dns[{i}].{k}");
+            let labels_ok = !d.name.is_empty()
+                && d.name.len() <= 253
+                && d.name.trim_end_matches('.').split('.').all(|l| {
+                    !l.is_empty()
+                        && l.len() <= 63
+                        && l.bytes()
+                            .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
+                });
+            if !labels_ok {
+                return Err(bad(&key("name"), "a DNS name", format!("{:?}", d.name)));
+            }
+            match (d.record, d.port) {
+                (DnsRecord::A, None | Some(0)) => {
+                    return Err(bad(
+                        &key("port"),
+                        "in 1..=65535 for record = \"a\"",
+                        d.port.unwrap_or(0),
+                    ))
+                }
+                (DnsRecord::Srv, Some(p)) => {
+                    return Err(bad(
+                        &key("port"),
+                        "absent for record = \"srv\" (SRV records carry the port)",
+                        p,
+                    ))
+                }
+                _ => {}
+            }
+            if d.max_inflight == 0 {
+                return Err(bad(&key("max_inflight"), ">= 1", d.max_inflight));
+            }
+            if d.region.is_empty() {
+                return Err(bad(&key("region"), "a non-empty string", "\"\""));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -583,6 +734,42 @@ mod tests {
         assert!(e.to_string().contains("policy"), "{e}");
         let e = GatewayConfig::from_toml_str("lisen = \"1.2.3.4:5\"\n").unwrap_err();
         assert!(e.to_string().contains("lisen"), "{e}");
+    }
+
+    #[test]
+    fn dns_discovery_alone_is_a_valid_backend_source_and_bad_entries_name_their_key() {
+        let c = GatewayConfig::from_toml_str(
+            "[discovery]\nnameserver = \"127.0.0.1:5353\"\n\
+             [[discovery.dns]]\nname = \"_http._tcp.vllm.test\"\nrecord = \"srv\"\n\
+             [[discovery.dns]]\nname = \"vllm.test\"\nport = 8000\n",
+        )
+        .expect("valid");
+        assert_eq!(c.discovery.refresh_ms, 5_000);
+        assert_eq!(c.discovery.dns[0].record, DnsRecord::Srv);
+        assert_eq!(c.discovery.dns[1].record, DnsRecord::A);
+        assert_eq!(c.discovery.dns[1].max_inflight, 256);
+        for (toml, key) in [
+            (
+                "[[discovery.dns]]\nname = \"vllm.test\"\n",
+                "discovery.dns[0].port",
+            ),
+            (
+                "[[discovery.dns]]\nname = \"s.test\"\nrecord = \"srv\"\nport = 1\n",
+                "discovery.dns[0].port",
+            ),
+            (
+                "[[discovery.dns]]\nname = \"a..b\"\nport = 1\n",
+                "discovery.dns[0].name",
+            ),
+            (
+                "[discovery]\nrefresh_ms = 5\n[[discovery.dns]]\nname = \"a\"\nport = 1\n",
+                "discovery.refresh_ms",
+            ),
+            ("[[discovery.dns]]\nname = \"a\"\nrecord = \"mx\"\n", "mx"),
+        ] {
+            let e = GatewayConfig::from_toml_str(toml).unwrap_err();
+            assert!(e.to_string().contains(key), "{key}: {e}");
+        }
     }
 
     const TUNNEL: &str = "[[backends]]\nurl = \"http://127.0.0.1:8000\"\n[tunnel]\n\

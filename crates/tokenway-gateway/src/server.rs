@@ -152,6 +152,9 @@ impl BoundGateway {
                 stop_rx.clone(),
             ));
         }
+        if !self.shared.config.discovery.dns.is_empty() {
+            tokio::spawn(discovery::dns::run(self.shared.clone(), stop_rx.clone()));
+        }
         let mut tasks = Vec::new();
         if let Some(l) = self.plain {
             tasks.push(tokio::spawn(accept_loop(

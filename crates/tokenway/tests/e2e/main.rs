@@ -6,6 +6,7 @@
 mod bad_input;
 mod bench;
 mod clients;
+mod discovery;
 mod examples;
 mod failover;
 mod h3;
