@@ -8,14 +8,28 @@
 //!   records progress for resume, verifies the whole file and renames it atomically.
 //! - [`progress`]: the on-disk record of completed pieces (sans-IO encoding).
 //!
-//! Not here yet (see `docs/weights.md`): mirror server, single flight, LRU cache, peers,
-//! hedging, `s3://`.
+//! - [`mirror`]: the regional mirror (HTTP API, single flight, LRU disk cache, preheat,
+//!   peer directory, metrics).
+//! - [`range_server`], [`http_range`], [`http_error`]: the blob range API mirrors and peers
+//!   share.
+//! - [`piece_bits`]: which pieces a peer holds (sans-IO).
+//! - [`faults`]: test-only fault injection (corrupt pieces on purpose).
+//!
+//! Not here yet (see `docs/weights.md`): bao-tree outboards, `s3://`.
 
+pub mod faults;
+pub mod http_client;
+pub mod http_error;
+pub mod http_range;
 pub mod manifest;
+pub mod mirror;
 pub mod origin;
+pub mod piece_bits;
 pub mod progress;
 pub mod publish;
 pub mod pull;
+pub mod range_server;
+pub mod size;
 
 pub use manifest::{Blake3Hash, FileEntry, Manifest, ModelRef, Selector};
 pub use origin::open_origin;
@@ -113,6 +127,22 @@ pub enum MirrorError {
         model: String,
         /// Revision.
         revision: String,
+    },
+    /// A mirror or peer answered with an error or not at all.
+    #[error("{url}: {reason}")]
+    Remote {
+        /// What was asked.
+        url: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A setting is out of range.
+    #[error("invalid setting {field}: {reason}")]
+    Config {
+        /// The flag or key.
+        field: String,
+        /// What is allowed.
+        reason: String,
     },
     /// Several pieces failed; the first error is shown.
     #[error("{count} piece(s) failed; progress is kept, rerun to resume. First: {first}")]

@@ -36,6 +36,10 @@ enum Command {
     Publish(cmd::publish::PublishArgs),
     /// Download a model revision, verifying every piece; resumable.
     Pull(cmd::pull::PullArgs),
+    /// Regional cache of model weights in front of an origin (HTTP range API, peers).
+    Mirror(cmd::mirror::MirrorArgs),
+    /// Ask a mirror to pull a whole model into its cache.
+    Preheat(cmd::preheat::PreheatArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -61,6 +65,8 @@ fn main() -> std::process::ExitCode {
             Command::Netlab(command) => cmd::netlab::run(command).await,
             Command::Publish(args) => cmd::publish::run(args).await,
             Command::Pull(args) => cmd::pull::run(args).await,
+            Command::Mirror(args) => cmd::mirror::run(args).await,
+            Command::Preheat(args) => cmd::preheat::run(args).await,
         }
     });
     match result {

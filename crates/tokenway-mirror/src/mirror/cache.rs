@@ -1,0 +1,442 @@
+//! The mirror's disk cache of verified pieces, bounded by bytes, evicted least recently used.
+//!
+//! Two layers: [`LruIndex`] is the sans-IO bookkeeping (sizes, recency, pins) and decides
+//! what to evict; [`PieceCache`] does the file work. A piece being read or written is
+//! pinned and never evicted; space for a piece is reserved before it is written, so the
+//! bytes on disk never exceed the bound (in-progress writes included). When every byte is
+//! pinned there is no room and the piece is served without being cached.
+//!
+//! Layout: `<cache>/pieces/<blob hash>/<piece size>-<index>`; a write goes to a `.tmp` file
+//! first and is renamed, so a crash never leaves a half piece under a real name. On start the
+//! directory is scanned (oldest modification first) and trimmed to the bound.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::Hash;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use bytes::Bytes;
+
+use crate::manifest::Blake3Hash;
+
+/// One cached piece: a blob, a piece size (the same blob may be cut differently by two
+/// manifests) and an index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PieceKey {
+    /// Blob hash.
+    pub hash: Blake3Hash,
+    /// Piece size of the layout.
+    pub piece_size: u64,
+    /// Piece index.
+    pub index: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    size: u64,
+    pins: u32,
+    tick: u64,
+    ready: bool,
+}
+
+/// No room: everything that could be evicted is pinned.
+#[derive(Debug, PartialEq, Eq)]
+pub struct NoRoom;
+
+/// Sizes, recency and pins of cached items; decides evictions. Sans-IO.
+#[derive(Debug)]
+pub struct LruIndex<K> {
+    max_bytes: u64,
+    used: u64,
+    tick: u64,
+    entries: HashMap<K, Entry>,
+    order: BTreeMap<u64, K>,
+}
+
+impl<K: Clone + Eq + Hash> LruIndex<K> {
+    /// An empty index holding at most `max_bytes`.
+    pub fn new(max_bytes: u64) -> Self {
+        Self {
+            max_bytes,
+            used: 0,
+            tick: 0,
+            entries: HashMap::new(),
+            order: BTreeMap::new(),
+        }
+    }
+
+    /// Bytes accounted (ready and being written).
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    /// Items accounted.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Is nothing accounted?
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn touch(&mut self, k: &K) {
+        self.tick += 1;
+        if let Some(e) = self.entries.get_mut(k) {
+            self.order.remove(&e.tick);
+            e.tick = self.tick;
+            self.order.insert(self.tick, k.clone());
+        }
+    }
+
+    /// Is `k` ready (no recency change)?
+    pub fn has(&self, k: &K) -> bool {
+        self.entries.get(k).is_some_and(|e| e.ready)
+    }
+
+    /// If `k` is ready: marks it most recently used, pins it (unpin when the read is over)
+    /// and returns true.
+    pub fn pin(&mut self, k: &K) -> bool {
+        match self.entries.get_mut(k) {
+            Some(e) if e.ready => e.pins += 1,
+            _ => return false,
+        }
+        self.touch(k);
+        true
+    }
+
+    /// Ends a pin taken by [`pin`](Self::pin).
+    pub fn unpin(&mut self, k: &K) {
+        if let Some(e) = self.entries.get_mut(k) {
+            e.pins = e.pins.saturating_sub(1);
+        }
+    }
+
+    /// Reserves `size` bytes for `k` (to be written), evicting unpinned items from the
+    /// least recently used; returns what was evicted. The new item is pinned until
+    /// [`commit`](Self::commit) or [`abort`](Self::abort). Nothing changes on `NoRoom`.
+    pub fn reserve(&mut self, k: K, size: u64) -> Result<Vec<K>, NoRoom> {
+        if self.entries.contains_key(&k) || size > self.max_bytes {
+            return Err(NoRoom);
+        }
+        let need = (self.used + size).saturating_sub(self.max_bytes);
+        let mut victims = Vec::new();
+        let mut freed = 0;
+        for key in self.order.values() {
+            if freed >= need {
+                break;
+            }
+            let e = &self.entries[key];
+            if e.pins == 0 && e.ready {
+                freed += e.size;
+                victims.push(key.clone());
+            }
+        }
+        if freed < need {
+            return Err(NoRoom);
+        }
+        for v in &victims {
+            if let Some(e) = self.entries.remove(v) {
+                self.order.remove(&e.tick);
+                self.used -= e.size;
+            }
+        }
+        self.tick += 1;
+        self.entries.insert(
+            k.clone(),
+            Entry {
+                size,
+                pins: 1,
+                tick: self.tick,
+                ready: false,
+            },
+        );
+        self.order.insert(self.tick, k);
+        self.used += size;
+        Ok(victims)
+    }
+
+    /// The reserved item is written: readable and (once unpinned here) evictable.
+    pub fn commit(&mut self, k: &K) {
+        if let Some(e) = self.entries.get_mut(k) {
+            e.ready = true;
+            e.pins = e.pins.saturating_sub(1);
+        }
+    }
+
+    /// Drops an item (a failed write, or a file found unreadable).
+    pub fn remove(&mut self, k: &K) {
+        if let Some(e) = self.entries.remove(k) {
+            self.order.remove(&e.tick);
+            self.used -= e.size;
+        }
+    }
+
+    /// Abandons a reservation.
+    pub fn abort(&mut self, k: &K) {
+        self.remove(k);
+    }
+}
+
+/// What [`PieceCache::store`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Stored {
+    /// The piece is now cached.
+    pub cached: bool,
+    /// Pieces evicted to make room.
+    pub evicted: u64,
+}
+
+/// Verified pieces on disk, bounded by bytes.
+pub struct PieceCache {
+    dir: PathBuf,
+    index: Mutex<LruIndex<PieceKey>>,
+    max_bytes: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl PieceCache {
+    /// Opens `dir` (created if missing), indexing the pieces already there and trimming to
+    /// `max_bytes`.
+    pub fn open(dir: &Path, max_bytes: u64) -> std::io::Result<Self> {
+        let pieces = dir.join("pieces");
+        std::fs::create_dir_all(&pieces)?;
+        let mut found: Vec<(std::time::SystemTime, PieceKey, u64, PathBuf)> = Vec::new();
+        for blob in std::fs::read_dir(&pieces)? {
+            let blob = blob?;
+            let Ok(hash) = Blake3Hash::from_hex(&blob.file_name().to_string_lossy()) else {
+                continue;
+            };
+            for f in std::fs::read_dir(blob.path())? {
+                let f = f?;
+                let name = f.file_name().to_string_lossy().into_owned();
+                let parsed = name
+                    .split_once('-')
+                    .and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?)));
+                let meta = f.metadata()?;
+                match parsed {
+                    Some((piece_size, index)) if meta.is_file() => found.push((
+                        meta.modified()?,
+                        PieceKey {
+                            hash,
+                            piece_size,
+                            index,
+                        },
+                        meta.len(),
+                        f.path(),
+                    )),
+                    // Leftover temporary files from a crash.
+                    _ => {
+                        let _ = std::fs::remove_file(f.path());
+                    }
+                }
+            }
+        }
+        found.sort_by_key(|(t, ..)| *t);
+        let mut index = LruIndex::new(max_bytes);
+        for (_, key, size, path) in found {
+            match index.reserve(key, size) {
+                Ok(evicted) => {
+                    index.commit(&key);
+                    for v in evicted {
+                        let _ = std::fs::remove_file(Self::path_in(dir, &v));
+                    }
+                }
+                Err(NoRoom) => {
+                    let _ = std::fs::remove_file(path);
+                }
+            }
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            index: Mutex::new(index),
+            max_bytes,
+        })
+    }
+
+    fn path_in(dir: &Path, k: &PieceKey) -> PathBuf {
+        dir.join("pieces")
+            .join(k.hash.to_hex())
+            .join(format!("{}-{}", k.piece_size, k.index))
+    }
+
+    fn path(&self, k: &PieceKey) -> PathBuf {
+        Self::path_in(&self.dir, k)
+    }
+
+    /// Bytes cached (and reserved).
+    pub fn used(&self) -> u64 {
+        lock(&self.index).used()
+    }
+
+    /// The bound.
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+
+    /// Is the piece cached? (No pin, no recency change; for peers' and preheat's counts.)
+    pub fn contains(&self, k: &PieceKey) -> bool {
+        lock(&self.index).has(k)
+    }
+
+    /// Reads a cached piece, pinned while the read runs. `None` if not cached (or the file
+    /// turned out unreadable, which drops it from the index).
+    pub async fn read(&self, k: &PieceKey) -> Option<Bytes> {
+        if !lock(&self.index).pin(k) {
+            return None;
+        }
+        let res = tokio::fs::read(self.path(k)).await;
+        let mut idx = lock(&self.index);
+        idx.unpin(k);
+        match res {
+            Ok(b) => Some(Bytes::from(b)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cached piece unreadable, dropping it");
+                idx.remove(k);
+                None
+            }
+        }
+    }
+
+    /// Stores a verified piece, evicting least recently used pieces to make room.
+    pub async fn store(&self, k: PieceKey, bytes: &Bytes) -> std::io::Result<Stored> {
+        let evicted = match lock(&self.index).reserve(k, bytes.len() as u64) {
+            Ok(v) => v,
+            Err(NoRoom) => {
+                return Ok(Stored {
+                    cached: false,
+                    evicted: 0,
+                })
+            }
+        };
+        for v in &evicted {
+            let _ = tokio::fs::remove_file(self.path(v)).await;
+        }
+        let path = self.path(&k);
+        let tmp = path.with_extension("tmp");
+        let res = async {
+            if let Some(parent) = path.parent() {
+                tokio::fs::create_dir_all(parent).await?;
+            }
+            tokio::fs::write(&tmp, bytes).await?;
+            tokio::fs::rename(&tmp, &path).await
+        }
+        .await;
+        let mut idx = lock(&self.index);
+        match res {
+            Ok(()) => {
+                idx.commit(&k);
+                Ok(Stored {
+                    cached: true,
+                    evicted: evicted.len() as u64,
+                })
+            }
+            Err(e) => {
+                idx.abort(&k);
+                drop(idx);
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eviction_frees_the_least_recently_used_bytes_first() {
+        let mut lru = LruIndex::new(100);
+        for (k, size) in [("a", 40), ("b", 30), ("c", 30)] {
+            assert_eq!(lru.reserve(k, size), Ok(vec![]));
+            lru.commit(&k);
+        }
+        assert_eq!(lru.used(), 100);
+        // Reading `a` makes `b` the oldest.
+        assert!(lru.pin(&"a"));
+        lru.unpin(&"a");
+        assert_eq!(lru.reserve("d", 50), Ok(vec!["b", "c"]));
+        lru.commit(&"d");
+        assert_eq!(lru.used(), 90);
+        assert!(!lru.pin(&"b"));
+    }
+
+    #[test]
+    fn pinned_and_in_progress_items_are_never_evicted() {
+        let mut lru = LruIndex::new(100);
+        lru.reserve("a", 60).unwrap();
+        lru.commit(&"a");
+        assert!(lru.pin(&"a")); // a read in progress
+        lru.reserve("w", 40).unwrap(); // a write in progress
+        assert_eq!(lru.reserve("x", 10), Err(NoRoom));
+        assert_eq!(lru.used(), 100);
+        lru.unpin(&"a");
+        // `w` is still being written: only `a` can go.
+        assert_eq!(lru.reserve("x", 10), Ok(vec!["a"]));
+        assert_eq!(lru.used(), 50);
+        lru.abort(&"w");
+        assert_eq!(lru.used(), 10);
+        // Larger than the whole cache: never cached.
+        assert_eq!(lru.reserve("huge", 101), Err(NoRoom));
+    }
+
+    #[test]
+    fn the_bound_holds_under_any_sequence() {
+        let mut lru = LruIndex::new(1000);
+        let mut rng: u64 = 0x9e37_79b9_7f4a_7c15;
+        for i in 0..5000u64 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let k = rng % 64;
+            match rng % 5 {
+                0 | 1 => {
+                    if lru.reserve(k, 1 + (rng >> 8) % 300).is_ok() {
+                        if i % 3 == 0 {
+                            lru.abort(&k);
+                        } else {
+                            lru.commit(&k);
+                        }
+                    }
+                }
+                2 => {
+                    if lru.pin(&k) {
+                        lru.unpin(&k);
+                    }
+                }
+                _ => lru.remove(&k),
+            }
+            assert!(lru.used() <= 1000);
+        }
+    }
+
+    #[tokio::test]
+    async fn the_disk_cache_stays_within_its_bound_and_survives_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = Blake3Hash::of(b"blob");
+        let key = |index| PieceKey {
+            hash: h,
+            piece_size: 100,
+            index,
+        };
+        let cache = PieceCache::open(dir.path(), 250).unwrap();
+        let piece = Bytes::from(vec![7u8; 100]);
+        let mut evicted = 0;
+        for i in 0..5 {
+            let s = cache.store(key(i), &piece).await.unwrap();
+            assert!(s.cached);
+            evicted += s.evicted;
+        }
+        assert_eq!(evicted, 3);
+        assert_eq!(cache.used(), 200);
+        assert!(cache.read(&key(0)).await.is_none());
+        assert_eq!(cache.read(&key(4)).await.unwrap(), piece);
+        drop(cache);
+        let again = PieceCache::open(dir.path(), 150).unwrap();
+        assert_eq!(again.used(), 100);
+    }
+}

@@ -1,0 +1,188 @@
+//! The mirror's copy of manifests and tags, on disk and in a small memo.
+//!
+//! Revisions are immutable: once fetched from the origin and validated, a manifest is kept
+//! on disk and served from there forever, even with the origin down. Tags move, so a tag is
+//! asked of the origin every time; only when the origin cannot be reached is the last value
+//! seen used (the answer says so with `x-tokenway-stale`). An origin that says a tag does
+//! not exist is believed.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use object_store::path::Path as StorePath;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+use crate::http_error::ServeError;
+use crate::manifest::{
+    manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
+};
+
+/// Manifests kept in memory (the disk copy has them all).
+pub const MEMO_MANIFESTS: usize = 256;
+/// How long one origin request may take.
+pub const ORIGIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A resolved manifest.
+pub struct Resolved {
+    /// The manifest.
+    pub manifest: Arc<Manifest>,
+    /// The tag was taken from the mirror's copy because the origin was unreachable.
+    pub stale_tag: bool,
+}
+
+/// Manifests and tags seen, on disk under `<cache>/manifests/` and in memory.
+pub struct ManifestCache {
+    dir: PathBuf,
+    memo: Mutex<HashMap<(String, String), Arc<Manifest>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+enum Got {
+    Bytes(bytes::Bytes),
+    NotFound,
+    Down(String),
+}
+
+async fn origin_get(origin: &dyn ObjectStore, key: &str) -> Got {
+    let path = StorePath::from(key);
+    let res = tokio::time::timeout(ORIGIN_TIMEOUT, async {
+        origin.get(&path).await?.bytes().await
+    })
+    .await;
+    match res {
+        Ok(Ok(b)) => Got::Bytes(b),
+        Ok(Err(object_store::Error::NotFound { .. })) => Got::NotFound,
+        Ok(Err(e)) => Got::Down(e.to_string()),
+        Err(_) => Got::Down(format!("no answer within {ORIGIN_TIMEOUT:?}")),
+    }
+}
+
+impl ManifestCache {
+    /// Keeps copies under `dir`.
+    pub fn new(dir: &Path) -> Self {
+        Self {
+            dir: dir.join("manifests"),
+            memo: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The manifest `mref` names.
+    pub async fn resolve(
+        &self,
+        origin: &dyn ObjectStore,
+        mref: &ModelRef,
+    ) -> Result<Resolved, ServeError> {
+        let (revision, stale_tag) = match &mref.selector {
+            Selector::Revision(r) => (r.clone(), false),
+            Selector::Tag(t) => self.tag(origin, &mref.model, t).await?,
+        };
+        let manifest = self.revision(origin, &mref.model, &revision).await?;
+        Ok(Resolved {
+            manifest,
+            stale_tag,
+        })
+    }
+
+    async fn tag(
+        &self,
+        origin: &dyn ObjectStore,
+        model: &str,
+        tag: &str,
+    ) -> Result<(String, bool), ServeError> {
+        let key = tag_key(model, tag);
+        let local = self.dir.join(&key);
+        match origin_get(origin, &key).await {
+            Got::Bytes(b) => {
+                let rev = parse_tag(&b).map_err(|e| ServeError::origin(format!("the origin's tag {tag} of {model} is invalid: {e}")))?;
+                write_atomic(&local, rev.as_bytes()).await;
+                Ok((rev, false))
+            }
+            Got::NotFound => Err(ServeError::not_found(format!("tag {tag} of model {model} not found in the origin"))),
+            Got::Down(why) => match tokio::fs::read(&local).await.ok().and_then(|b| parse_tag(&b).ok()) {
+                Some(rev) => Ok((rev, true)),
+                None => Err(ServeError::origin(format!(
+                    "origin unavailable ({why}) and tag {tag} of model {model} is not in this mirror's cache"
+                ))),
+            },
+        }
+    }
+
+    /// The manifest of `model@revision`: memo, disk, then the origin.
+    pub async fn revision(
+        &self,
+        origin: &dyn ObjectStore,
+        model: &str,
+        revision: &str,
+    ) -> Result<Arc<Manifest>, ServeError> {
+        let memo_key = (model.to_string(), revision.to_string());
+        if let Some(m) = lock(&self.memo).get(&memo_key) {
+            return Ok(Arc::clone(m));
+        }
+        let key = manifest_key(model, revision);
+        let local = self.dir.join(&key);
+        let check = |bytes: &[u8]| -> Result<Manifest, String> {
+            let m = Manifest::from_json(bytes).map_err(|e| e.to_string())?;
+            if m.model != model || m.revision != revision {
+                return Err(format!("object {key} describes {}@{}", m.model, m.revision));
+            }
+            Ok(m)
+        };
+        let manifest = match tokio::fs::read(&local).await.ok().and_then(|b| check(&b).ok()) {
+            Some(m) => m,
+            None => match origin_get(origin, &key).await {
+                Got::Bytes(b) => {
+                    let m = check(&b).map_err(|e| ServeError::origin(format!("the origin holds an invalid manifest for {model}@{revision}: {e}")))?;
+                    write_atomic(&local, &b).await;
+                    m
+                }
+                Got::NotFound => {
+                    return Err(ServeError::not_found(format!(
+                        "revision {revision} of model {model} not found in the origin"
+                    )))
+                }
+                Got::Down(why) => {
+                    return Err(ServeError::origin(format!(
+                        "origin unavailable ({why}) and revision {revision} of model {model} is not in this mirror's cache"
+                    )))
+                }
+            },
+        };
+        let m = Arc::new(manifest);
+        let mut memo = lock(&self.memo);
+        if memo.len() >= MEMO_MANIFESTS {
+            memo.clear();
+        }
+        memo.insert(memo_key, Arc::clone(&m));
+        Ok(m)
+    }
+
+    /// The layout of blob `hash` from any manifest in memory.
+    pub fn find_blob(&self, hash: &Blake3Hash) -> Option<Arc<FileEntry>> {
+        lock(&self.memo)
+            .values()
+            .find_map(|m| m.files.iter().find(|f| f.hash == *hash).cloned())
+            .map(Arc::new)
+    }
+}
+
+/// Best effort: a failed copy only means asking the origin again next time.
+async fn write_atomic(path: &Path, bytes: &[u8]) {
+    // `~` never appears in a name, so this cannot clash with a real tag or revision.
+    let tmp = PathBuf::from(format!("{}~tmp", path.display()));
+    let res = async {
+        if let Some(p) = path.parent() {
+            tokio::fs::create_dir_all(p).await?;
+        }
+        tokio::fs::write(&tmp, bytes).await?;
+        tokio::fs::rename(&tmp, path).await
+    }
+    .await;
+    if let Err(e) = res {
+        tracing::warn!(error = %e, path = %path.display(), "cannot keep a copy of a manifest or tag");
+    }
+}

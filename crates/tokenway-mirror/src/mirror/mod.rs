@@ -1,0 +1,304 @@
+//! `tokenway mirror`: a regional cache between pullers and the origin.
+//!
+//! - [`server`]: the HTTP API (manifests, blob ranges, preheat, peers, metrics).
+//! - [`cache`]: verified pieces on disk, LRU by bytes, never evicting what is in use.
+//! - [`single_flight`]: one origin fetch per piece however many requests want it.
+//! - [`manifests`]: manifests and tags, kept so they are served with the origin down.
+//! - [`peers`]: which pullers of a region hold which pieces.
+//! - [`preheat`]: pulling a whole model into the cache before anyone asks.
+//! - [`metrics`]: the Prometheus series.
+//!
+//! A piece is the unit of everything here: it is fetched from the origin with one ranged
+//! GET, verified against the manifest's piece hash, written to the cache, and served. The
+//! mirror never serves a byte it has not verified.
+
+pub mod cache;
+pub mod manifests;
+pub mod metrics;
+pub mod peers;
+pub mod preheat;
+pub mod server;
+pub mod single_flight;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use object_store::path::Path as StorePath;
+use object_store::{ObjectStore, ObjectStoreExt};
+use tokenway_telemetry::Registry;
+
+use crate::faults::Faults;
+use crate::http_error::ServeError;
+use crate::manifest::{blob_key, Blake3Hash, FileEntry};
+use crate::MirrorError;
+use cache::{PieceCache, PieceKey};
+use manifests::{ManifestCache, ORIGIN_TIMEOUT};
+use metrics::MirrorMetrics;
+use peers::PeerDirectory;
+use single_flight::{FlightError, Role, SingleFlight};
+
+/// Origin fetches in flight at once (distinct pieces); more requests get 503.
+pub const MAX_FLIGHTS: usize = 1024;
+/// Peers tracked at once.
+pub const MAX_PEERS: usize = 4096;
+/// A peer that has not announced for this long is forgotten.
+pub const PEER_TTL: Duration = Duration::from_secs(30);
+/// Preheats running at once.
+pub const MAX_PREHEATS: usize = 4;
+/// Fetches of one piece from the origin before giving up (corrupt or failed).
+const ORIGIN_ATTEMPTS: u32 = 3;
+
+/// Settings of a mirror.
+#[derive(Clone, Debug)]
+pub struct MirrorConfig {
+    /// Origin URL (`file:///srv/models`).
+    pub origin: String,
+    /// Cache directory.
+    pub cache_dir: PathBuf,
+    /// Bound of the piece cache, bytes.
+    pub max_size: u64,
+    /// Region this mirror serves; peers of other regions are not handed out.
+    pub region: String,
+    /// Pieces a preheat fetches at once.
+    pub preheat_parallel: usize,
+    /// Test only: corrupt every Nth piece served (0 = off).
+    pub test_corrupt_every: u64,
+}
+
+impl MirrorConfig {
+    /// Checks the settings; the error names the flag.
+    pub fn validate(&self) -> Result<(), MirrorError> {
+        let bad = |field: &str, reason: &str| MirrorError::Config {
+            field: field.into(),
+            reason: reason.into(),
+        };
+        if self.max_size < crate::manifest::MIN_PIECE_SIZE {
+            return Err(bad("--max-size", "must be at least 64 KiB (one piece)"));
+        }
+        if self.preheat_parallel == 0 || self.preheat_parallel > 256 {
+            return Err(bad("preheat parallelism", "must be 1 to 256"));
+        }
+        if self.region.len() > 64 {
+            return Err(bad("--region", "at most 64 bytes"));
+        }
+        Ok(())
+    }
+}
+
+type PieceResult = Result<Bytes, ServeError>;
+
+/// A running mirror's state.
+pub struct Mirror {
+    origin: Arc<dyn ObjectStore>,
+    cache: PieceCache,
+    flights: Arc<SingleFlight<PieceKey, PieceResult>>,
+    manifests: ManifestCache,
+    peers: Mutex<PeerDirectory>,
+    metrics: MirrorMetrics,
+    registry: Registry,
+    region: String,
+    faults: Faults,
+    preheat_parallel: usize,
+    preheats: Arc<tokio::sync::Semaphore>,
+}
+
+impl Mirror {
+    /// Opens the origin and the cache.
+    pub fn open(config: &MirrorConfig) -> Result<Arc<Self>, MirrorError> {
+        config.validate()?;
+        let origin = crate::open_origin(&config.origin)?;
+        Self::with_origin(config, origin)
+    }
+
+    /// Like [`open`](Self::open) with an origin already opened.
+    pub fn with_origin(
+        config: &MirrorConfig,
+        origin: Arc<dyn ObjectStore>,
+    ) -> Result<Arc<Self>, MirrorError> {
+        config.validate()?;
+        let cache = PieceCache::open(&config.cache_dir, config.max_size).map_err(|e| {
+            MirrorError::io(
+                format!("opening the cache {}", config.cache_dir.display()),
+                e,
+            )
+        })?;
+        let (metrics, registry) = MirrorMetrics::register();
+        metrics
+            .cache_max_bytes
+            .set(i64::try_from(config.max_size).unwrap_or(i64::MAX));
+        metrics
+            .cache_bytes
+            .set(i64::try_from(cache.used()).unwrap_or(i64::MAX));
+        Ok(Arc::new(Self {
+            origin,
+            cache,
+            flights: SingleFlight::new(MAX_FLIGHTS),
+            manifests: ManifestCache::new(&config.cache_dir),
+            peers: Mutex::new(PeerDirectory::new(&config.region, MAX_PEERS, PEER_TTL)),
+            metrics,
+            registry,
+            region: config.region.clone(),
+            faults: Faults::corrupt_every(config.test_corrupt_every),
+            preheat_parallel: config.preheat_parallel,
+            preheats: Arc::new(tokio::sync::Semaphore::new(MAX_PREHEATS)),
+        }))
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &MirrorMetrics {
+        &self.metrics
+    }
+
+    /// The Prometheus text of this mirror.
+    pub fn metrics_text(&self) -> String {
+        self.metrics
+            .cache_bytes
+            .set(i64::try_from(self.cache.used()).unwrap_or(i64::MAX));
+        MirrorMetrics::render(&self.registry)
+    }
+
+    /// Piece `i` of `entry`'s blob: from the cache, or fetched from the origin once however
+    /// many ask, verified and cached.
+    pub async fn piece(self: &Arc<Self>, entry: Arc<FileEntry>, i: u64) -> PieceResult {
+        let key = PieceKey {
+            hash: entry.hash,
+            piece_size: entry.piece_size,
+            index: i,
+        };
+        if let Some(b) = self.cache.read(&key).await {
+            self.metrics.cache_hits.inc();
+            self.metrics.bytes_from_cache.inc_by(b.len() as u64);
+            return Ok(b);
+        }
+        self.metrics.cache_misses.inc();
+        self.piece_from_origin(entry, i).await.map(|(b, _)| b)
+    }
+
+    /// Makes sure piece `i` is cached; true if it already was.
+    pub async fn ensure_piece(
+        self: &Arc<Self>,
+        entry: Arc<FileEntry>,
+        i: u64,
+    ) -> Result<bool, ServeError> {
+        let key = PieceKey {
+            hash: entry.hash,
+            piece_size: entry.piece_size,
+            index: i,
+        };
+        if self.cache.contains(&key) {
+            return Ok(true);
+        }
+        self.piece_from_origin(entry, i).await.map(|_| false)
+    }
+
+    async fn piece_from_origin(
+        self: &Arc<Self>,
+        entry: Arc<FileEntry>,
+        i: u64,
+    ) -> Result<(Bytes, Role), ServeError> {
+        let key = PieceKey {
+            hash: entry.hash,
+            piece_size: entry.piece_size,
+            index: i,
+        };
+        let this = Arc::clone(self);
+        let (res, role) = self
+            .flights
+            .run(
+                key,
+                move || async move { this.fetch_and_cache(&entry, i).await },
+            )
+            .await
+            .map_err(|e| match e {
+                FlightError::Busy => ServeError::busy(format!(
+                    "more than {MAX_FLIGHTS} origin fetches in flight; retry"
+                )),
+                FlightError::Lost => {
+                    ServeError::origin("the origin fetch was lost (task failed); retry")
+                }
+            })?;
+        if role == Role::Follower {
+            self.metrics.single_flight_joins.inc();
+        }
+        res.map(|b| (b, role))
+    }
+
+    /// The single-flight work: the cache again (a flight may have just ended), else the
+    /// origin with verification, then the cache.
+    async fn fetch_and_cache(&self, entry: &FileEntry, i: u64) -> PieceResult {
+        let key = PieceKey {
+            hash: entry.hash,
+            piece_size: entry.piece_size,
+            index: i,
+        };
+        if let Some(b) = self.cache.read(&key).await {
+            return Ok(b);
+        }
+        let range = entry.piece_range(i);
+        let want = entry.pieces[i as usize];
+        let path = StorePath::from(blob_key(&entry.hash));
+        let mut last = String::new();
+        for attempt in 1..=ORIGIN_ATTEMPTS {
+            if attempt > 1 {
+                tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+            }
+            self.metrics.origin_fetches.inc();
+            let got =
+                tokio::time::timeout(ORIGIN_TIMEOUT, self.origin.get_range(&path, range.clone()))
+                    .await;
+            let bytes = match got {
+                Ok(Ok(b)) => b,
+                Ok(Err(object_store::Error::NotFound { .. })) => {
+                    self.metrics.origin_errors.inc();
+                    return Err(ServeError::not_found(format!(
+                        "blob {} is missing in the origin",
+                        entry.hash
+                    )));
+                }
+                Ok(Err(e)) => {
+                    self.metrics.origin_errors.inc();
+                    last = format!("origin unavailable: {e}");
+                    continue;
+                }
+                Err(_) => {
+                    self.metrics.origin_errors.inc();
+                    last = format!("origin unavailable: no answer within {ORIGIN_TIMEOUT:?}");
+                    continue;
+                }
+            };
+            let b2 = bytes.clone();
+            let ok = tokio::task::spawn_blocking(move || Blake3Hash::of(&b2) == want)
+                .await
+                .unwrap_or(false);
+            if !ok || bytes.len() as u64 != range.end - range.start {
+                self.metrics.origin_corrupt.inc();
+                last = format!(
+                    "the origin served corrupt data for blob {} piece {i} (bytes {}..{}): BLAKE3 mismatch",
+                    entry.hash, range.start, range.end
+                );
+                continue;
+            }
+            self.metrics.bytes_from_origin.inc_by(bytes.len() as u64);
+            match self.cache.store(key, &bytes).await {
+                Ok(s) => {
+                    self.metrics.cache_evictions.inc_by(s.evicted);
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot cache a piece; serving it uncached"),
+            }
+            return Ok(bytes);
+        }
+        Err(ServeError::origin(last))
+    }
+
+    /// Applies the test fault flag to a piece about to be served.
+    pub(crate) fn serve_piece(&self, piece: Bytes) -> Bytes {
+        let before = self.faults.injected();
+        let out = self.faults.apply(piece);
+        if self.faults.injected() != before {
+            self.metrics.faults_injected.inc();
+        }
+        out
+    }
+}

@@ -1,0 +1,262 @@
+//! The mirror's directory of peers: which pullers, in which region, hold which pieces.
+//! Sans-IO (`now` is a parameter).
+//!
+//! A puller announces itself every few hundred milliseconds with what it holds and what it
+//! wants; the answer lists the other peers of its region that hold pieces of those blobs.
+//! Peers are untrusted (pullers verify every piece), so the directory only has to be
+//! roughly right. It is bounded: at most `max_peers` peers, at most [`MAX_BLOBS`] blobs each,
+//! and a peer that stops announcing is forgotten after `ttl`.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::manifest::Blake3Hash;
+use crate::piece_bits::{PieceBits, PieceBitsWire};
+
+/// Blobs one announcement may list.
+pub const MAX_BLOBS: usize = 4096;
+/// Longest peer id.
+pub const MAX_ID_LEN: usize = 128;
+
+/// What a puller sends to `POST /v1/peers/announce`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Announce {
+    /// Stable id of the puller (random per process).
+    pub id: String,
+    /// Region; empty means the mirror's own.
+    #[serde(default)]
+    pub region: String,
+    /// Where it serves pieces (`host:port`), if it does.
+    #[serde(default)]
+    pub addr: Option<String>,
+    /// Pieces it holds, by blob hash.
+    #[serde(default)]
+    pub have: HashMap<Blake3Hash, PieceBitsWire>,
+    /// Blobs it wants peers for.
+    #[serde(default)]
+    pub want: Vec<Blake3Hash>,
+    /// Bytes it got from peers so far (cumulative; the mirror counts the increase).
+    #[serde(default)]
+    pub bytes_from_peers: u64,
+}
+
+/// One peer in an answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerView {
+    /// Its id.
+    pub id: String,
+    /// Where it serves (`host:port`).
+    pub addr: String,
+    /// What it holds of the wanted blobs.
+    pub have: HashMap<Blake3Hash, PieceBitsWire>,
+}
+
+/// The answer to an announcement.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AnnounceReply {
+    /// Region the peer was filed under.
+    pub region: String,
+    /// Other peers of the region holding wanted pieces.
+    pub peers: Vec<PeerView>,
+}
+
+struct Peer {
+    region: String,
+    addr: Option<String>,
+    have: HashMap<Blake3Hash, PieceBits>,
+    bytes_from_peers: u64,
+    seen: Instant,
+}
+
+/// Peers by id.
+pub struct PeerDirectory {
+    peers: HashMap<String, Peer>,
+    max_peers: usize,
+    ttl: Duration,
+    default_region: String,
+}
+
+impl PeerDirectory {
+    /// An empty directory.
+    pub fn new(default_region: &str, max_peers: usize, ttl: Duration) -> Self {
+        Self {
+            peers: HashMap::new(),
+            max_peers,
+            ttl,
+            default_region: default_region.into(),
+        }
+    }
+
+    /// Forgets peers not seen within the TTL.
+    pub fn expire(&mut self, now: Instant) {
+        let ttl = self.ttl;
+        self.peers
+            .retain(|_, p| now.saturating_duration_since(p.seen) <= ttl);
+    }
+
+    /// Peers known.
+    pub fn len(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// No peers?
+    pub fn is_empty(&self) -> bool {
+        self.peers.is_empty()
+    }
+
+    /// Records an announcement; returns the reply and the increase of the peer's
+    /// bytes-from-peers counter. The error says what is wrong with the announcement.
+    pub fn announce(&mut self, a: Announce, now: Instant) -> Result<(AnnounceReply, u64), String> {
+        if a.id.is_empty() || a.id.len() > MAX_ID_LEN {
+            return Err(format!("id must be 1 to {MAX_ID_LEN} bytes"));
+        }
+        if a.have.len() > MAX_BLOBS || a.want.len() > MAX_BLOBS {
+            return Err(format!("at most {MAX_BLOBS} blobs in have and in want"));
+        }
+        if let Some(addr) = &a.addr {
+            if addr.parse::<std::net::SocketAddr>().is_err() {
+                return Err(format!("addr {addr:?} is not host:port"));
+            }
+        }
+        let mut have = HashMap::with_capacity(a.have.len());
+        for (h, w) in &a.have {
+            have.insert(
+                *h,
+                PieceBits::from_wire(w).map_err(|e| format!("have[{h}]: {e}"))?,
+            );
+        }
+        self.expire(now);
+        if !self.peers.contains_key(&a.id) && self.peers.len() >= self.max_peers {
+            return Err(format!("the directory is full ({} peers)", self.max_peers));
+        }
+        let region = if a.region.is_empty() {
+            self.default_region.clone()
+        } else {
+            a.region.clone()
+        };
+        let prev = self.peers.get(&a.id).map_or(0, |p| p.bytes_from_peers);
+        let delta = a.bytes_from_peers.saturating_sub(prev);
+        self.peers.insert(
+            a.id.clone(),
+            Peer {
+                region: region.clone(),
+                addr: a.addr.clone(),
+                have,
+                bytes_from_peers: a.bytes_from_peers.max(prev),
+                seen: now,
+            },
+        );
+        let peers = self
+            .peers
+            .iter()
+            .filter(|(id, p)| **id != a.id && p.region == region)
+            .filter_map(|(id, p)| {
+                let addr = p.addr.clone()?;
+                let have: HashMap<_, _> = a
+                    .want
+                    .iter()
+                    .filter_map(|h| {
+                        let bits = p.have.get(h)?;
+                        (bits.present() > 0).then(|| (*h, bits.to_wire()))
+                    })
+                    .collect();
+                (!have.is_empty()).then(|| PeerView {
+                    id: id.clone(),
+                    addr,
+                    have,
+                })
+            })
+            .collect();
+        Ok((AnnounceReply { region, peers }, delta))
+    }
+
+    /// Addresses of the peers of `region` (empty: the default) holding piece `piece` of
+    /// `blob`.
+    pub fn holders(
+        &self,
+        region: &str,
+        blob: &Blake3Hash,
+        piece: u64,
+        now: Instant,
+    ) -> Vec<String> {
+        let region = if region.is_empty() {
+            self.default_region.as_str()
+        } else {
+            region
+        };
+        let mut out: Vec<String> = self
+            .peers
+            .values()
+            .filter(|p| p.region == region && now.saturating_duration_since(p.seen) <= self.ttl)
+            .filter(|p| p.have.get(blob).is_some_and(|b| b.has(piece)))
+            .filter_map(|p| p.addr.clone())
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ann(
+        id: &str,
+        region: &str,
+        addr: Option<&str>,
+        have: &[(Blake3Hash, PieceBits)],
+    ) -> Announce {
+        Announce {
+            id: id.into(),
+            region: region.into(),
+            addr: addr.map(Into::into),
+            have: have.iter().map(|(h, b)| (*h, b.to_wire())).collect(),
+            want: have.iter().map(|(h, _)| *h).collect(),
+            bytes_from_peers: 0,
+        }
+    }
+
+    #[test]
+    fn peers_see_holders_of_their_region_only_until_they_expire() {
+        let h = Blake3Hash::of(b"blob");
+        let now = Instant::now();
+        let mut d = PeerDirectory::new("eu", 8, Duration::from_secs(10));
+        let mut bits = PieceBits::empty(4);
+        bits.set(2);
+        d.announce(ann("a", "", Some("127.0.0.1:1"), &[(h, bits.clone())]), now)
+            .unwrap();
+        d.announce(ann("b", "us", Some("127.0.0.1:2"), &[(h, bits)]), now)
+            .unwrap();
+        let (reply, _) = d
+            .announce(ann("c", "eu", None, &[(h, PieceBits::empty(4))]), now)
+            .unwrap();
+        assert_eq!(reply.peers.len(), 1);
+        assert_eq!(reply.peers[0].addr, "127.0.0.1:1");
+        assert_eq!(d.holders("eu", &h, 2, now), ["127.0.0.1:1"]);
+        assert!(d.holders("eu", &h, 1, now).is_empty());
+        let later = now + Duration::from_secs(11);
+        assert!(d.holders("eu", &h, 2, later).is_empty());
+        d.expire(later);
+        assert!(d.is_empty());
+    }
+
+    #[test]
+    fn the_directory_is_bounded_and_counts_peer_bytes_once() {
+        let now = Instant::now();
+        let mut d = PeerDirectory::new("eu", 1, Duration::from_secs(10));
+        let mut a = ann("a", "", None, &[]);
+        a.bytes_from_peers = 100;
+        assert_eq!(d.announce(a.clone(), now).unwrap().1, 100);
+        a.bytes_from_peers = 150;
+        assert_eq!(d.announce(a, now).unwrap().1, 50);
+        assert!(d
+            .announce(ann("b", "", None, &[]), now)
+            .unwrap_err()
+            .contains("full"));
+        let bad = ann("c", "", Some("not an address"), &[]);
+        assert!(d.announce(bad, now).is_err());
+    }
+}

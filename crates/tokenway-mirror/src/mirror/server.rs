@@ -1,0 +1,353 @@
+//! The mirror's HTTP API (hyper 1.x, HTTP/1.1 and h2c).
+//!
+//! | route | answer |
+//! |---|---|
+//! | `GET /v1/models/{model}/tags/{tag}` | the manifest the tag points at (`no-cache`) |
+//! | `GET /v1/models/{model}/revisions/{rev}` | the manifest (immutable) |
+//! | `GET/HEAD /v1/blobs/{hash}?model=M&revision=R` | blob bytes, `Range` → 206 |
+//! | `POST /v1/preheat` `{"model": "M:T"}` | pulls the model into the cache |
+//! | `POST /v1/peers/announce` | records a peer, answers with peers holding wanted pieces |
+//! | `GET /v1/peers?blob=H&piece=I[&region=R]` | addresses of peers holding that piece |
+//! | `GET /metrics`, `GET /healthz` | Prometheus text, `ok` |
+//!
+//! Errors are JSON `{"error": {"kind", "message"}}`; an unreachable origin is 502 for what
+//! is not cached, and everything cached keeps being served.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+
+use super::peers::Announce;
+use super::preheat::{preheat, PreheatRequest};
+use super::Mirror;
+use crate::http_error::ServeError;
+use crate::manifest::{
+    validate_model_name, validate_name, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
+};
+use crate::range_server::{blob_response, error_response, full, Body, PieceFetch};
+
+/// Largest request body accepted (announcements, preheat requests).
+pub const MAX_BODY: usize = 4 << 20;
+/// How long open responses may finish after shutdown.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Serves `mirror` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    mirror: Arc<Mirror>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let graceful = GracefulShutdown::new();
+    let builder = auto::Builder::new(TokioExecutor::new());
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let m = Arc::clone(&mirror);
+        let svc = service_fn(move |req| {
+            let m = Arc::clone(&m);
+            async move { Ok::<_, Infallible>(route(m, req).await) }
+        });
+        let conn = builder
+            .serve_connection(TokioIo::new(stream), svc)
+            .into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "mirror connection ended with an error");
+            }
+        });
+    }
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await;
+    Ok(())
+}
+
+/// Query parameter `name`, percent-decoded.
+pub fn query_param(query: Option<&str>, name: &str) -> Option<String> {
+    query?.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k == name).then(|| percent_decode(v))
+    })
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let Ok(v) = u8::from_str_radix(&s[i + 1..i + 3], 16) {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(if b[i] == b'+' { b' ' } else { b[i] });
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn json_response(status: StatusCode, value: &impl serde::Serialize) -> Response<Body> {
+    let body = serde_json::to_vec(value).expect("invariant: API answers always serialize");
+    let mut r = Response::new(full(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+async fn read_json<T: serde::de::DeserializeOwned>(
+    req: Request<Incoming>,
+) -> Result<T, ServeError> {
+    let body = Limited::new(req.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| {
+            ServeError::bad_request(format!("reading the body (at most {MAX_BODY} bytes): {e}"))
+        })?
+        .to_bytes();
+    serde_json::from_slice(&body)
+        .map_err(|e| ServeError::bad_request(format!("invalid JSON body: {e}")))
+}
+
+async fn route(m: Arc<Mirror>, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    let res = match (method.clone(), path.as_str()) {
+        (Method::GET, "/healthz") => Ok(Response::new(full("ok\n"))),
+        (Method::GET, "/metrics") => {
+            let mut r = Response::new(full(m.metrics_text()));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(tokenway_telemetry::CONTENT_TYPE),
+            );
+            Ok(r)
+        }
+        (Method::POST, "/v1/preheat") => match read_json::<PreheatRequest>(req).await {
+            Ok(p) => preheat(&m, &p.model)
+                .await
+                .map(|r| json_response(StatusCode::OK, &r)),
+            Err(e) => Err(e),
+        },
+        (Method::POST, "/v1/peers/announce") => match read_json::<Announce>(req).await {
+            Ok(a) => announce(&m, a),
+            Err(e) => Err(e),
+        },
+        (Method::GET, "/v1/peers") => holders(&m, req.uri().query()),
+        (Method::GET | Method::HEAD, p) if p.starts_with("/v1/blobs/") => {
+            return blob(m, &req).await;
+        }
+        (Method::GET, p) if p.starts_with("/v1/models/") => model_route(&m, p).await,
+        (_, p) if p.starts_with("/v1/") || p == "/metrics" || p == "/healthz" => {
+            Err(ServeError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                format!("{method} is not allowed on {p}"),
+            ))
+        }
+        _ => Err(ServeError::not_found(format!(
+            "no route {path}; see docs/weights.md for the mirror API"
+        ))),
+    };
+    res.unwrap_or_else(|e| error_response(&e))
+}
+
+fn manifest_response(manifest: &Manifest, immutable: bool, stale: bool) -> Response<Body> {
+    let bytes = manifest.to_json();
+    let etag = format!("\"{}\"", Blake3Hash::of(&bytes));
+    let mut r = Response::new(full(bytes));
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Ok(v) = HeaderValue::from_str(&etag) {
+        h.insert(header::ETAG, v);
+    }
+    h.insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static(if immutable {
+            crate::range_server::IMMUTABLE
+        } else {
+            "no-cache"
+        }),
+    );
+    if let Ok(v) = HeaderValue::from_str(&manifest.revision) {
+        h.insert("x-tokenway-revision", v);
+    }
+    if stale {
+        h.insert(
+            "x-tokenway-stale",
+            HeaderValue::from_static("origin-unreachable"),
+        );
+    }
+    r
+}
+
+async fn model_route(m: &Arc<Mirror>, path: &str) -> Result<Response<Body>, ServeError> {
+    let rest = &path["/v1/models/".len()..];
+    let (model, selector) = if let Some((model, tag)) = rest.rsplit_once("/tags/") {
+        validate_name("tag", tag).map_err(|e| ServeError::bad_request(e.to_string()))?;
+        (model, Selector::Tag(tag.to_string()))
+    } else if let Some((model, rev)) = rest.rsplit_once("/revisions/") {
+        validate_name("revision", rev).map_err(|e| ServeError::bad_request(e.to_string()))?;
+        (model, Selector::Revision(rev.to_string()))
+    } else {
+        return Err(ServeError::not_found(
+            "expected /v1/models/{model}/tags/{tag} or /v1/models/{model}/revisions/{rev}",
+        ));
+    };
+    validate_model_name("model", model).map_err(|e| ServeError::bad_request(e.to_string()))?;
+    let immutable = matches!(selector, Selector::Revision(_));
+    let mref = ModelRef {
+        model: model.to_string(),
+        selector,
+    };
+    let r = m.manifests.resolve(m.origin.as_ref(), &mref).await?;
+    Ok(manifest_response(&r.manifest, immutable, r.stale_tag))
+}
+
+/// The layout of a requested blob: from the manifest named in the query, else from any
+/// manifest the mirror has in memory.
+async fn blob_entry(
+    m: &Arc<Mirror>,
+    hash: &Blake3Hash,
+    query: Option<&str>,
+) -> Result<Arc<FileEntry>, ServeError> {
+    if let (Some(model), Some(rev)) = (query_param(query, "model"), query_param(query, "revision"))
+    {
+        validate_model_name("model", &model).map_err(|e| ServeError::bad_request(e.to_string()))?;
+        validate_name("revision", &rev).map_err(|e| ServeError::bad_request(e.to_string()))?;
+        let manifest = m
+            .manifests
+            .revision(m.origin.as_ref(), &model, &rev)
+            .await?;
+        return manifest
+            .files
+            .iter()
+            .find(|f| f.hash == *hash)
+            .map(|f| Arc::new(f.clone()))
+            .ok_or_else(|| {
+                ServeError::not_found(format!("blob {hash} is not part of {model}@{rev}"))
+            });
+    }
+    m.manifests.find_blob(hash).ok_or_else(|| {
+        ServeError::not_found(format!(
+            "blob {hash} is not in any manifest this mirror knows; add ?model=NAME&revision=REV"
+        ))
+    })
+}
+
+async fn blob(m: Arc<Mirror>, req: &Request<Incoming>) -> Response<Body> {
+    let hex = &req.uri().path()["/v1/blobs/".len()..];
+    let hash = match Blake3Hash::from_hex(hex) {
+        Ok(h) => h,
+        Err(e) => {
+            return error_response(&ServeError::bad_request(format!("blob name {hex:?}: {e}")))
+        }
+    };
+    let entry = match blob_entry(&m, &hash, req.uri().query()).await {
+        Ok(e) => e,
+        Err(e) => return error_response(&e),
+    };
+    let range = req
+        .headers()
+        .get(header::RANGE)
+        .and_then(|v| v.to_str().ok());
+    let head = req.method() == Method::HEAD;
+    let m2 = Arc::clone(&m);
+    let e2 = Arc::clone(&entry);
+    let fetch: PieceFetch = Arc::new(move |i| {
+        let (m, e) = (Arc::clone(&m2), Arc::clone(&e2));
+        Box::pin(async move { m.piece(e, i).await.map(|b| m.serve_piece(b)) })
+    });
+    let served = m.metrics.bytes_served.clone();
+    blob_response(
+        entry,
+        range,
+        head,
+        fetch,
+        Arc::new(move |n| {
+            served.inc_by(n);
+        }),
+    )
+    .await
+}
+
+fn announce(m: &Arc<Mirror>, a: Announce) -> Result<Response<Body>, ServeError> {
+    let mut dir = m
+        .peers
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let (reply, delta) = dir
+        .announce(a, Instant::now())
+        .map_err(|e| ServeError::bad_request(format!("announcement refused: {e}")))?;
+    m.metrics.bytes_from_peers.inc_by(delta);
+    m.metrics
+        .peers
+        .set(i64::try_from(dir.len()).unwrap_or(i64::MAX));
+    Ok(json_response(StatusCode::OK, &reply))
+}
+
+fn holders(m: &Arc<Mirror>, query: Option<&str>) -> Result<Response<Body>, ServeError> {
+    let blob =
+        query_param(query, "blob").ok_or_else(|| ServeError::bad_request("missing ?blob=HASH"))?;
+    let blob =
+        Blake3Hash::from_hex(&blob).map_err(|e| ServeError::bad_request(format!("blob: {e}")))?;
+    let piece: u64 = query_param(query, "piece")
+        .ok_or_else(|| ServeError::bad_request("missing &piece=INDEX"))?
+        .parse()
+        .map_err(|_| ServeError::bad_request("piece must be an integer"))?;
+    let region = query_param(query, "region").unwrap_or_default();
+    let dir = m
+        .peers
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let peers = dir.holders(&region, &blob, piece, Instant::now());
+    let region = if region.is_empty() {
+        m.region.clone()
+    } else {
+        region
+    };
+    Ok(json_response(
+        StatusCode::OK,
+        &serde_json::json!({"blob": blob, "piece": piece, "region": region, "peers": peers}),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_params_are_found_and_decoded() {
+        let q = Some("model=org%2Ftiny&revision=r1&x");
+        assert_eq!(query_param(q, "model").as_deref(), Some("org/tiny"));
+        assert_eq!(query_param(q, "revision").as_deref(), Some("r1"));
+        assert_eq!(query_param(q, "nope"), None);
+        assert_eq!(percent_decode("a%2"), "a%2");
+    }
+}
