@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need that a fresh machine may lack: curl, iproute2 (as root, for the
-# netlab tests), and the Python packages `openai` (the official client) and `aioquic` (an
-# independent HTTP/3 client). Safe to run repeatedly; does nothing when everything is present.
+# netlab tests), and the Python packages `openai` (the official client), `aioquic` (an
+# independent HTTP/3 client) and `moto[server]` (an S3-compatible server). Safe to run
+# repeatedly; does nothing when everything is present.
 set -euo pipefail
 
 need_apt=()
@@ -23,3 +24,10 @@ if ! python3 -c "import openai, aioquic" >/dev/null 2>&1; then
     || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages openai aioquic
 fi
 python3 -c 'import openai, aioquic; print("setup: openai", openai.__version__, "aioquic", aioquic.__version__)'
+
+# moto's server is the S3-compatible endpoint the s3:// origin test starts on loopback.
+if ! python3 -c "import moto.server, boto3" >/dev/null 2>&1; then
+  python3 -m pip install --quiet --disable-pip-version-check 'moto[server]' \
+    || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages 'moto[server]'
+fi
+python3 -c 'import moto, moto.server, boto3; print("setup: moto", moto.__version__)'

@@ -12,5 +12,6 @@ mod failover;
 mod h3;
 mod harness;
 mod routing;
+mod s3;
 mod streaming;
 mod tunnel;

@@ -1,0 +1,304 @@
+//! The `s3://` origin against a real S3-compatible server: moto's server (installed by
+//! scripts/setup.sh from PyPI) on an ephemeral loopback port, with IAM authentication on so
+//! wrong credentials are refused as AWS would. Real `tokenway publish` / `tokenway pull`
+//! processes, configured only through the `AWS_*` environment variables.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::harness::{python_has, TempDir};
+
+const BUCKET: &str = "weights";
+
+/// moto's server, killed on drop.
+struct Moto {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Moto {
+    fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("an ephemeral loopback port")
+        .port()
+}
+
+/// Starts `python3 -m moto.server` on a free loopback port and waits until it accepts.
+fn start_moto() -> Moto {
+    for _ in 0..3 {
+        let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+        let child = Command::new("python3")
+            .args(["-m", "moto.server", "-H", "127.0.0.1", "-p"])
+            .arg(addr.port().to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 starts");
+        let mut moto = Moto { child, addr };
+        let end = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < end {
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return moto;
+            }
+            if moto.child.try_wait().ok().flatten().is_some() {
+                break; // lost the port race; try another
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = moto.child.kill();
+    }
+    panic!("moto server did not start on loopback");
+}
+
+/// Creates the bucket and an IAM user allowed everything, then turns IAM authentication on
+/// (moto's `/moto-api/reset-auth`); prints the user's key pair.
+const SETUP_PY: &str = r#"
+import json, sys, urllib.request
+import boto3
+ep, bucket = sys.argv[1], sys.argv[2]
+kw = dict(endpoint_url=ep, region_name="us-east-1",
+          aws_access_key_id="setup", aws_secret_access_key="setup")
+boto3.client("s3", **kw).create_bucket(Bucket=bucket)
+iam = boto3.client("iam", **kw)
+iam.create_user(UserName="publisher")
+iam.put_user_policy(UserName="publisher", PolicyName="all", PolicyDocument=json.dumps(
+    {"Version": "2012-10-17",
+     "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+key = iam.create_access_key(UserName="publisher")["AccessKey"]
+urllib.request.urlopen(urllib.request.Request(
+    ep + "/moto-api/reset-auth", data=b"0", method="POST",
+    headers={"Content-Type": "application/octet-stream"})).read()
+print(key["AccessKeyId"], key["SecretAccessKey"])
+"#;
+
+/// Lists the object keys of a bucket (authenticated with the given key pair).
+const LIST_PY: &str = r#"
+import sys, boto3
+ep, bucket, key_id, secret = sys.argv[1:5]
+s3 = boto3.client("s3", endpoint_url=ep, region_name="us-east-1",
+                  aws_access_key_id=key_id, aws_secret_access_key=secret)
+for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+    for o in page.get("Contents", []):
+        print(o["Key"])
+"#;
+
+fn python(script: &str, args: &[&str]) -> String {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "python helper failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs `tokenway ARGS` with only the given `AWS_*` variables (none inherited).
+fn tokenway(args: &[&str], aws: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tokenway"));
+    cmd.args(args).env("RUST_LOG", "warn").stdin(Stdio::null());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("AWS_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.envs(aws.iter().copied());
+    cmd.output().expect("tokenway binary runs")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so the model is incompressible and the
+/// test needs no extra crates.
+fn noise(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut v = Vec::with_capacity(len + 8);
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+/// A small safetensors-like model: two multi-piece shards (one over S3's 5 MiB part minimum,
+/// one under), a config, and an empty file.
+fn write_model(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let header = br#"{"w":{"dtype":"F16","shape":[1024,1024],"data_offsets":[0,2097152]}}"#;
+    let shard = |body_len: usize, seed: u64| {
+        let mut b = (header.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(header);
+        b.extend_from_slice(&noise(body_len, seed));
+        b
+    };
+    let files = vec![
+        (
+            "model-00001-of-00002.safetensors".to_string(),
+            shard(6 * 1024 * 1024 + 12_345, 7),
+        ),
+        (
+            "shards/model-00002-of-00002.safetensors".to_string(),
+            shard(1024 * 1024 + 999, 11),
+        ),
+        (
+            "config.json".to_string(),
+            br#"{"architectures":["Tiny"],"hidden_size":1024}"#.to_vec(),
+        ),
+        ("empty.txt".to_string(), Vec::new()),
+    ];
+    for (rel, bytes) in &files {
+        let p = dir.join(rel);
+        std::fs::create_dir_all(p.parent().expect("a file has a parent")).expect("mkdir");
+        std::fs::write(&p, bytes).expect("model file is writable");
+    }
+    files
+}
+
+#[test]
+fn s3_origin_publish_then_pull_is_byte_identical_and_bad_access_fails_clearly() {
+    if !python_has("moto.server") || !python_has("boto3") {
+        return;
+    }
+    let started = Instant::now();
+    let moto = start_moto();
+    let endpoint = moto.endpoint();
+    let keys = python(SETUP_PY, &[&endpoint, BUCKET]);
+    let (key_id, secret) = keys
+        .trim()
+        .split_once(' ')
+        .expect("setup prints a key pair");
+    let good = [
+        ("AWS_ACCESS_KEY_ID", key_id),
+        ("AWS_SECRET_ACCESS_KEY", secret),
+        ("AWS_REGION", "us-east-1"),
+        ("AWS_ENDPOINT_URL", endpoint.as_str()),
+        ("AWS_ALLOW_HTTP", "true"),
+    ];
+
+    let work = TempDir::new("s3");
+    let src = work.0.join("src");
+    let files = write_model(&src);
+    let origin = format!("s3://{BUCKET}/models/v1");
+    let src_arg = src.display().to_string();
+    let publish_args = [
+        "publish",
+        &src_arg,
+        "--origin",
+        &origin,
+        "--model",
+        "org/tiny",
+        "--revision",
+        "r1",
+        "--tag",
+        "latest",
+        "--piece-size-kib",
+        "256",
+    ];
+    let out = tokenway(&publish_args, &good);
+    assert!(out.status.success(), "publish failed: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("4 blobs uploaded"),
+        "publish report: {}",
+        stderr(&out)
+    );
+
+    // Everything landed under the prefix, content addressed.
+    let listed = python(LIST_PY, &[&endpoint, BUCKET, key_id, secret]);
+    let keys: Vec<&str> = listed.lines().collect();
+    assert!(keys.iter().all(|k| k.starts_with("models/v1/")), "{keys:?}");
+    assert_eq!(
+        keys.iter()
+            .filter(|k| k.starts_with("models/v1/blobs/"))
+            .count(),
+        4,
+        "{keys:?}"
+    );
+    assert!(
+        keys.contains(&"models/v1/models/org/tiny/tags/latest"),
+        "{keys:?}"
+    );
+
+    // Publishing the same revision again uploads nothing.
+    let out = tokenway(&publish_args, &good);
+    assert!(out.status.success(), "republish failed: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("0 blobs uploaded"),
+        "{}",
+        stderr(&out)
+    );
+
+    let dest = work.0.join("dest");
+    let dest_arg = dest.display().to_string();
+    let out = tokenway(
+        &["pull", "org/tiny", "--origin", &origin, "--out", &dest_arg],
+        &good,
+    );
+    assert!(out.status.success(), "pull failed: {}", stderr(&out));
+    for (rel, want) in &files {
+        let got = std::fs::read(dest.join(rel)).expect("pulled file exists");
+        assert!(got == *want, "{rel}: pulled bytes differ from published");
+    }
+
+    let fails = |origin: &str, aws: &[(&str, &str)], want: &str| {
+        let out_dir = work.0.join("fail");
+        let out_arg = out_dir.display().to_string();
+        let t = Instant::now();
+        let out = tokenway(
+            &["pull", "org/tiny", "--origin", origin, "--out", &out_arg],
+            aws,
+        );
+        let err = stderr(&out);
+        eprintln!("expected failure for {origin}: {}", err.trim());
+        assert!(!out.status.success(), "pull from {origin} should fail");
+        assert!(err.contains(want), "want {want:?} in: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "failing took {:?}",
+            t.elapsed()
+        );
+    };
+    // Wrong key pair: the server refuses it; the message says to check the credentials.
+    let mut wrong = good;
+    wrong[0] = ("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG0");
+    fails(&origin, &wrong, "rejected the credentials");
+    // Missing bucket: not mistaken for a missing tag.
+    fails("s3://no-such-bucket/models", &good, "does not exist");
+    // No credentials at all: refused before any request.
+    fails(&origin, &good[2..], "no AWS credentials");
+    // Plain http endpoint without AWS_ALLOW_HTTP.
+    fails(&origin, &good[..4], "AWS_ALLOW_HTTP");
+    // Unreachable endpoint (nothing listens on this port).
+    let closed = format!("http://127.0.0.1:{}", free_port());
+    let mut unreachable = good;
+    unreachable[3] = ("AWS_ENDPOINT_URL", closed.as_str());
+    fails(&origin, &unreachable, "is the endpoint reachable");
+    // A scheme no origin supports.
+    fails("gs://bucket/x", &good, "unsupported scheme gs://");
+
+    eprintln!("s3 origin test took {:?}", started.elapsed());
+}
