@@ -178,10 +178,8 @@ impl SseScanner {
                 _ => {
                     if let Line::Rest { .. } = self.line {
                         // Payload bytes: jump straight to the next line terminator.
-                        let skip = bytes[i..]
-                            .iter()
-                            .position(|&c| c == b'\n' || c == b'\r')
-                            .unwrap_or(bytes.len() - i);
+                        let skip =
+                            memchr::memchr2(b'\n', b'\r', &bytes[i..]).unwrap_or(bytes.len() - i);
                         i += skip;
                     } else {
                         self.line = Self::advance(self.line, b);
