@@ -17,24 +17,33 @@
 //!
 //! Not here yet (see `docs/weights.md`): bao-tree outboards, `s3://`.
 
+pub mod announce;
+pub mod display;
 pub mod faults;
+pub mod holdings;
 pub mod http_client;
 pub mod http_error;
 pub mod http_range;
 pub mod manifest;
 pub mod mirror;
 pub mod origin;
+pub mod peer_server;
 pub mod piece_bits;
 pub mod progress;
 pub mod publish;
 pub mod pull;
 pub mod range_server;
+pub mod rate_limit;
 pub mod size;
+pub mod source;
+pub mod sources;
+pub mod straggler;
 
 pub use manifest::{Blake3Hash, FileEntry, Manifest, ModelRef, Selector};
 pub use origin::open_origin;
 pub use publish::{publish, PublishOptions, PublishReport};
-pub use pull::{pull, PullOptions, PullProgress, PullReport};
+pub use pull::{pull, pull_from, PullOptions, PullProgress, PullReport};
+pub use sources::SourceSet;
 
 /// Every error of this crate; messages say what was wrong and where.
 #[derive(Debug, thiserror::Error)]

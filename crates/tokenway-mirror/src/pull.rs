@@ -8,27 +8,37 @@
 //! file is hashed again (the root check), synced, and renamed atomically into `<out>/<path>`;
 //! nothing unverified ever appears under its final name.
 //!
-//! A corrupt piece is discarded and refetched up to `max_attempts` times. With a single
-//! source (the origin) a refetch only helps against corruption in transit; corruption at rest
-//! ends in an error naming the file and piece. Local I/O errors (disk full) stop the pull
-//! with progress kept.
+//! Pieces come from a [`SourceSet`]: peers holding the piece, then mirrors by RTT, then the
+//! origin. A corrupt piece is discarded, its source penalised, and the piece refetched from
+//! the next source (up to `max_attempts` fetches). A piece much slower than recent ones
+//! (see [`crate::straggler`]) is hedged: a second source is asked too and the first
+//! verified copy wins. With the origin as the only source a refetch only helps against
+//! corruption in transit; corruption at rest ends in an error naming the file and piece.
+//! Local I/O errors (disk full) stop the pull with progress kept.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use futures_util::stream::{self, StreamExt};
 use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
+use crate::holdings::Holdings;
 use crate::manifest::{
-    blob_key, manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
+    manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
 };
+use crate::piece_bits::PieceBits;
 use crate::progress::PieceProgress;
 use crate::publish::read_full;
+use crate::rate_limit::RateLimit;
+use crate::source::{FetchError, SourceKind};
+use crate::sources::{SourceSet, SourceState};
+use crate::straggler::{Straggler, FLOOR};
 use crate::MirrorError;
 
 /// Directory under the output directory that holds unfinished blobs.
@@ -51,6 +61,14 @@ pub struct PullOptions {
     pub cancel: Arc<AtomicBool>,
     /// Called as the pull advances.
     pub progress: Option<ProgressFn>,
+    /// Hedge straggling pieces to a second source.
+    pub hedge: bool,
+    /// Cap on fetched bytes per second.
+    pub limit_rate: Option<u64>,
+    /// Kept up to date with the verified pieces this node holds (for serving peers).
+    pub holdings: Option<Arc<Holdings>>,
+    /// Bytes taken from peers so far (shared with the announcer).
+    pub peer_bytes: Arc<AtomicU64>,
 }
 
 impl Default for PullOptions {
@@ -61,6 +79,10 @@ impl Default for PullOptions {
             piece_budget: None,
             cancel: Arc::new(AtomicBool::new(false)),
             progress: None,
+            hedge: true,
+            limit_rate: None,
+            holdings: None,
+            peer_bytes: Arc::new(AtomicU64::new(0)),
         }
     }
 }
@@ -71,6 +93,8 @@ impl std::fmt::Debug for PullOptions {
             .field("parallel", &self.parallel)
             .field("max_attempts", &self.max_attempts)
             .field("piece_budget", &self.piece_budget)
+            .field("hedge", &self.hedge)
+            .field("limit_rate", &self.limit_rate)
             .finish_non_exhaustive()
     }
 }
@@ -113,6 +137,20 @@ pub struct PullReport {
     pub files_already_present: usize,
     /// Files renamed into place by this run.
     pub files_written: usize,
+    /// Pieces for which a second source was asked because the first was slow.
+    pub pieces_hedged: u64,
+    /// Hedged pieces where the second source won.
+    pub hedge_wins: u64,
+    /// Verified bytes by kind of source.
+    pub bytes_from_origin: u64,
+    /// Verified bytes from mirrors.
+    pub bytes_from_mirrors: u64,
+    /// Verified bytes from peers.
+    pub bytes_from_peers: u64,
+    /// Failed requests (any source).
+    pub source_errors: u64,
+    /// Sources that served corrupt pieces, with how many.
+    pub sources_penalised: Vec<(String, u32)>,
 }
 
 /// Fetches and validates the manifest `mref` names.
@@ -202,17 +240,44 @@ struct PieceOutcome {
     fetched: u64,
     bytes_fetched: u64,
     corrupt: u64,
+    errors: u64,
+    hedged: bool,
+    hedge_won: bool,
+    /// Kind of the source the written copy came from, and its size.
+    verified_from: Option<(SourceKind, u64)>,
     end: PieceEnd,
 }
 
-/// Pulls `mref` from `store` into `out`.
+/// Pulls `mref` from the origin `store` into `out`.
 pub async fn pull(
     store: Arc<dyn ObjectStore>,
     mref: &ModelRef,
     out: &Path,
     opts: &PullOptions,
 ) -> Result<PullReport, MirrorError> {
-    let manifest = resolve(store.as_ref(), mref).await?;
+    let sources = Arc::new(SourceSet::origin_only(store));
+    let manifest = sources.resolve(mref).await?;
+    pull_from(sources, manifest, out, opts).await
+}
+
+/// What every piece fetch shares.
+struct Ctx {
+    sources: Arc<SourceSet>,
+    manifest: Manifest,
+    straggler: Mutex<Straggler>,
+    rate: Option<Mutex<RateLimit>>,
+    hedge: bool,
+    attempts: u32,
+    only_origin: bool,
+}
+
+/// Pulls `manifest` (resolved with [`SourceSet::resolve`]) from `sources` into `out`.
+pub async fn pull_from(
+    sources: Arc<SourceSet>,
+    manifest: Manifest,
+    out: &Path,
+    opts: &PullOptions,
+) -> Result<PullReport, MirrorError> {
     let partial_dir = out.join(PARTIAL_DIR);
     tokio::fs::create_dir_all(&partial_dir)
         .await
@@ -229,6 +294,13 @@ pub async fn pull(
         pieces_resumed: 0,
         files_already_present: 0,
         files_written: 0,
+        pieces_hedged: 0,
+        hedge_wins: 0,
+        bytes_from_origin: 0,
+        bytes_from_mirrors: 0,
+        bytes_from_peers: 0,
+        source_errors: 0,
+        sources_penalised: Vec::new(),
     };
     let mut prog = PullProgress {
         bytes_done: 0,
@@ -257,6 +329,13 @@ pub async fn pull(
         })
         .await?;
         if present {
+            if let Some(h) = &opts.holdings {
+                h.add(
+                    &entry,
+                    out.join(&paths[0]),
+                    PieceBits::full(entry.pieces.len() as u64),
+                );
+            }
             report.files_already_present += paths.len();
             prog.files_done += paths.len();
             prog.bytes_done += entry.size * paths.len() as u64;
@@ -268,6 +347,15 @@ pub async fn pull(
         let (file, progress) = blocking(move || open_partial(&e2, &pp, &prp)).await?;
         let done = progress.done_count();
         report.pieces_resumed += done;
+        if let Some(h) = &opts.holdings {
+            let mut bits = PieceBits::empty(entry.pieces.len() as u64);
+            for i in 0..entry.pieces.len() as u64 {
+                if progress.is_done(i) {
+                    bits.set(i);
+                }
+            }
+            h.add(&entry, partial.clone(), bits);
+        }
         for i in 0..entry.pieces.len() as u64 {
             if progress.is_done(i) {
                 prog.bytes_done += entry.piece_range(i).end - entry.piece_range(i).start;
@@ -316,6 +404,16 @@ pub async fn pull(
         }
     }
 
+    let all = sources.all();
+    let ctx = Arc::new(Ctx {
+        only_origin: all.len() == 1 && all[0].kind() == SourceKind::Origin,
+        attempts: opts.max_attempts.max(1),
+        sources: Arc::clone(&sources),
+        manifest: manifest.clone(),
+        straggler: Mutex::new(Straggler::default()),
+        rate: opts.limit_rate.map(|r| Mutex::new(RateLimit::new(r))),
+        hedge: opts.hedge,
+    });
     let stop = Stop {
         external: Arc::clone(&opts.cancel),
         internal: Arc::new(AtomicBool::new(false)),
@@ -327,13 +425,12 @@ pub async fn pull(
             async move { go }
         })
         .map(|(b, i)| {
-            let store = Arc::clone(&store);
+            let ctx = Arc::clone(&ctx);
             let meta = Arc::clone(&jobs_meta);
             let stop = stop.clone();
-            let attempts = opts.max_attempts.max(1);
             async move {
                 let (path, entry, file) = &meta[b];
-                fetch_piece(store.as_ref(), path, entry, file, b, i, attempts, &stop).await
+                fetch_piece(&ctx, path, entry, file, b, i, &stop).await
             }
         })
         .buffer_unordered(opts.parallel.max(1));
@@ -343,6 +440,19 @@ pub async fn pull(
         report.pieces_fetched += o.fetched;
         report.bytes_fetched += o.bytes_fetched;
         report.pieces_corrupt += o.corrupt;
+        report.pieces_hedged += u64::from(o.hedged);
+        report.hedge_wins += u64::from(o.hedge_won);
+        report.source_errors += o.errors;
+        if let Some((kind, n)) = o.verified_from {
+            match kind {
+                SourceKind::Origin => report.bytes_from_origin += n,
+                SourceKind::Mirror => report.bytes_from_mirrors += n,
+                SourceKind::Peer => {
+                    report.bytes_from_peers += n;
+                    opts.peer_bytes.fetch_add(n, Ordering::Relaxed);
+                }
+            }
+        }
         match o.end {
             PieceEnd::Discarded => report.pieces_discarded_in_flight += 1,
             PieceEnd::Failed(e) => {
@@ -356,6 +466,9 @@ pub async fn pull(
                 report.pieces_written += 1;
                 let blob = &mut blobs[o.blob];
                 blob.progress.set(o.piece, true);
+                if let Some(h) = &opts.holdings {
+                    h.piece_written(&blob.entry.hash, o.piece);
+                }
                 blob.remaining -= 1;
                 let r = blob.entry.piece_range(o.piece);
                 prog.bytes_done += r.end - r.start;
@@ -379,6 +492,14 @@ pub async fn pull(
         }
     }
 
+    report.sources_penalised = sources
+        .all()
+        .iter()
+        .filter_map(|s| {
+            let n = s.corrupt.load(Ordering::Relaxed);
+            (n > 0).then(|| (s.name.clone(), n))
+        })
+        .collect();
     let count = errors.len();
     if let Some(first) = errors.into_iter().next() {
         return Err(MirrorError::PiecesFailed {
@@ -481,100 +602,233 @@ fn open_partial(
     Ok((file, progress))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// One fetch from one source, verified.
+enum Fetched {
+    Good(Bytes),
+    Corrupt(u64),
+    Failed(FetchError),
+}
+
+async fn fetch_verified(
+    ctx: &Ctx,
+    src: &Arc<SourceState>,
+    entry: &FileEntry,
+    i: u64,
+) -> (Fetched, Duration) {
+    let t = Instant::now();
+    let r = entry.piece_range(i);
+    if let Some(rate) = &ctx.rate {
+        let at = rate
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .reserve(r.end - r.start, Instant::now());
+        tokio::time::sleep_until(at.into()).await;
+    }
+    let bytes = match src.source.piece(&ctx.manifest, entry, i).await {
+        Ok(b) => b,
+        Err(e) => return (Fetched::Failed(e), t.elapsed()),
+    };
+    let want = entry.pieces[i as usize];
+    let b2 = bytes.clone();
+    let ok = tokio::task::spawn_blocking(move || Blake3Hash::of(&b2) == want)
+        .await
+        .unwrap_or(false);
+    let out = if ok {
+        Fetched::Good(bytes)
+    } else {
+        Fetched::Corrupt(bytes.len() as u64)
+    };
+    (out, t.elapsed())
+}
+
+/// Fetches from `primary`; if it straggles and `second` exists, from `second` too. Returns
+/// every finished fetch in order, the last one the winner if good, and whether it hedged.
+async fn hedged_fetch(
+    ctx: &Ctx,
+    primary: &Arc<SourceState>,
+    second: Option<&Arc<SourceState>>,
+    entry: &FileEntry,
+    i: u64,
+) -> (Vec<(Arc<SourceState>, Fetched, Duration)>, bool) {
+    let a = fetch_verified(ctx, primary, entry, i);
+    tokio::pin!(a);
+    let Some(second) = second.filter(|_| ctx.hedge) else {
+        let (f, d) = a.await;
+        return (vec![(Arc::clone(primary), f, d)], false);
+    };
+    // Wait for the piece or for it to become a straggler; the baseline may appear (or
+    // move) while this piece is in flight, so look again at least every FLOOR.
+    let started = Instant::now();
+    loop {
+        let after = ctx
+            .straggler
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .hedge_after();
+        if after.is_some_and(|d| started.elapsed() >= d) {
+            break;
+        }
+        let wait = after.map_or(FLOOR, |d| d.saturating_sub(started.elapsed()).min(FLOOR));
+        tokio::select! {
+            (f, d) = &mut a => return (vec![(Arc::clone(primary), f, d)], false),
+            () = tokio::time::sleep(wait) => {}
+        }
+    }
+    let b = fetch_verified(ctx, second, entry, i);
+    tokio::pin!(b);
+    let mut done = Vec::new();
+    tokio::select! {
+        (f, d) = &mut a => {
+            let good = matches!(f, Fetched::Good(_));
+            done.push((Arc::clone(primary), f, d));
+            if !good {
+                let (f, d) = b.await;
+                done.push((Arc::clone(second), f, d));
+            }
+        }
+        (f, d) = &mut b => {
+            let good = matches!(f, Fetched::Good(_));
+            done.push((Arc::clone(second), f, d));
+            if !good {
+                let (f, d) = a.await;
+                done.push((Arc::clone(primary), f, d));
+            }
+        }
+    }
+    (done, true)
+}
+
 async fn fetch_piece(
-    store: &dyn ObjectStore,
+    ctx: &Ctx,
     path: &str,
     entry: &FileEntry,
     file: &Arc<std::fs::File>,
     blob: usize,
     piece: u64,
-    attempts: u32,
     stop: &Stop,
 ) -> PieceOutcome {
-    let key = StorePath::from(blob_key(&entry.hash));
     let range = entry.piece_range(piece);
-    let want = entry.pieces[piece as usize];
     let mut out = PieceOutcome {
         blob,
         piece,
         fetched: 0,
         bytes_fetched: 0,
         corrupt: 0,
+        errors: 0,
+        hedged: false,
+        hedge_won: false,
+        verified_from: None,
         end: PieceEnd::Discarded,
     };
-    let mut last_store_err = None;
-    for attempt in 1..=attempts {
-        if attempt > 1 {
-            tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+    let mut tried: Vec<String> = Vec::new();
+    let mut last_err: Option<FetchError> = None;
+    let mut fetches = 0u32;
+    while fetches < ctx.attempts {
+        if stop.is_set() {
+            return out;
         }
-        let bytes = match store.get_range(&key, range.clone()).await {
-            Ok(b) => b,
-            Err(e @ object_store::Error::NotFound { .. }) => {
-                out.end = PieceEnd::Failed(MirrorError::store(
-                    format!("file {path:?}: blob {key} missing in the origin"),
-                    e,
-                ));
-                return out;
+        let mut cands = ctx.sources.candidates(&entry.hash, piece, &tried);
+        if cands.is_empty() {
+            // Every source failed this piece once: go round again after a pause.
+            tried.clear();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            cands = ctx.sources.candidates(&entry.hash, piece, &tried);
+        }
+        let Some(primary) = cands.first() else { break };
+        if fetches > 0 && ctx.only_origin {
+            tokio::time::sleep(Duration::from_millis(50 * u64::from(fetches + 1))).await;
+        }
+        let (done, hedged) = hedged_fetch(ctx, primary, cands.get(1), entry, piece).await;
+        out.hedged |= hedged;
+        let mut winner = None;
+        for (src, f, d) in done {
+            fetches += 1;
+            match f {
+                Fetched::Good(bytes) => {
+                    out.fetched += 1;
+                    out.bytes_fetched += bytes.len() as u64;
+                    src.ok(bytes.len() as u64);
+                    ctx.straggler
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .record(d);
+                    out.hedge_won = hedged && !Arc::ptr_eq(&src, primary);
+                    winner = Some((src.kind(), bytes));
+                }
+                Fetched::Corrupt(n) => {
+                    out.fetched += 1;
+                    out.bytes_fetched += n;
+                    out.corrupt += 1;
+                    src.penalise();
+                    tracing::warn!(source = %src.name, path, piece, "piece failed verification; discarded, source penalised");
+                    tried.push(src.name.clone());
+                }
+                Fetched::Failed(e) => {
+                    out.errors += 1;
+                    src.failed();
+                    tracing::debug!(source = %src.name, error = %e, "piece fetch failed");
+                    if matches!(e, FetchError::NotFound(_)) && ctx.only_origin {
+                        out.end = PieceEnd::Failed(MirrorError::NotFound {
+                            what: format!("file {path:?}: blob {}", entry.hash),
+                            key: format!("{e}"),
+                        });
+                        return out;
+                    }
+                    tried.push(src.name.clone());
+                    last_err = Some(e);
+                }
             }
-            Err(e) => {
-                last_store_err = Some(e);
-                continue;
-            }
+        }
+        let Some((kind, bytes)) = winner else {
+            continue;
         };
-        out.fetched += 1;
-        out.bytes_fetched += bytes.len() as u64;
         if stop.is_set() {
             out.end = PieceEnd::Discarded;
             return out;
         }
         let file = Arc::clone(file);
         let start = range.start;
-        let expected_len = range.end - range.start;
-        let written = tokio::task::spawn_blocking(move || {
-            if bytes.len() as u64 != expected_len || Blake3Hash::of(&bytes) != want {
-                return Ok(false);
+        let n = bytes.len() as u64;
+        let written = tokio::task::spawn_blocking(move || file.write_all_at(&bytes, start))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        out.end = match written {
+            Ok(()) => {
+                out.verified_from = Some((kind, n));
+                PieceEnd::Written
             }
-            file.write_all_at(&bytes, start).map(|()| true)
-        })
-        .await
-        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-        match written {
-            Ok(true) => {
-                out.end = PieceEnd::Written;
-                return out;
-            }
-            Ok(false) => out.corrupt += 1,
-            Err(e) => {
-                out.end = PieceEnd::Failed(MirrorError::io(
-                    format!(
-                        "file {path:?}: writing piece {piece} (bytes {}..{}) to the partial file; \
-                         progress is kept, fix the cause (disk full?) and rerun to resume",
-                        range.start, range.end
-                    ),
-                    e,
-                ));
-                return out;
-            }
-        }
+            Err(e) => PieceEnd::Failed(MirrorError::io(
+                format!(
+                    "file {path:?}: writing piece {piece} (bytes {}..{}) to the partial file; \
+                     progress is kept, fix the cause (disk full?) and rerun to resume",
+                    range.start, range.end
+                ),
+                e,
+            )),
+        };
+        return out;
     }
-    out.end = PieceEnd::Failed(match last_store_err {
-        Some(e) if out.corrupt == 0 => MirrorError::store(
-            format!(
-                "file {path:?}: fetching piece {piece} (bytes {}..{}) failed {attempts} times",
+    out.end = PieceEnd::Failed(match last_err {
+        Some(e) if out.corrupt == 0 => MirrorError::Remote {
+            url: format!(
+                "file {path:?} piece {piece} (bytes {}..{})",
                 range.start, range.end
             ),
-            e,
-        ),
+            reason: format!("fetching failed {fetches} times; last: {e}"),
+        },
         _ => MirrorError::CorruptPiece {
             path: path.to_string(),
             piece,
             start: range.start,
             end: range.end,
-            attempts,
-            hint: "; the origin is the only source, so there is nowhere else to refetch from \
-                   (republish the file)"
-                .into(),
+            attempts: fetches,
+            hint: if ctx.only_origin {
+                "; the origin is the only source, so there is nowhere else to refetch from \
+                 (republish the file)"
+                    .into()
+            } else {
+                "; every source tried served corrupt data".into()
+            },
         },
     });
     out
@@ -630,6 +884,9 @@ async fn finish_blob(
     .await;
     match res {
         Ok(()) => {
+            if let Some(h) = &opts.holdings {
+                h.placed(&blob.entry.hash, out.join(&blob.paths[0]));
+            }
             report.files_written += blob.paths.len();
             prog.files_done += blob.paths.len();
             if let Some(cb) = &opts.progress {

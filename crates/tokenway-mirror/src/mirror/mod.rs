@@ -65,6 +65,10 @@ pub struct MirrorConfig {
     pub preheat_parallel: usize,
     /// Test only: corrupt every Nth piece served (0 = off).
     pub test_corrupt_every: u64,
+    /// Test only: stall every Nth piece served (0 = off) for `test_stall_ms`, at most 3 times.
+    pub test_stall_every: u64,
+    /// Test only: length of a stall.
+    pub test_stall_ms: u64,
 }
 
 impl MirrorConfig {
@@ -140,7 +144,11 @@ impl Mirror {
             metrics,
             registry,
             region: config.region.clone(),
-            faults: Faults::corrupt_every(config.test_corrupt_every),
+            faults: Faults::corrupt_every(config.test_corrupt_every).with_stalls(
+                config.test_stall_every,
+                Duration::from_millis(config.test_stall_ms),
+                3,
+            ),
             preheat_parallel: config.preheat_parallel,
             preheats: Arc::new(tokio::sync::Semaphore::new(MAX_PREHEATS)),
         }))
@@ -292,8 +300,11 @@ impl Mirror {
         Err(ServeError::origin(last))
     }
 
-    /// Applies the test fault flag to a piece about to be served.
-    pub(crate) fn serve_piece(&self, piece: Bytes) -> Bytes {
+    /// Applies the test fault flags to a piece about to be served.
+    pub(crate) async fn serve_piece(&self, piece: Bytes) -> Bytes {
+        if let Some(d) = self.faults.stall() {
+            tokio::time::sleep(d).await;
+        }
         let before = self.faults.injected();
         let out = self.faults.apply(piece);
         if self.faults.injected() != before {

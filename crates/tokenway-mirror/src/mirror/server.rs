@@ -282,7 +282,10 @@ async fn blob(m: Arc<Mirror>, req: &Request<Incoming>) -> Response<Body> {
     let e2 = Arc::clone(&entry);
     let fetch: PieceFetch = Arc::new(move |i| {
         let (m, e) = (Arc::clone(&m2), Arc::clone(&e2));
-        Box::pin(async move { m.piece(e, i).await.map(|b| m.serve_piece(b)) })
+        Box::pin(async move {
+            let b = m.piece(e, i).await?;
+            Ok(m.serve_piece(b).await)
+        })
     });
     let served = m.metrics.bytes_served.clone();
     blob_response(

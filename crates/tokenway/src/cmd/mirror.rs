@@ -32,6 +32,12 @@ pub struct MirrorArgs {
     /// TESTING ONLY: corrupt one byte of every Nth piece served (0 = off).
     #[arg(long, value_name = "N", default_value_t = 0, hide = true)]
     pub test_corrupt_every: u64,
+    /// TESTING ONLY: hold back every Nth piece served (at most 3 times) by --test-stall-ms.
+    #[arg(long, value_name = "N", default_value_t = 0, hide = true)]
+    pub test_stall_every: u64,
+    /// TESTING ONLY: length of a stall, milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 30_000, hide = true)]
+    pub test_stall_ms: u64,
 }
 
 /// Runs `tokenway mirror`.
@@ -43,17 +49,16 @@ pub async fn run(args: MirrorArgs) -> anyhow::Result<()> {
         region: args.region,
         preheat_parallel: args.preheat_parallel,
         test_corrupt_every: args.test_corrupt_every,
+        test_stall_every: args.test_stall_every,
+        test_stall_ms: args.test_stall_ms,
     };
     let mirror = Mirror::open(&config).context("starting the mirror")?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
-    if config.test_corrupt_every > 0 {
-        eprintln!(
-            "warning: --test-corrupt-every {} corrupts pieces on purpose (testing only)",
-            config.test_corrupt_every
-        );
+    if config.test_corrupt_every > 0 || config.test_stall_every > 0 {
+        eprintln!("warning: --test-* flags inject faults on purpose (testing only)");
     }
     println!("tokenway mirror listening on http://{addr}");
     server::serve(mirror, listener, crate::cmd::signal::shutdown()).await?;

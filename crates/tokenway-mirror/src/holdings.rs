@@ -1,0 +1,82 @@
+//! What this node holds: for every blob of the pull, where its bytes are (the partial file,
+//! then the final file) and which pieces are verified. Pull writes it, the peer server and
+//! the announcer read it.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::manifest::{Blake3Hash, FileEntry};
+use crate::piece_bits::{PieceBits, PieceBitsWire};
+
+struct Held {
+    entry: Arc<FileEntry>,
+    path: PathBuf,
+    bits: PieceBits,
+}
+
+/// Verified pieces on this node, by blob.
+#[derive(Default)]
+pub struct Holdings {
+    blobs: Mutex<HashMap<Blake3Hash, Held>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Holdings {
+    /// A blob whose bytes are (or will be) at `path`, with `bits` already verified.
+    pub fn add(&self, entry: &FileEntry, path: PathBuf, bits: PieceBits) {
+        lock(&self.blobs).insert(
+            entry.hash,
+            Held {
+                entry: Arc::new(entry.clone()),
+                path,
+                bits,
+            },
+        );
+    }
+
+    /// Piece `i` of `hash` is verified and written.
+    pub fn piece_written(&self, hash: &Blake3Hash, i: u64) {
+        if let Some(h) = lock(&self.blobs).get_mut(hash) {
+            h.bits.set(i);
+        }
+    }
+
+    /// The blob moved to its final place, complete.
+    pub fn placed(&self, hash: &Blake3Hash, path: PathBuf) {
+        if let Some(h) = lock(&self.blobs).get_mut(hash) {
+            h.path = path;
+            h.bits = PieceBits::full(h.bits.count());
+        }
+    }
+
+    /// Layout and file of `hash` if piece `i` is held.
+    pub fn piece(&self, hash: &Blake3Hash, i: u64) -> Option<(Arc<FileEntry>, PathBuf)> {
+        let blobs = lock(&self.blobs);
+        let h = blobs.get(hash)?;
+        h.bits
+            .has(i)
+            .then(|| (Arc::clone(&h.entry), h.path.clone()))
+    }
+
+    /// Layout of `hash`, if it is part of this node's pull.
+    pub fn entry(&self, hash: &Blake3Hash) -> Option<Arc<FileEntry>> {
+        lock(&self.blobs).get(hash).map(|h| Arc::clone(&h.entry))
+    }
+
+    /// What to announce.
+    pub fn wire(&self) -> HashMap<Blake3Hash, PieceBitsWire> {
+        lock(&self.blobs)
+            .iter()
+            .map(|(k, h)| (*k, h.bits.to_wire()))
+            .collect()
+    }
+
+    /// Blob hashes.
+    pub fn hashes(&self) -> Vec<Blake3Hash> {
+        lock(&self.blobs).keys().copied().collect()
+    }
+}

@@ -1,0 +1,234 @@
+//! Where a puller gets bytes: the origin object store, a mirror, or a peer. Mirrors and
+//! peers speak the same HTTP API (`docs/weights.md`); the origin is read with
+//! `object_store`. Nothing here trusts what it receives: callers verify every piece.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::StatusCode;
+use object_store::path::Path as StorePath;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+use crate::http_client::{client, get, send, HttpClient, HttpError};
+use crate::http_range::range_header;
+use crate::manifest::{blob_key, FileEntry, Manifest, ModelRef, Selector};
+use crate::MirrorError;
+
+/// How long one piece request may take before it counts as failed (hedging reacts much
+/// sooner to a slow one).
+pub const PIECE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Largest manifest accepted from a mirror.
+pub const MAX_MANIFEST_BYTES: usize = 64 << 20;
+
+/// What kind of source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourceKind {
+    /// The origin object store.
+    Origin,
+    /// A mirror.
+    Mirror,
+    /// Another puller.
+    Peer,
+}
+
+impl SourceKind {
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Origin => "origin",
+            Self::Mirror => "mirror",
+            Self::Peer => "peer",
+        }
+    }
+}
+
+/// Why a source gave no piece or manifest.
+#[derive(Clone, Debug)]
+pub enum FetchError {
+    /// The source says it does not exist (404): authoritative for mirrors and the origin.
+    NotFound(String),
+    /// The request was refused as invalid (400).
+    BadRequest(String),
+    /// No usable answer (connect error, timeout, 5xx, short body).
+    Unavailable(String),
+}
+
+impl std::fmt::Display for FetchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NotFound(m) | Self::BadRequest(m) | Self::Unavailable(m) => f.write_str(m),
+        }
+    }
+}
+
+fn from_http(e: HttpError) -> FetchError {
+    match e {
+        HttpError::Status(StatusCode::NOT_FOUND, m) => FetchError::NotFound(m),
+        HttpError::Status(StatusCode::BAD_REQUEST, m) => FetchError::BadRequest(m),
+        other => FetchError::Unavailable(other.to_string()),
+    }
+}
+
+/// One place to fetch from.
+pub enum Source {
+    /// An object store.
+    Origin(Arc<dyn ObjectStore>),
+    /// A mirror or a peer at `base` (`http://HOST:PORT`).
+    Http {
+        /// Mirror or peer.
+        kind: SourceKind,
+        /// Base URL.
+        base: String,
+        /// Pooled client (boxed in an `Arc`: it is large and may be shared).
+        client: Arc<HttpClient>,
+    },
+}
+
+impl Source {
+    /// A mirror or peer at `base` (already checked with [`crate::http_client::base_url`]).
+    pub fn http(kind: SourceKind, base: String) -> Self {
+        Self::Http {
+            kind,
+            base,
+            client: Arc::new(client()),
+        }
+    }
+
+    /// Its kind.
+    pub fn kind(&self) -> SourceKind {
+        match self {
+            Self::Origin(_) => SourceKind::Origin,
+            Self::Http { kind, .. } => *kind,
+        }
+    }
+
+    /// Piece `i` of `entry` (of `manifest`), unverified.
+    pub async fn piece(
+        &self,
+        manifest: &Manifest,
+        entry: &FileEntry,
+        i: u64,
+    ) -> Result<Bytes, FetchError> {
+        let range = entry.piece_range(i);
+        let want = range.end - range.start;
+        let bytes = match self {
+            Self::Origin(store) => {
+                let key = StorePath::from(blob_key(&entry.hash));
+                match tokio::time::timeout(PIECE_TIMEOUT, store.get_range(&key, range.clone()))
+                    .await
+                {
+                    Ok(Ok(b)) => b,
+                    Ok(Err(e @ object_store::Error::NotFound { .. })) => {
+                        return Err(FetchError::NotFound(format!(
+                            "blob {key} missing in the origin: {e}"
+                        )))
+                    }
+                    Ok(Err(e)) => return Err(FetchError::Unavailable(format!("origin: {e}"))),
+                    Err(_) => {
+                        return Err(FetchError::Unavailable(format!(
+                            "origin: no answer within {PIECE_TIMEOUT:?}"
+                        )))
+                    }
+                }
+            }
+            Self::Http { base, client, .. } => {
+                let url = format!(
+                    "{base}/v1/blobs/{}?model={}&revision={}",
+                    entry.hash, manifest.model, manifest.revision
+                );
+                let mut req = get(&url).map_err(from_http)?;
+                let h = http::HeaderValue::from_str(&range_header(&range))
+                    .expect("invariant: a numeric range is a valid header value");
+                req.headers_mut().insert(http::header::RANGE, h);
+                let (resp, body) = send(client, req, want as usize + 1, PIECE_TIMEOUT)
+                    .await
+                    .map_err(from_http)?;
+                let whole =
+                    resp.status() == StatusCode::OK && range.start == 0 && range.end == entry.size;
+                if resp.status() != StatusCode::PARTIAL_CONTENT && !whole {
+                    return Err(FetchError::Unavailable(format!(
+                        "{url}: expected 206 Partial Content, got {}",
+                        resp.status()
+                    )));
+                }
+                body
+            }
+        };
+        if bytes.len() as u64 != want {
+            return Err(FetchError::Unavailable(format!(
+                "piece {i}: {} bytes received, {want} expected",
+                bytes.len()
+            )));
+        }
+        Ok(bytes)
+    }
+
+    /// The manifest `mref` names, validated (mirrors only; the origin uses
+    /// [`crate::pull::resolve`]).
+    pub async fn manifest(&self, mref: &ModelRef) -> Result<Manifest, FetchError> {
+        let Self::Http { base, client, .. } = self else {
+            return Err(FetchError::Unavailable("not an HTTP source".into()));
+        };
+        let url = match &mref.selector {
+            Selector::Tag(t) => format!("{base}/v1/models/{}/tags/{t}", mref.model),
+            Selector::Revision(r) => format!("{base}/v1/models/{}/revisions/{r}", mref.model),
+        };
+        let (_, body) = send(
+            client,
+            get(&url).map_err(from_http)?,
+            MAX_MANIFEST_BYTES,
+            Duration::from_secs(60),
+        )
+        .await
+        .map_err(from_http)?;
+        let m = Manifest::from_json(&body)
+            .map_err(|e| FetchError::Unavailable(format!("{url}: {e}")))?;
+        let rev_ok = match &mref.selector {
+            Selector::Revision(r) => m.revision == *r,
+            Selector::Tag(_) => true,
+        };
+        if m.model != mref.model || !rev_ok {
+            return Err(FetchError::Unavailable(format!(
+                "{url}: answered with {}@{}, not {mref}",
+                m.model, m.revision
+            )));
+        }
+        Ok(m)
+    }
+
+    /// Round-trip time: the fastest of `probes` small requests, `None` if none answered.
+    pub async fn rtt(&self, probes: u32) -> Option<Duration> {
+        let Self::Http { base, client, .. } = self else {
+            return None;
+        };
+        let url = format!("{base}/healthz");
+        let mut best: Option<Duration> = None;
+        for _ in 0..probes.max(1) {
+            let t = Instant::now();
+            let Ok(req) = get(&url) else { return None };
+            if send(client, req, 1024, Duration::from_secs(2))
+                .await
+                .is_ok()
+            {
+                let d = t.elapsed();
+                best = Some(best.map_or(d, |b| b.min(d)));
+            }
+        }
+        best
+    }
+}
+
+/// Maps a manifest failure from a mirror to the crate error.
+pub fn manifest_error(url: &str, mref: &ModelRef, e: FetchError) -> MirrorError {
+    match e {
+        FetchError::NotFound(m) => MirrorError::NotFound {
+            what: format!("{mref} ({m})"),
+            key: url.to_string(),
+        },
+        FetchError::BadRequest(m) | FetchError::Unavailable(m) => MirrorError::Remote {
+            url: url.to_string(),
+            reason: m,
+        },
+    }
+}

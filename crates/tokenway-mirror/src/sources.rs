@@ -1,0 +1,378 @@
+//! The set of sources a pull draws from, and the order it tries them in.
+//!
+//! For each piece: peers that hold it first (rotating among them so load spreads), then
+//! mirrors by measured RTT, then the origin; a mirror failing repeatedly drops behind the
+//! origin until it answers again. A source that serves a corrupt piece is penalised; after [`BAN_AFTER_CORRUPT`]
+//! corrupt pieces it is only tried when nothing else is left. Peers come and go as the
+//! mirror's announcements say.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use object_store::ObjectStore;
+
+use crate::http_client::base_url;
+use crate::manifest::{Blake3Hash, Manifest, ModelRef};
+use crate::mirror::peers::PeerView;
+use crate::piece_bits::PieceBits;
+use crate::pull;
+use crate::source::{manifest_error, FetchError, Source, SourceKind};
+use crate::MirrorError;
+
+/// Corrupt pieces after which a source is a last resort.
+pub const BAN_AFTER_CORRUPT: u32 = 3;
+/// Consecutive failures after which a mirror drops behind the others.
+pub const DEMOTE_AFTER_ERRORS: u32 = 3;
+/// Peers kept at once.
+pub const MAX_PEERS: usize = 256;
+
+/// One source with its record.
+pub struct SourceState {
+    /// `origin`, `mirror http://..`, `peer http://..`.
+    pub name: String,
+    /// How to fetch.
+    pub source: Source,
+    /// Measured RTT (mirrors).
+    pub rtt: Option<Duration>,
+    /// Corrupt pieces served.
+    pub corrupt: AtomicU32,
+    /// Failed requests in a row.
+    pub consecutive_errors: AtomicU32,
+    /// Verified bytes taken from it.
+    pub bytes: AtomicU64,
+}
+
+impl SourceState {
+    fn new(name: String, source: Source, rtt: Option<Duration>) -> Arc<Self> {
+        Arc::new(Self {
+            name,
+            source,
+            rtt,
+            corrupt: AtomicU32::new(0),
+            consecutive_errors: AtomicU32::new(0),
+            bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// Kind of source.
+    pub fn kind(&self) -> SourceKind {
+        self.source.kind()
+    }
+
+    fn banned(&self) -> bool {
+        self.corrupt.load(Ordering::Relaxed) >= BAN_AFTER_CORRUPT
+    }
+
+    /// Records a verified piece.
+    pub fn ok(&self, bytes: u64) {
+        self.consecutive_errors.store(0, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Records a failed request.
+    pub fn failed(&self) {
+        self.consecutive_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records a piece that failed verification.
+    pub fn penalise(&self) {
+        self.corrupt.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+struct Peer {
+    state: Arc<SourceState>,
+    have: HashMap<Blake3Hash, PieceBits>,
+}
+
+/// Every source of one pull.
+pub struct SourceSet {
+    /// Mirrors by RTT (unreachable last), then the origin.
+    fixed: Vec<Arc<SourceState>>,
+    peers: Mutex<HashMap<String, Peer>>,
+    /// Every peer ever used, for the summary (bounded by churn of MAX_PEERS at a time).
+    retired: Mutex<Vec<Arc<SourceState>>>,
+    rotate: AtomicUsize,
+    /// Address of this node's own peer server, never used as a source.
+    own_addr: Option<String>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl SourceSet {
+    /// Only the origin (the plain `pull --origin`).
+    pub fn origin_only(store: Arc<dyn ObjectStore>) -> Self {
+        Self {
+            fixed: vec![SourceState::new(
+                "origin".into(),
+                Source::Origin(store),
+                None,
+            )],
+            peers: Mutex::new(HashMap::new()),
+            retired: Mutex::new(Vec::new()),
+            rotate: AtomicUsize::new(0),
+            own_addr: None,
+        }
+    }
+
+    /// Mirrors (RTT measured now, with `probes` requests each) and an optional origin.
+    pub async fn new(
+        mirrors: &[String],
+        origin: Option<Arc<dyn ObjectStore>>,
+        probes: u32,
+        own_addr: Option<String>,
+    ) -> Result<Self, MirrorError> {
+        if mirrors.is_empty() && origin.is_none() {
+            return Err(MirrorError::Config {
+                field: "--mirror/--origin".into(),
+                reason: "give at least one mirror or an origin".into(),
+            });
+        }
+        let mut ms = Vec::new();
+        for m in mirrors {
+            let base = base_url(m).map_err(|reason| MirrorError::Config {
+                field: "--mirror".into(),
+                reason,
+            })?;
+            ms.push(Source::http(SourceKind::Mirror, base));
+        }
+        let rtts = futures_util::future::join_all(ms.iter().map(|s| s.rtt(probes))).await;
+        let mut fixed: Vec<Arc<SourceState>> = ms
+            .into_iter()
+            .zip(rtts)
+            .map(|(s, rtt)| {
+                let name = match &s {
+                    Source::Http { base, .. } => format!("mirror {base}"),
+                    Source::Origin(_) => "origin".into(),
+                };
+                SourceState::new(name, s, rtt)
+            })
+            .collect();
+        fixed.sort_by_key(|s| s.rtt.unwrap_or(Duration::MAX));
+        if let Some(o) = origin {
+            fixed.push(SourceState::new("origin".into(), Source::Origin(o), None));
+        }
+        Ok(Self {
+            fixed,
+            peers: Mutex::new(HashMap::new()),
+            retired: Mutex::new(Vec::new()),
+            rotate: AtomicUsize::new(0),
+            own_addr,
+        })
+    }
+
+    /// Mirrors in preference order.
+    pub fn mirrors(&self) -> Vec<Arc<SourceState>> {
+        self.fixed
+            .iter()
+            .filter(|s| s.kind() == SourceKind::Mirror)
+            .cloned()
+            .collect()
+    }
+
+    /// The manifest: from the mirrors in RTT order, then the origin. A mirror saying the
+    /// model, tag or revision does not exist is believed (it asked the origin).
+    pub async fn resolve(&self, mref: &ModelRef) -> Result<Manifest, MirrorError> {
+        let mut failures = Vec::new();
+        for s in &self.fixed {
+            match &s.source {
+                Source::Origin(store) => match pull::resolve(store.as_ref(), mref).await {
+                    Ok(m) => return Ok(m),
+                    Err(e @ (MirrorError::NotFound { .. } | MirrorError::Manifest { .. })) => {
+                        return Err(e)
+                    }
+                    Err(e) => failures.push(format!("origin: {e}")),
+                },
+                Source::Http { .. } => match s.source.manifest(mref).await {
+                    Ok(m) => return Ok(m),
+                    Err(e @ (FetchError::NotFound(_) | FetchError::BadRequest(_))) => {
+                        return Err(manifest_error(&s.name, mref, e))
+                    }
+                    Err(e) => {
+                        s.failed();
+                        failures.push(format!("{}: {e}", s.name));
+                    }
+                },
+            }
+        }
+        Err(MirrorError::Remote {
+            url: "every source".into(),
+            reason: format!("cannot get the manifest of {mref}: {}", failures.join("; ")),
+        })
+    }
+
+    /// Replaces the peers with the mirror's latest view.
+    pub fn set_peers(&self, views: Vec<PeerView>) {
+        let mut peers = lock(&self.peers);
+        let mut next = HashMap::new();
+        for v in views.into_iter().take(MAX_PEERS) {
+            if self.own_addr.as_deref() == Some(v.addr.as_str()) {
+                continue;
+            }
+            let Ok(base) = base_url(&format!("http://{}", v.addr)) else {
+                continue;
+            };
+            let have = v
+                .have
+                .iter()
+                .filter_map(|(h, w)| Some((*h, PieceBits::from_wire(w).ok()?)))
+                .collect();
+            let state = match peers.remove(&base) {
+                Some(p) => p.state,
+                None => SourceState::new(
+                    format!("peer {base}"),
+                    Source::http(SourceKind::Peer, base.clone()),
+                    None,
+                ),
+            };
+            next.insert(base, Peer { state, have });
+        }
+        let mut retired = lock(&self.retired);
+        for (_, p) in peers.drain() {
+            if p.state.bytes.load(Ordering::Relaxed) > 0
+                || p.state.corrupt.load(Ordering::Relaxed) > 0
+            {
+                if retired.len() >= MAX_PEERS {
+                    retired.remove(0);
+                }
+                retired.push(p.state);
+            }
+        }
+        *peers = next;
+    }
+
+    /// Sources to try for piece `i` of blob `hash`, best first, without those in `skip`.
+    pub fn candidates(&self, hash: &Blake3Hash, i: u64, skip: &[String]) -> Vec<Arc<SourceState>> {
+        let mut peers: Vec<Arc<SourceState>> = lock(&self.peers)
+            .values()
+            .filter(|p| p.have.get(hash).is_some_and(|b| b.has(i)))
+            .map(|p| Arc::clone(&p.state))
+            .collect();
+        peers.sort_by(|a, b| a.name.cmp(&b.name));
+        if !peers.is_empty() {
+            let n = self.rotate.fetch_add(1, Ordering::Relaxed) % peers.len();
+            peers.rotate_left(n);
+        }
+        let mut mirrors: Vec<Arc<SourceState>> = self.fixed.to_vec();
+        // Stable: keeps RTT order among equals. Healthy mirrors, then the origin, then
+        // mirrors that keep failing.
+        mirrors.sort_by_key(|s| {
+            (
+                s.consecutive_errors.load(Ordering::Relaxed) >= DEMOTE_AFTER_ERRORS,
+                s.kind() == SourceKind::Origin,
+            )
+        });
+        let mut all: Vec<Arc<SourceState>> = peers
+            .into_iter()
+            .chain(mirrors)
+            .filter(|s| !skip.contains(&s.name))
+            .collect();
+        // Banned sources last, as a last resort.
+        all.sort_by_key(|s| s.banned());
+        all
+    }
+
+    /// Every source used so far, for the summary.
+    pub fn all(&self) -> Vec<Arc<SourceState>> {
+        let mut v: Vec<_> = self.fixed.clone();
+        v.extend(lock(&self.peers).values().map(|p| Arc::clone(&p.state)));
+        v.extend(lock(&self.retired).iter().cloned());
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set() -> SourceSet {
+        let mirror = |base: &str, rtt_ms| {
+            SourceState::new(
+                format!("mirror {base}"),
+                Source::http(SourceKind::Mirror, base.into()),
+                Some(Duration::from_millis(rtt_ms)),
+            )
+        };
+        let store: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        SourceSet {
+            fixed: vec![
+                mirror("http://127.0.0.1:1", 1),
+                mirror("http://127.0.0.1:2", 5),
+                SourceState::new("origin".into(), Source::Origin(store), None),
+            ],
+            peers: Mutex::new(HashMap::new()),
+            retired: Mutex::new(Vec::new()),
+            rotate: AtomicUsize::new(0),
+            own_addr: Some("127.0.0.1:9".into()),
+        }
+    }
+
+    fn names(v: &[Arc<SourceState>]) -> Vec<&str> {
+        v.iter().map(|s| s.name.as_str()).collect()
+    }
+
+    #[test]
+    fn peers_holding_the_piece_come_first_then_mirrors_by_rtt_then_the_origin() {
+        let s = set();
+        let h = Blake3Hash::of(b"blob");
+        let mut bits = PieceBits::empty(4);
+        bits.set(1);
+        let view = |addr: &str, bits: &PieceBits| PeerView {
+            id: addr.into(),
+            addr: addr.into(),
+            have: [(h, bits.to_wire())].into_iter().collect(),
+        };
+        s.set_peers(vec![
+            view("127.0.0.1:7", &bits),
+            view("127.0.0.1:9", &bits), // this node itself: ignored
+        ]);
+        let c = s.candidates(&h, 1, &[]);
+        assert_eq!(
+            names(&c),
+            [
+                "peer http://127.0.0.1:7",
+                "mirror http://127.0.0.1:1",
+                "mirror http://127.0.0.1:2",
+                "origin"
+            ]
+        );
+        // Piece 0 is held by no peer.
+        assert_eq!(s.candidates(&h, 0, &[]).len(), 3);
+        // Skipped sources are left out.
+        let c = s.candidates(&h, 1, &["peer http://127.0.0.1:7".into()]);
+        assert_eq!(names(&c)[0], "mirror http://127.0.0.1:1");
+    }
+
+    #[test]
+    fn a_corrupting_source_drops_to_last_and_a_failing_mirror_behind_the_others() {
+        let s = set();
+        let h = Blake3Hash::of(b"blob");
+        let best = Arc::clone(&s.fixed[0]);
+        for _ in 0..BAN_AFTER_CORRUPT {
+            best.penalise();
+        }
+        let c = s.candidates(&h, 0, &[]);
+        assert_eq!(
+            names(&c),
+            [
+                "mirror http://127.0.0.1:2",
+                "origin",
+                "mirror http://127.0.0.1:1"
+            ]
+        );
+        let second = Arc::clone(&s.fixed[1]);
+        for _ in 0..DEMOTE_AFTER_ERRORS {
+            second.failed();
+        }
+        assert_eq!(names(&s.candidates(&h, 0, &[]))[0], "origin");
+        second.ok(1);
+        assert_eq!(
+            names(&s.candidates(&h, 0, &[]))[0],
+            "mirror http://127.0.0.1:2"
+        );
+    }
+}
