@@ -15,3 +15,4 @@ mod routing;
 mod s3;
 mod streaming;
 mod tunnel;
+mod weights;

@@ -1,0 +1,735 @@
+//! Weights distribution end to end: `tokenway publish` to a `file://` origin, a real
+//! `tokenway mirror` process, and `tokenway pull` processes through it: byte identity,
+//! resume after SIGKILL, corrupt mirrors and peers, hedging, four peers sharing, an origin
+//! outage, a full disk, bad input.
+//!
+//! The ~200 MB model and a ~20 MB one are generated once (seeded, so always the same bytes)
+//! and published into `CARGO_TARGET_TMPDIR`, reused by every test and every later run.
+//! Assertions use the counters the pull prints (`pull summary: ...`) and the mirror's
+//! `/metrics`, never timing.
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use rand::rngs::SmallRng;
+use rand::{RngCore, SeedableRng};
+
+use crate::harness::{get, metric_sum, start_args, Proc, TempDir};
+
+/// Piece size the fixtures are published with.
+const PIECE: u64 = 1 << 20;
+/// Pieces a pull runs at once in these tests.
+const PARALLEL: u64 = 8;
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_tokenway")
+}
+
+struct Model {
+    name: &'static str,
+    src: PathBuf,
+    size: u64,
+}
+
+struct Fixture {
+    origin: PathBuf,
+    big: Model,
+    small: Model,
+}
+
+impl Fixture {
+    fn origin_url(&self) -> String {
+        format!("file://{}", self.origin.display())
+    }
+}
+
+/// Writes a safetensors-like file: 8-byte little-endian header length, JSON header, data.
+fn safetensors(path: &Path, data_len: usize, rng: &mut SmallRng) {
+    let header = format!(
+        "{{\"weight\":{{\"dtype\":\"BF16\",\"shape\":[{}],\"data_offsets\":[0,{data_len}]}}}}",
+        data_len / 2
+    );
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    let start = bytes.len();
+    bytes.resize(start + data_len, 0);
+    rng.fill_bytes(&mut bytes[start..]);
+    std::fs::write(path, bytes).expect("fixture file is writable");
+}
+
+fn make_model(dir: &Path, seed: u64, shards: &[usize]) -> u64 {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    std::fs::create_dir_all(dir.join("tokenizer")).expect("fixture dir");
+    let n = shards.len();
+    for (i, len) in shards.iter().enumerate() {
+        let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+        safetensors(&dir.join(name), *len, &mut rng);
+    }
+    std::fs::write(dir.join("config.json"), br#"{"hidden_size":4096}"#).expect("fixture");
+    std::fs::write(dir.join("tokenizer/tokenizer.json"), b"{\"vocab\":{}}").expect("fixture");
+    tree_size(dir)
+}
+
+fn files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("readable dir") {
+            let p = e.expect("dir entry").path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn tree_size(dir: &Path) -> u64 {
+    files(dir)
+        .iter()
+        .map(|f| std::fs::metadata(f).expect("stat").len())
+        .sum()
+}
+
+fn publish(src: &Path, origin: &Path, model: &str) {
+    let out = Command::new(bin())
+        .args(["publish", &src.display().to_string()])
+        .args(["--origin", &format!("file://{}", origin.display())])
+        .args(["--model", model, "--revision", "r1", "--tag", "latest"])
+        .args(["--piece-size-kib", &(PIECE / 1024).to_string()])
+        .output()
+        .expect("tokenway publish runs");
+    assert!(
+        out.status.success(),
+        "publish failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The published fixtures, built once per machine (atomically renamed into place, so
+/// concurrent test processes never see half a fixture).
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("weights-fixture-v1");
+        if !root.join("complete").exists() {
+            let build = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+                .join(format!("weights-fixture-build-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&build);
+            // ~200 MB in three shards plus small files.
+            make_model(
+                &build.join("big"),
+                1,
+                &[64 << 20, 64 << 20, (62 << 20) + 12_345],
+            );
+            make_model(&build.join("small"), 2, &[12 << 20, (8 << 20) + 777]);
+            publish(&build.join("big"), &build.join("origin"), "org/big");
+            publish(&build.join("small"), &build.join("origin"), "org/small");
+            std::fs::write(build.join("complete"), b"").expect("marker");
+            if std::fs::rename(&build, &root).is_err() {
+                // Another process won the race; use its copy.
+                let _ = std::fs::remove_dir_all(&build);
+            }
+        }
+        Fixture {
+            origin: root.join("origin"),
+            big: Model {
+                name: "org/big",
+                size: tree_size(&root.join("big")),
+                src: root.join("big"),
+            },
+            small: Model {
+                name: "org/small",
+                size: tree_size(&root.join("small")),
+                src: root.join("small"),
+            },
+        }
+    })
+}
+
+/// Every file of `src` is in `out` with the same bytes.
+fn assert_same_tree(src: &Path, out: &Path) {
+    let mut a = vec![0u8; 8 << 20];
+    let mut b = vec![0u8; 8 << 20];
+    for f in files(src) {
+        let rel = f.strip_prefix(src).expect("under src");
+        let g = out.join(rel);
+        let (mut fa, mut fb) = (
+            std::fs::File::open(&f).expect("source file"),
+            std::fs::File::open(&g).unwrap_or_else(|e| panic!("{} missing: {e}", g.display())),
+        );
+        assert_eq!(
+            fa.metadata().expect("stat").len(),
+            fb.metadata().expect("stat").len(),
+            "{} size",
+            rel.display()
+        );
+        loop {
+            let n = read_full(&mut fa, &mut a);
+            let m = read_full(&mut fb, &mut b);
+            assert_eq!(n, m);
+            assert!(a[..n] == b[..n], "{} differs", rel.display());
+            if n == 0 {
+                break;
+            }
+        }
+    }
+    assert!(
+        !out.join(".partial").exists(),
+        ".partial is removed after a complete pull"
+    );
+}
+
+fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> usize {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..]).expect("read") {
+            0 => break,
+            k => n += k,
+        }
+    }
+    n
+}
+
+fn start_mirror(origin: &str, cache: &Path, extra: &[&str]) -> Proc {
+    let cache = cache.display().to_string();
+    let mut args = vec![
+        "mirror",
+        "--origin",
+        origin,
+        "--cache",
+        &cache,
+        "--max-size",
+        "1G",
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    start_args(&args, false)
+}
+
+async fn metrics(m: &Proc) -> String {
+    get(&format!("{}/metrics", m.url())).await.body
+}
+
+async fn metric(m: &Proc, name: &str) -> u64 {
+    metric_sum(&metrics(m).await, name) as u64
+}
+
+/// A `tokenway pull` process with its stderr collected.
+struct Pull {
+    child: Child,
+    stderr: Arc<Mutex<String>>,
+    serving: std::sync::mpsc::Receiver<SocketAddr>,
+}
+
+impl Pull {
+    fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(bin())
+            .arg("pull")
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("tokenway pull starts");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let (err, sink) = (child.stderr.take().expect("piped"), Arc::clone(&stderr));
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let mut s = sink.lock().expect("stderr lock");
+                s.push_str(&line);
+                s.push('\n');
+            }
+        });
+        let (tx, serving) = std::sync::mpsc::channel();
+        let out = child.stdout.take().expect("piped");
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some(a) = line.split("listening on http://").nth(1) {
+                    if let Ok(a) = a.trim().parse() {
+                        let _ = tx.send(a);
+                    }
+                }
+            }
+        });
+        Self {
+            child,
+            stderr,
+            serving,
+        }
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().expect("stderr lock").clone()
+    }
+
+    /// Waits for the process to exit; returns success and its stderr.
+    async fn wait(mut self, within: Duration) -> (bool, String) {
+        let end = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                // Let the reader thread drain the pipe.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return (status.success(), self.stderr());
+            }
+            if Instant::now() > end {
+                let _ = self.child.kill();
+                panic!("pull did not finish in {within:?}:\n{}", self.stderr());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until stderr contains `needle` (the process keeps running).
+    async fn wait_for(&self, needle: &str, within: Duration) -> String {
+        let end = Instant::now() + within;
+        loop {
+            let s = self.stderr();
+            if s.contains(needle) {
+                return s;
+            }
+            assert!(
+                Instant::now() < end,
+                "no {needle:?} within {within:?}:\n{s}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Pull {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn pull_ok(args: &[&str]) -> String {
+    let (ok, err) = Pull::start(args).wait(Duration::from_secs(120)).await;
+    assert!(ok, "pull {args:?} failed:\n{err}");
+    err
+}
+
+/// `key=value` from the `pull summary:` line.
+fn field(stderr: &str, key: &str) -> u64 {
+    let line = stderr
+        .lines()
+        .rfind(|l| l.starts_with("pull summary:"))
+        .unwrap_or_else(|| panic!("no summary line in:\n{stderr}"));
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {line}"))
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+#[tokio::test]
+async fn a_pull_through_a_mirror_is_byte_identical_and_the_origin_sends_one_copy() {
+    let fx = fixture();
+    let cache = TempDir::new("w-cache");
+    let m = start_mirror(&fx.origin_url(), &cache.0, &[]);
+    let (o1, o2) = (TempDir::new("w-out1"), TempDir::new("w-out2"));
+    let err = pull_ok(&[fx.big.name, "--mirror", &m.url(), "--out", &s(&o1.0)]).await;
+    assert_same_tree(&fx.big.src, &o1.0);
+    assert_eq!(field(&err, "bytes_from_mirrors"), fx.big.size);
+    assert_eq!(field(&err, "pieces_corrupt"), 0);
+    // A second puller is served from the mirror's cache.
+    pull_ok(&[fx.big.name, "--mirror", &m.url(), "--out", &s(&o2.0)]).await;
+    assert_same_tree(&fx.big.src, &o2.0);
+    let text = metrics(&m).await;
+    assert_eq!(
+        metric_sum(&text, "tokenway_mirror_bytes_from_origin_total") as u64,
+        fx.big.size
+    );
+    assert_eq!(
+        metric_sum(&text, "tokenway_mirror_bytes_from_cache_total") as u64,
+        fx.big.size
+    );
+    // A rerun into a finished directory fetches nothing.
+    let again = pull_ok(&[fx.big.name, "--mirror", &m.url(), "--out", &s(&o1.0)]).await;
+    assert_eq!(field(&again, "bytes_fetched"), 0);
+}
+
+#[tokio::test]
+async fn a_pull_killed_halfway_resumes_refetching_at_most_the_pieces_in_flight() {
+    let fx = fixture();
+    let cache = TempDir::new("w-cache");
+    let m = start_mirror(&fx.origin_url(), &cache.0, &[]);
+    let out = TempDir::new("w-resume");
+    let (url, dir) = (m.url(), s(&out.0));
+    let base = [
+        fx.big.name,
+        "--mirror",
+        &url,
+        "--out",
+        &dir,
+        "--parallel",
+        "8",
+    ];
+    // Paced so the kill lands mid-pull; no hedging, so every fetch is a piece in flight.
+    let mut first = base.to_vec();
+    first.extend(["--no-hedge", "--limit-rate", "50M"]);
+    let mut p = Pull::start(&first);
+    let end = Instant::now() + Duration::from_secs(60);
+    while metric(&m, "tokenway_mirror_bytes_served_total").await < fx.big.size / 2 {
+        assert!(
+            Instant::now() < end,
+            "pull made no progress:\n{}",
+            p.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    p.child.kill().expect("SIGKILL");
+    let _ = p.child.wait();
+    let served_before = metric(&m, "tokenway_mirror_bytes_served_total").await;
+    assert!(
+        served_before < fx.big.size,
+        "the pull must be killed halfway"
+    );
+    let mut second = base.to_vec();
+    second.push("--no-hedge");
+    let err = pull_ok(&second).await;
+    assert_same_tree(&fx.big.src, &out.0);
+    let served = metric(&m, "tokenway_mirror_bytes_served_total").await;
+    let refetched = served - fx.big.size;
+    eprintln!(
+        "resume: killed after {served_before} bytes served; {refetched} bytes served twice; \
+         pieces_resumed={}",
+        field(&err, "pieces_resumed")
+    );
+    assert!(
+        refetched <= PARALLEL * PIECE,
+        "re-downloaded {refetched} bytes, more than {PARALLEL} pieces in flight"
+    );
+    // The pull's own counters say the same: the rerun fetched the rest and the in-flight.
+    assert!(field(&err, "bytes_fetched") <= fx.big.size - served_before + PARALLEL * PIECE);
+    assert!(field(&err, "pieces_resumed") + field(&err, "files_already_present") > 0);
+}
+
+#[tokio::test]
+async fn corrupt_pieces_from_a_mirror_or_a_peer_are_refetched_elsewhere_and_penalised() {
+    let fx = fixture();
+    let origin = fx.origin_url();
+    // A mirror corrupting every third piece, with the origin as the fallback.
+    let cache = TempDir::new("w-cache");
+    let bad = start_mirror(&origin, &cache.0, &["--test-corrupt-every", "3"]);
+    let out = TempDir::new("w-corrupt");
+    let err = pull_ok(&[
+        fx.small.name,
+        "--mirror",
+        &bad.url(),
+        "--origin",
+        &origin,
+        "--out",
+        &s(&out.0),
+    ])
+    .await;
+    assert_same_tree(&fx.small.src, &out.0);
+    assert!(field(&err, "pieces_corrupt") >= 1, "{err}");
+    assert!(
+        err.contains(&format!("penalised=[mirror={}:", bad.url())),
+        "{err}"
+    );
+    assert!(field(&err, "bytes_from_origin") > 0);
+    assert!(metric(&bad, "tokenway_mirror_faults_injected_total").await >= 1);
+
+    // A peer corrupting every second piece it serves; a clean mirror behind it.
+    let cache2 = TempDir::new("w-cache");
+    let good = start_mirror(&origin, &cache2.0, &[]);
+    let (o1, o2) = (TempDir::new("w-peer1"), TempDir::new("w-peer2"));
+    let peer = Pull::start(&[
+        fx.small.name,
+        "--mirror",
+        &good.url(),
+        "--out",
+        &s(&o1.0),
+        "--serve",
+        "127.0.0.1:0",
+        "--test-corrupt-every",
+        "2",
+    ]);
+    let peer_addr = peer
+        .serving
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the peer announces its address");
+    peer.wait_for("pull complete", Duration::from_secs(60))
+        .await;
+    let err = pull_ok(&[fx.small.name, "--mirror", &good.url(), "--out", &s(&o2.0)]).await;
+    assert_same_tree(&fx.small.src, &o2.0);
+    assert!(field(&err, "pieces_corrupt") >= 1, "{err}");
+    assert!(field(&err, "bytes_from_peers") > 0, "{err}");
+    assert!(
+        err.contains(&format!("peer=http://{peer_addr}:")),
+        "the peer is penalised: {err}"
+    );
+}
+
+#[tokio::test]
+async fn a_straggling_piece_is_hedged_to_another_source() {
+    let fx = fixture();
+    let origin = fx.origin_url();
+    let cache = TempDir::new("w-cache");
+    // Every 7th piece is held back for a minute (three times): only a hedge finishes it.
+    let slow = start_mirror(
+        &origin,
+        &cache.0,
+        &["--test-stall-every", "7", "--test-stall-ms", "60000"],
+    );
+    let out = TempDir::new("w-hedge");
+    let (ok, err) = Pull::start(&[
+        fx.small.name,
+        "--mirror",
+        &slow.url(),
+        "--origin",
+        &origin,
+        "--out",
+        &s(&out.0),
+    ])
+    .wait(Duration::from_secs(50))
+    .await;
+    assert!(ok, "{err}");
+    assert_same_tree(&fx.small.src, &out.0);
+    assert!(field(&err, "pieces_hedged") >= 1, "{err}");
+    assert!(field(&err, "hedge_wins") >= 1, "{err}");
+}
+
+#[tokio::test]
+async fn four_pullers_sharing_as_peers_cost_the_origin_about_one_copy() {
+    let fx = fixture();
+    let cache = TempDir::new("w-cache");
+    let m = start_mirror(&fx.origin_url(), &cache.0, &["--region", "eu"]);
+    let url = m.url();
+    let outs: Vec<TempDir> = (0..4).map(|i| TempDir::new(&format!("w-p{i}"))).collect();
+    let args = |o: &TempDir| {
+        vec![
+            fx.big.name.to_string(),
+            "--mirror".into(),
+            url.clone(),
+            "--out".into(),
+            s(&o.0),
+            "--serve".into(),
+            "127.0.0.1:0".into(),
+            "--region".into(),
+            "eu".into(),
+        ]
+    };
+    let start = |o: &TempDir| {
+        let a = args(o);
+        Pull::start(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    // The first node pulls from the mirror; three more join and share with it and with
+    // each other.
+    let first = start(&outs[0]);
+    first
+        .wait_for("pull complete", Duration::from_secs(120))
+        .await;
+    let others: Vec<Pull> = outs[1..].iter().map(start).collect();
+    let mut from_peers = 0;
+    for p in &others {
+        let err = p.wait_for("pull complete", Duration::from_secs(120)).await;
+        from_peers += field(&err, "bytes_from_peers");
+    }
+    for o in &outs {
+        assert_same_tree(&fx.big.src, &o.0);
+    }
+    let text = metrics(&m).await;
+    let origin = metric_sum(&text, "tokenway_mirror_bytes_from_origin_total");
+    let served = metric_sum(&text, "tokenway_mirror_bytes_served_total");
+    let reported = metric_sum(&text, "tokenway_mirror_bytes_from_peers_total");
+    let size = fx.big.size as f64;
+    eprintln!(
+        "four peers: origin {:.2}x, mirror served {:.2}x, peers {:.2}x (reported {:.2}x) of {} bytes",
+        origin / size,
+        served / size,
+        from_peers as f64 / size,
+        reported / size,
+        fx.big.size
+    );
+    assert!(
+        origin <= 1.1 * size,
+        "origin egress {origin} > 1.1 x {size}"
+    );
+    assert!(
+        served <= 1.1 * size,
+        "mirror served {served}: peers did not share"
+    );
+    assert!(from_peers as f64 >= 2.9 * size, "peers served {from_peers}");
+    assert_eq!(reported as u64, from_peers, "pullers report peer bytes");
+    drop(others);
+    drop(first);
+}
+
+#[tokio::test]
+async fn with_the_origin_down_a_mirror_serves_its_cache_and_a_clear_error_for_the_rest() {
+    let fx = fixture();
+    // A private origin (hard links: nothing is copied or modified) that can be taken down.
+    let tmp = TempDir::new("w-down");
+    let origin = tmp.0.join("origin");
+    link_tree(&fx.origin, &origin);
+    let origin_url = format!("file://{}", origin.display());
+    let m = start_mirror(&origin_url, &tmp.0.join("cache"), &[]);
+    let out = Command::new(bin())
+        .args(["preheat", fx.small.name, "--mirror", &m.url()])
+        .output()
+        .expect("tokenway preheat runs");
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "preheat failed: {text}");
+    assert!(text.contains("preheated org/small@r1"), "{text}");
+    assert_eq!(
+        metric(&m, "tokenway_mirror_bytes_from_origin_total").await,
+        fx.small.size
+    );
+
+    // The origin goes away: its directory becomes a plain file.
+    std::fs::rename(&origin, tmp.0.join("origin.gone")).expect("rename");
+    std::fs::write(&origin, b"down").expect("write");
+
+    let o = tmp.0.join("out");
+    let err = pull_ok(&[fx.small.name, "--mirror", &m.url(), "--out", &s(&o)]).await;
+    assert_same_tree(&fx.small.src, &o);
+    assert_eq!(field(&err, "bytes_from_mirrors"), fx.small.size);
+
+    let r = get(&format!("{}/v1/models/org/big/tags/latest", m.url())).await;
+    assert_eq!(r.status, 502, "{}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("JSON error");
+    assert_eq!(v["error"]["kind"], "origin_unavailable");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("origin unavailable")),
+        "{}",
+        r.body
+    );
+    let (ok, err) = Pull::start(&[
+        fx.big.name,
+        "--mirror",
+        &m.url(),
+        "--out",
+        &s(&tmp.0.join("out2")),
+    ])
+    .wait(Duration::from_secs(60))
+    .await;
+    assert!(!ok);
+    assert!(err.contains("origin unavailable"), "{err}");
+}
+
+fn link_tree(src: &Path, dst: &Path) {
+    for f in files(src) {
+        let to = dst.join(f.strip_prefix(src).expect("under src"));
+        std::fs::create_dir_all(to.parent().expect("parent")).expect("mkdir");
+        std::fs::hard_link(&f, &to).expect("hard link");
+    }
+}
+
+#[tokio::test]
+async fn bad_names_unknown_tags_and_truncated_manifests_give_clear_errors() {
+    let fx = fixture();
+    let tmp = TempDir::new("w-bad");
+    // An origin holding a truncated manifest.
+    let origin = tmp.0.join("origin");
+    let rev = origin.join("models/org/trunc/revisions");
+    std::fs::create_dir_all(&rev).expect("mkdir");
+    std::fs::create_dir_all(origin.join("models/org/trunc/tags")).expect("mkdir");
+    std::fs::write(origin.join("models/org/trunc/tags/latest"), b"r1\n").expect("tag");
+    std::fs::write(
+        rev.join("r1.json"),
+        br#"{"format": 1, "model": "org/trunc", "revi"#,
+    )
+    .expect("manifest");
+    let bad_origin = start_mirror(
+        &format!("file://{}", origin.display()),
+        &tmp.0.join("c1"),
+        &[],
+    );
+    let good = start_mirror(&fx.origin_url(), &tmp.0.join("c2"), &[]);
+    let out = s(&tmp.0.join("out"));
+    for (model, mirror, want) in [
+        ("../etc", &good, "invalid model"),
+        ("org/small:no-such-tag", &good, "not found"),
+        ("org/small@r9", &good, "not found"),
+        ("org/trunc", &bad_origin, "invalid manifest"),
+    ] {
+        let (ok, err) = Pull::start(&[model, "--mirror", &mirror.url(), "--out", &out])
+            .wait(Duration::from_secs(30))
+            .await;
+        assert!(!ok, "{model} must fail");
+        assert!(err.contains(want), "{model}: expected {want:?} in:\n{err}");
+    }
+    let (ok, err) = Pull::start(&["org/small", "--mirror", "https://x:1", "--out", &out])
+        .wait(Duration::from_secs(30))
+        .await;
+    assert!(!ok && err.contains("https is not supported"), "{err}");
+    let out = Command::new(bin())
+        .args(["mirror", "--origin", "file:///tmp/x", "--cache", "/tmp/y"])
+        .args(["--max-size", "10X"])
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unit must be one of"));
+}
+
+/// Unmounts on drop.
+struct Mount(PathBuf);
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_stops_the_pull_with_a_clear_error_and_a_rerun_resumes() {
+    let fx = fixture();
+    let tmp = TempDir::new("w-full");
+    let dir = tmp.0.join("tmpfs");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs", &s(&dir)])
+        .output();
+    let Some(mounted) = mounted.ok().filter(|o| o.status.success()) else {
+        eprintln!(
+            "SKIP a_full_disk_...: cannot mount a small tmpfs here (needs root and mount \
+             rights; CI runs as root)"
+        );
+        return;
+    };
+    drop(mounted);
+    let _mount = Mount(dir.clone());
+    let origin = fx.origin_url();
+    let args = [fx.small.name, "--origin", &origin, "--out", &s(&dir)];
+    let (ok, err) = Pull::start(&args).wait(Duration::from_secs(60)).await;
+    assert!(!ok, "the pull cannot fit in 8 MiB");
+    assert!(
+        err.contains("No space left on device") && err.contains("rerun to resume"),
+        "{err}"
+    );
+    let partial = dir.join(".partial");
+    let records = std::fs::read_dir(&partial)
+        .expect(".partial kept")
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".progress"))
+        })
+        .count();
+    assert!(records >= 1, "progress records are kept");
+    // More room, same command: it resumes.
+    let grown = Command::new("mount")
+        .args(["-o", "remount,size=64m", &s(&dir)])
+        .status()
+        .expect("remount runs");
+    assert!(grown.success());
+    let err = pull_ok(&args).await;
+    assert!(field(&err, "pieces_resumed") >= 1, "{err}");
+    assert_same_tree(&fx.small.src, &dir);
+}
