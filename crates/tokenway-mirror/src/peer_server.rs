@@ -24,6 +24,9 @@ use crate::http_error::ServeError;
 use crate::manifest::Blake3Hash;
 use crate::range_server::{blob_response, error_response, full, Body, PieceFetch};
 
+/// Connections served at once; more are closed at accept.
+pub const MAX_CONNECTIONS: usize = 1024;
+
 /// A peer server's shared state.
 pub struct PeerServer {
     holdings: Arc<Holdings>,
@@ -119,6 +122,7 @@ impl PeerServer {
     /// Serves on `listener` until `shutdown` resolves.
     pub async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
         let builder = auto::Builder::new(TokioExecutor::new());
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         tokio::pin!(shutdown);
         loop {
             let (stream, _) = tokio::select! {
@@ -131,6 +135,10 @@ impl PeerServer {
                     }
                 },
                 () = &mut shutdown => return,
+            };
+            let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+                tracing::warn!("{MAX_CONNECTIONS} peer connections open; closing a new one");
+                continue;
             };
             let _ = stream.set_nodelay(true);
             let me = Arc::clone(&self);
@@ -145,6 +153,7 @@ impl PeerServer {
                 if let Err(e) = conn.await {
                     tracing::debug!(error = %e, "peer connection ended with an error");
                 }
+                drop(permit);
             });
         }
     }

@@ -38,6 +38,8 @@ use crate::range_server::{blob_response, error_response, full, Body, PieceFetch}
 
 /// Largest request body accepted (announcements, preheat requests).
 pub const MAX_BODY: usize = 4 << 20;
+/// Connections served at once; more are closed at accept (each may hold a piece in memory).
+pub const MAX_CONNECTIONS: usize = 4096;
 /// How long open responses may finish after shutdown.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -49,6 +51,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let graceful = GracefulShutdown::new();
     let builder = auto::Builder::new(TokioExecutor::new());
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     tokio::pin!(shutdown);
     loop {
         let (stream, _) = tokio::select! {
@@ -61,6 +64,10 @@ pub async fn serve(
                 }
             },
             () = &mut shutdown => break,
+        };
+        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+            tracing::warn!("{MAX_CONNECTIONS} connections open; closing a new one");
+            continue;
         };
         let _ = stream.set_nodelay(true);
         let m = Arc::clone(&mirror);
@@ -76,6 +83,7 @@ pub async fn serve(
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "mirror connection ended with an error");
             }
+            drop(permit);
         });
     }
     let _ = tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await;
