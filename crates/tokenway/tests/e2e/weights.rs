@@ -572,6 +572,45 @@ async fn four_pullers_sharing_as_peers_cost_the_origin_about_one_copy() {
 }
 
 #[tokio::test]
+async fn a_mirror_cache_smaller_than_the_model_evicts_and_stays_within_its_bound() {
+    let fx = fixture();
+    let tmp = TempDir::new("w-evict");
+    let cache = s(&tmp.0.join("cache"));
+    let m = start_args(
+        &[
+            "mirror",
+            "--origin",
+            &fx.origin_url(),
+            "--cache",
+            &cache,
+            "--max-size",
+            "8M",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        false,
+    );
+    let out = tmp.0.join("out");
+    pull_ok(&[fx.small.name, "--mirror", &m.url(), "--out", &s(&out)]).await;
+    assert_same_tree(&fx.small.src, &out);
+    let text = metrics(&m).await;
+    let used = metric_sum(&text, "tokenway_mirror_cache_bytes ") as u64;
+    let evicted = metric_sum(&text, "tokenway_mirror_cache_evictions_total") as u64;
+    assert!(used <= 8 << 20, "cache holds {used} bytes, bound 8 MiB");
+    assert!(evicted >= (fx.small.size >> 20) - 8, "evicted {evicted}");
+    assert_eq!(
+        metric_sum(&text, "tokenway_mirror_bytes_from_origin_total") as u64,
+        fx.small.size
+    );
+    // The bound holds on disk too.
+    let on_disk: u64 = files(&tmp.0.join("cache/pieces"))
+        .iter()
+        .map(|f| std::fs::metadata(f).expect("stat").len())
+        .sum();
+    assert!(on_disk <= 8 << 20, "{on_disk} bytes of pieces on disk");
+}
+
+#[tokio::test]
 async fn with_the_origin_down_a_mirror_serves_its_cache_and_a_clear_error_for_the_rest() {
     let fx = fixture();
     // A private origin (hard links: nothing is copied or modified) that can be taken down.
