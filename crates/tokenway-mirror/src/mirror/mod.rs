@@ -161,6 +161,16 @@ impl Mirror {
 
     /// The Prometheus text of this mirror.
     pub fn metrics_text(&self) -> String {
+        {
+            let mut dir = self
+                .peers
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            dir.expire(std::time::Instant::now());
+            self.metrics
+                .peers
+                .set(i64::try_from(dir.len()).unwrap_or(i64::MAX));
+        }
         self.metrics
             .cache_bytes
             .set(i64::try_from(self.cache.used()).unwrap_or(i64::MAX));

@@ -19,6 +19,9 @@ use crate::piece_bits::{PieceBits, PieceBitsWire};
 pub const MAX_BLOBS: usize = 4096;
 /// Longest peer id.
 pub const MAX_ID_LEN: usize = 128;
+/// Peers in one answer; with more holders a random subset is handed out, which also
+/// spreads pullers over them.
+pub const MAX_REPLY_PEERS: usize = 64;
 
 /// What a puller sends to `POST /v1/peers/announce`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -149,7 +152,7 @@ impl PeerDirectory {
                 seen: now,
             },
         );
-        let peers = self
+        let mut peers: Vec<PeerView> = self
             .peers
             .iter()
             .filter(|(id, p)| **id != a.id && p.region == region)
@@ -170,6 +173,11 @@ impl PeerDirectory {
                 })
             })
             .collect();
+        if peers.len() > MAX_REPLY_PEERS {
+            use rand::seq::SliceRandom as _;
+            peers.shuffle(&mut rand::rng());
+            peers.truncate(MAX_REPLY_PEERS);
+        }
         Ok((AnnounceReply { region, peers }, delta))
     }
 
@@ -258,5 +266,29 @@ mod tests {
             .contains("full"));
         let bad = ann("c", "", Some("not an address"), &[]);
         assert!(d.announce(bad, now).is_err());
+    }
+
+    #[test]
+    fn an_answer_hands_out_at_most_a_bounded_number_of_peers() {
+        let h = Blake3Hash::of(b"blob");
+        let now = Instant::now();
+        let mut d = PeerDirectory::new("eu", 1000, Duration::from_secs(10));
+        for i in 0..100 {
+            let addr = format!("127.0.0.1:{}", 1000 + i);
+            d.announce(
+                ann(
+                    &format!("p{i}"),
+                    "",
+                    Some(&addr),
+                    &[(h, PieceBits::full(2))],
+                ),
+                now,
+            )
+            .unwrap();
+        }
+        let (reply, _) = d
+            .announce(ann("me", "", None, &[(h, PieceBits::empty(2))]), now)
+            .unwrap();
+        assert_eq!(reply.peers.len(), MAX_REPLY_PEERS);
     }
 }
