@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Installs what the tests need that a fresh machine may lack: curl, iproute2 (as root, for the
-# netlab tests), and the Python packages `openai` (the official client), `aioquic` (an
-# independent HTTP/3 client) and `moto[server]` (an S3-compatible server). Safe to run
-# repeatedly; does nothing when everything is present.
+# Installs what the tests need that a fresh machine may lack: curl, aria2 (compared with in
+# bench weights), iproute2 (as root, for the netlab tests), and the Python packages `openai`
+# (the official client), `aioquic` (an independent HTTP/3 client) and `moto[server]` (an
+# S3-compatible server). Safe to run repeatedly; does nothing when everything is present.
 set -euo pipefail
 
 need_apt=()
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-pip)
+# aria2c (-x8) is the multi-connection downloader `tokenway bench weights` compares pulls with.
+command -v aria2c >/dev/null 2>&1 || need_apt+=(aria2)
 # The netlab tests (root only) build namespaces with iproute2's `ip`.
 if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null 2>&1; then need_apt+=(iproute2); fi
 if [ ${#need_apt[@]} -gt 0 ]; then

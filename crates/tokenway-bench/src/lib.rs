@@ -6,6 +6,8 @@
 //!
 //! - [`gateway`] — `tokenway bench gateway`, direct vs. `tokenway gateway` vs. nginx.
 //! - [`transport`] — `tokenway bench transport`, h1/h2/h3/tunnel side by side on netlab links.
+//! - [`weights`] — `tokenway bench weights`, one pull alone vs. eight at once through a mirror,
+//!   origin egress, and a pull's throughput against curl and aria2c.
 //! - [`plot`] — SVG plots (CDFs).
 //! - [`load`] — the streaming load generator.
 //! - [`process`] — child servers, their memory and CPU time.
@@ -21,6 +23,7 @@ pub mod process;
 pub mod report;
 pub mod stats;
 pub mod transport;
+pub mod weights;
 
 /// Why a benchmark could not run.
 #[derive(Debug, thiserror::Error)]

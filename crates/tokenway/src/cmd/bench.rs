@@ -16,6 +16,40 @@ pub enum BenchCommand {
     /// links (netlab profiles, root): TTFT with and without connection setup, 0-RTT, largest
     /// inter-token gap, uploads and mixes; JSON, Markdown and SVG plots.
     Transport(TransportBenchArgs),
+    /// Weights distribution: a generated model (2 GB) through one `tokenway mirror` to one
+    /// `tokenway pull` alone and to eight at once sharing as peers (origin egress, time of
+    /// each), and one pull's throughput against curl and aria2c -x8 on the same blob.
+    Weights(WeightsBenchArgs),
+}
+
+/// Flags of `tokenway bench weights`.
+#[derive(clap::Args)]
+pub struct WeightsBenchArgs {
+    /// Smoke run: a 64 MB model and four pullers; well under 30 s.
+    #[arg(long)]
+    pub quick: bool,
+    /// Directory for results.json, results.md, plots/, logs, the generated model (kept and
+    /// reused) and scratch data (deleted at the end).
+    #[arg(long, default_value = "bench-out/weights")]
+    pub out: PathBuf,
+    /// Model size, binary units (`2G`, `500M`) [default: 2G, --quick 64M].
+    #[arg(long, value_parser = tokenway_mirror::size::parse_size)]
+    pub size: Option<u64>,
+    /// Pullers started at once in the crowd scenario [default: 8, --quick 4].
+    #[arg(long)]
+    pub pullers: Option<usize>,
+    /// Pieces each pull fetches at once (`tokenway pull --parallel`).
+    #[arg(long, default_value_t = 8)]
+    pub parallel: usize,
+    /// Piece size the model is published with, KiB.
+    #[arg(long, default_value_t = 4096)]
+    pub piece_size_kib: u64,
+    /// Seed of the generated model.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Keep the mirror caches and pulled copies under <out>/work.
+    #[arg(long)]
+    pub keep_work: bool,
 }
 
 /// Flags of `tokenway bench gateway`.
@@ -102,6 +136,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Gateway(args) => gateway(args).await,
         BenchCommand::Transport(args) => transport(args).await,
+        BenchCommand::Weights(args) => weights(args).await,
     }
 }
 
@@ -226,6 +261,48 @@ async fn gateway(args: GatewayBenchArgs) -> anyhow::Result<()> {
         "results: {} and {}",
         options.out_dir.join("results.json").display(),
         options.out_dir.join("results.md").display()
+    );
+    Ok(())
+}
+
+async fn weights(args: WeightsBenchArgs) -> anyhow::Result<()> {
+    let size = args
+        .size
+        .unwrap_or(if args.quick { 64 << 20 } else { 2 << 30 });
+    if !(1 << 20..=1 << 40).contains(&size) {
+        anyhow::bail!("--size must be between 1M and 1T, got {size} bytes");
+    }
+    let pullers = args.pullers.unwrap_or(if args.quick { 4 } else { 8 });
+    if !(1..=64).contains(&pullers) {
+        anyhow::bail!("--pullers must be in 1..=64, got {pullers}");
+    }
+    if !(1..=256).contains(&args.parallel) {
+        anyhow::bail!("--parallel must be in 1..=256, got {}", args.parallel);
+    }
+    if !(64..=65536).contains(&args.piece_size_kib) {
+        anyhow::bail!(
+            "--piece-size-kib must be in 64..=65536, got {}",
+            args.piece_size_kib
+        );
+    }
+    let options = tokenway_bench::weights::WeightsBenchOptions {
+        exe: std::env::current_exe().context("cannot locate the tokenway executable")?,
+        out_dir: args.out,
+        size,
+        pullers,
+        parallel: args.parallel,
+        piece_size_kib: args.piece_size_kib,
+        seed: args.seed,
+        keep_work: args.keep_work,
+        command_line: command_line(),
+    };
+    let report = tokenway_bench::weights::run(&options).await?;
+    println!("{}", report.to_markdown());
+    println!(
+        "results: {} and {}, plot in {}",
+        options.out_dir.join("results.json").display(),
+        options.out_dir.join("results.md").display(),
+        options.out_dir.join("plots").display()
     );
     Ok(())
 }

@@ -97,3 +97,65 @@ fn bench_transport_quick_writes_json_markdown_and_plots_for_every_transport() {
         "{namespaces:?} {links:?}"
     );
 }
+
+/// `tokenway bench weights --quick`: a 64 MB model through real mirror and pull processes,
+/// one pull alone, one through the warm mirror, curl on the largest blob, and four pullers at
+/// once; the report, the verdicts and the plot are written and the scratch data deleted.
+/// Asserts what the counters must say (each cold mirror fetched exactly one copy from the
+/// origin), never time.
+#[test]
+fn bench_weights_quick_reports_one_origin_copy_and_every_target() {
+    let dir = TempDir::new("bench-weights");
+    let out = dir.0.join("out");
+    let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))
+        .args(["bench", "weights", "--quick", "--out"])
+        .arg(&out)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("tokenway runs");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "bench weights --quick failed ({}):\nstdout: {stdout}\nstderr: {stderr}",
+        run.status
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&non_empty(&out.join("results.json"))).expect("results.json is JSON");
+    let size = json["settings"]["model_bytes"]
+        .as_u64()
+        .expect("model size");
+    assert!(size >= 60 << 20, "{json}");
+    assert_eq!(
+        json["alone_mirror"]["bytes_from_origin"].as_u64(),
+        Some(size)
+    );
+    assert_eq!(
+        json["crowd"]["mirror"]["bytes_from_origin"].as_u64(),
+        Some(size)
+    );
+    let pulls = json["crowd"]["pulls"].as_array().expect("crowd pulls");
+    assert_eq!(pulls.len(), 4, "{json}");
+    for p in pulls.iter().chain([&json["alone"], &json["warm"]]) {
+        let got = p["bytes_from_mirrors"].as_u64().unwrap_or(0)
+            + p["bytes_from_peers"].as_u64().unwrap_or(0);
+        assert_eq!(got, size, "every pull got the whole model: {p}");
+    }
+    if !json["machine"]["curl_version"].is_null() {
+        assert_eq!(
+            json["curl"]["bytes"].as_u64(),
+            json["settings"]["largest_file_bytes"].as_u64(),
+            "{json}"
+        );
+    }
+    let verdicts = json["verdicts"].as_array().map_or(0, Vec::len);
+    assert!((4..=5).contains(&verdicts), "{json}");
+    let md = non_empty(&out.join("results.md"));
+    assert!(
+        md.contains("### Verdict") && md.contains("origin egress"),
+        "{md}"
+    );
+    let svg = non_empty(&out.join("plots").join("weights-pull-times.svg"));
+    assert!(svg.contains("<svg"), "plot written");
+    assert!(!out.join("work").exists(), "scratch data is deleted");
+}
