@@ -42,6 +42,10 @@ pub struct EdgeConfig {
     /// request can be retried on a fresh connection).
     #[serde(default = "default_max_body")]
     pub max_body_bytes: usize,
+    /// How often the local address towards each gateway is checked, milliseconds; when it
+    /// changes the QUIC endpoint rebinds so connections migrate at once (0 = never).
+    #[serde(default = "default_address_check")]
+    pub address_check_ms: u64,
     /// TCP port forwards through the tunnel.
     #[serde(default)]
     pub forwards: Vec<ForwardEntry>,
@@ -102,6 +106,9 @@ fn default_connect_timeout() -> u64 {
 }
 fn default_quic_retry() -> u64 {
     3_000
+}
+fn default_address_check() -> u64 {
+    100
 }
 fn default_max_body() -> usize {
     32 << 20
@@ -188,6 +195,12 @@ impl EdgeConfig {
                 self.quic_retry_ms
             ));
         }
+        if self.address_check_ms != 0 && !(20..=60_000).contains(&self.address_check_ms) {
+            return bad(format!(
+                "address_check_ms must be 0 (off) or in 20..=60000 (got {})",
+                self.address_check_ms
+            ));
+        }
         if self.max_body_bytes < 1024 || self.max_body_bytes > 1 << 30 {
             return bad(format!(
                 "max_body_bytes must be in 1024..=1073741824 (got {})",
@@ -250,6 +263,11 @@ impl EdgeConfig {
     /// `quic_retry_ms` as a duration.
     pub fn quic_retry(&self) -> Duration {
         Duration::from_millis(self.quic_retry_ms)
+    }
+
+    /// The roaming check interval, `None` when disabled.
+    pub fn address_check(&self) -> Option<Duration> {
+        (self.address_check_ms > 0).then(|| Duration::from_millis(self.address_check_ms))
     }
 }
 

@@ -12,6 +12,7 @@ pub mod config;
 mod error;
 pub mod forward;
 pub mod metrics;
+pub mod roaming;
 pub mod select;
 pub mod server;
 pub mod tunnel;
@@ -34,6 +35,13 @@ pub async fn bind(config: EdgeConfig) -> Result<BoundEdge, EdgeError> {
     config.validate()?;
     let metrics = Arc::new(metrics::EdgeMetrics::new());
     let tunnel = tunnel::Tunnel::start(&config, metrics.quic.clone()).await?;
+    if let Some(every) = config.address_check() {
+        tokio::spawn(roaming::watch(
+            Arc::downgrade(&tunnel),
+            every,
+            metrics.rebinds("address_change"),
+        ));
+    }
     let listener = server::bind(config.listen).await?;
     let mut forwards = Vec::new();
     for f in &config.forwards {

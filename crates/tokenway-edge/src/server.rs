@@ -148,7 +148,10 @@ async fn handle(
             r
         }
         (&Method::POST, "/admin/rebind") => match local.tunnel.rebind() {
-            Ok(addr) => Response::new(full(format!("rebound to {addr}\n"))),
+            Ok(addr) => {
+                local.metrics.rebinds("admin").inc();
+                Response::new(full(format!("rebound to {addr}\n")))
+            }
             Err(e) => error(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "rebind_failed",

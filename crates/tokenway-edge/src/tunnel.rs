@@ -45,6 +45,8 @@ struct Link {
     conn: Mutex<Option<Conn>>,
     last_rtt: Mutex<Option<Duration>>,
     wake: Notify,
+    /// A background QUIC re-probe (while on the TCP fallback) is running.
+    probing: std::sync::atomic::AtomicBool,
 }
 
 impl Link {
@@ -167,6 +169,7 @@ impl Tunnel {
                     conn: Mutex::new(None),
                     last_rtt: Mutex::new(None),
                     wake: Notify::new(),
+                    probing: std::sync::atomic::AtomicBool::new(false),
                 })
             })
             .collect();
@@ -185,6 +188,11 @@ impl Tunnel {
             tokio::spawn(run_link(Arc::downgrade(&tunnel), i));
         }
         Ok(tunnel)
+    }
+
+    /// The gateways' QUIC addresses.
+    pub fn quic_addrs(&self) -> Vec<SocketAddr> {
+        self.links.iter().filter_map(|l| l.target.quic).collect()
     }
 
     /// Moves the QUIC endpoint to a fresh UDP socket; open connections migrate.
@@ -364,6 +372,24 @@ async fn quic_established(conn: &Conn) -> bool {
     !q.is_closed() && q.zero_rtt() != ZeroRtt::Pending
 }
 
+/// While link `i` is on the TCP fallback: tries QUIC once and, when the handshake completes,
+/// moves new requests to it (requests in flight finish on TCP).
+async fn reprobe_quic(tunnel: std::sync::Weak<Tunnel>, i: usize) {
+    let Some(t) = tunnel.upgrade() else { return };
+    let link = t.links[i].clone();
+    let last_rtt = *lock(&link.last_rtt);
+    if let Ok(q) = t.dialer.quic(&link.target, last_rtt).await {
+        // Only replace a TCP connection (or none); a link that meanwhile got QUIC keeps it.
+        let on_tcp = link.current().is_none_or(|c| !c.is_quic());
+        if on_tcp && quic_established(&q).await {
+            tracing::info!(gateway = %link.target.name, "QUIC works again; new requests move back to it");
+            t.set_conn(i, Some(q));
+        }
+    }
+    link.probing
+        .store(false, std::sync::atomic::Ordering::Release);
+}
+
 async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
     let mut backoff = Duration::from_millis(100);
     let mut next_quic_try = Instant::now();
@@ -412,13 +438,10 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                 }
                 if !c.is_quic() && Instant::now() >= next_quic_try {
                     next_quic_try = Instant::now() + t.quic_retry;
-                    let last_rtt = *lock(&link.last_rtt);
-                    if let Ok(q) = t.dialer.quic(&link.target, last_rtt).await {
-                        if quic_established(&q).await {
-                            tracing::info!(gateway = %link.target.name, "QUIC works again; new requests move back to it");
-                            t.set_conn(i, Some(q));
-                            continue;
-                        }
+                    // On its own task: a QUIC dial into a UDP black hole takes the whole
+                    // connect timeout, and the link must stay free to redial TCP meanwhile.
+                    if !link.probing.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                        tokio::spawn(reprobe_quic(tunnel.clone(), i));
                     }
                 }
             }

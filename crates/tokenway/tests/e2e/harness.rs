@@ -102,6 +102,18 @@ fn start(role: &str, toml: &str, extra: &[&str], want_tls: bool) -> Proc {
 }
 
 fn start_inner(role: &str, toml: Option<&str>, extra: &[&str], want_tls: bool) -> Proc {
+    start_in(None, role, toml, extra, want_tls)
+}
+
+/// Starts `tokenway ROLE` inside network namespace `ns` (`ip netns exec`, which execs, so the
+/// child is the tokenway process itself), or in this one with `None`.
+pub fn start_in(
+    ns: Option<&str>,
+    role: &str,
+    toml: Option<&str>,
+    extra: &[&str],
+    want_tls: bool,
+) -> Proc {
     let dir = TempDir::new(role);
     let mut config_args = Vec::new();
     if let Some(toml) = toml {
@@ -110,7 +122,15 @@ fn start_inner(role: &str, toml: Option<&str>, extra: &[&str], want_tls: bool) -
         config_args.push("--config".to_string());
         config_args.push(path.display().to_string());
     }
-    let mut child = Command::new(bin())
+    let mut command = match ns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, bin()]);
+            c
+        }
+        None => Command::new(bin()),
+    };
+    let mut child = command
         .arg(role)
         .args(&config_args)
         .args(extra)
