@@ -13,6 +13,7 @@
 pub mod config;
 pub mod discovery;
 pub mod error;
+pub mod forward_tcp;
 pub mod h3_front;
 pub mod masquerade;
 pub mod probe;

@@ -278,7 +278,8 @@ async fn serve_connection<S>(
         req.extensions_mut().insert(PeerAddr(peer));
         service::handle(shared.clone(), req)
     });
-    let conn = builder.serve_connection(TokioIo::new(stream), svc);
+    // With upgrades: CONNECT port forwarding from edges on their TCP fallback.
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
     if let Err(e) = watcher.watch(conn.into_owned()).await {
         tracing::debug!(error = %e, "connection ended with an error");
     }

@@ -74,6 +74,9 @@ pub async fn handle(
             if let Err(e) = tunnel.admit(req.headers_mut(), Instant::now()) {
                 return Ok(e.into_response());
             }
+            if req.method() == Method::CONNECT {
+                return Ok(crate::forward_tcp::connect(&shared, req).await);
+            }
             transport = Transport::TunnelTcp;
         }
     }

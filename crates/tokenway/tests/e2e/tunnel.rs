@@ -390,19 +390,38 @@ fn free_tcp_port() -> SocketAddr {
 
 #[tokio::test]
 async fn port_forwarding_reaches_an_allowed_echo_server_and_refuses_other_targets() {
+    port_forwarding(false).await;
+}
+
+#[tokio::test]
+async fn port_forwarding_works_over_the_tcp_fallback_too() {
+    port_forwarding(true).await;
+}
+
+/// An echo server reached through the tunnel, a non-allow-listed one refused; with
+/// `udp_unusable` the edge's QUIC address is a closed port, so everything rides the HTTP/2
+/// over TLS fallback (CONNECT on the gateway's TCP front).
+async fn port_forwarding(udp_unusable: bool) {
     let echo = echo_server().await;
     let other = echo_server().await;
     let backend = sim(FAST_SIM);
     let gw = tunnel_gateway(&backend, "", &format!("forward_allow = [\"{echo}\"]"));
     let (allowed, refused) = (free_tcp_port(), free_tcp_port());
-    let _edge = edge_for(
-        &gw,
+    let quic = if udp_unusable {
+        closed_udp_port()
+    } else {
+        tunnel_addr(&gw)
+    };
+    let edge = edge(&edge_config(
+        &fingerprint(&gw),
+        quic,
+        gw.tls_addr,
         "",
         &format!(
             "[[forwards]]\nlisten = \"{allowed}\"\ntarget = \"{echo}\"\n\
              [[forwards]]\nlisten = \"{refused}\"\ntarget = \"{other}\"\n"
         ),
-    );
+    ));
     let mut s = tokio::net::TcpStream::connect(allowed)
         .await
         .expect("connect");
@@ -425,6 +444,13 @@ async fn port_forwarding_reaches_an_allowed_echo_server_and_refuses_other_target
         .expect("closed in time")
         .unwrap_or(0);
     assert_eq!(n, 0, "a refused target must not answer");
+    if udp_unusable {
+        let text = metrics(&edge).await;
+        assert!(
+            metric_sum(&text, "tokenway_tcp_fallback_total") >= 1.0,
+            "the forward did not ride the TCP fallback: {text}"
+        );
+    }
 }
 
 #[tokio::test]
