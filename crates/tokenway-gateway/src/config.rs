@@ -53,6 +53,9 @@ pub struct GatewayConfig {
     pub backends_file: Option<PathBuf>,
     /// `[discovery]`: backends found in DNS (A/AAAA and SRV records), refreshed on an interval.
     pub discovery: DiscoverySettings,
+    /// `[overflow]`: peer gateways (other regions) reached through the tunnel when no local
+    /// backend can take a request; the keys of an edge configuration (docs/routing.md).
+    pub overflow: Option<tokenway_edge::EdgeConfig>,
 }
 
 impl Default for GatewayConfig {
@@ -76,6 +79,7 @@ impl Default for GatewayConfig {
             backends: Vec::new(),
             backends_file: None,
             discovery: DiscoverySettings::default(),
+            overflow: None,
         }
     }
 }
@@ -317,6 +321,11 @@ impl GatewayConfig {
     pub fn validate(&self) -> Result<(), GatewayError> {
         fn bad(key: &str, rule: &str, got: impl std::fmt::Display) -> GatewayError {
             GatewayError::Config(format!("{key} must be {rule} (got {got})"))
+        }
+        if let Some(peers) = &self.overflow {
+            peers
+                .validate()
+                .map_err(|e| GatewayError::Config(format!("[overflow]: {e}")))?;
         }
         if self.listen.is_none()
             && self.tls_listen.is_none()

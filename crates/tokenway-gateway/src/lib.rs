@@ -16,6 +16,7 @@ pub mod error;
 pub mod forward_tcp;
 pub mod h3_front;
 pub mod masquerade;
+pub mod overflow;
 pub mod probe;
 pub mod proxy;
 pub mod relay;

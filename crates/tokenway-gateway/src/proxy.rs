@@ -372,7 +372,7 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
-fn copy_end_to_end_headers(from: &HeaderMap, to: &mut HeaderMap) {
+pub(crate) fn copy_end_to_end_headers(from: &HeaderMap, to: &mut HeaderMap) {
     for (name, value) in from {
         if !is_hop_by_hop(name) {
             to.append(name.clone(), value.clone());

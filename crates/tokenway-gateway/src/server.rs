@@ -41,6 +41,12 @@ pub struct BoundGateway {
 /// Binds the listeners of `config` (port 0 picks a free port; see [`BoundGateway::plain_addr`]).
 pub async fn bind(config: GatewayConfig) -> Result<BoundGateway, GatewayError> {
     let shared = Shared::new(config)?;
+    if let Some(peers) = &shared.config.overflow {
+        let tunnel = tokenway_edge::tunnel::Tunnel::start(peers, shared.quic_metrics.clone())
+            .await
+            .map_err(|e| GatewayError::Config(format!("[overflow]: {e}")))?;
+        let _ = shared.overflow.set(tunnel);
+    }
     let plain = match shared.config.listen {
         Some(addr) => Some(listen(addr).await?),
         None => None,

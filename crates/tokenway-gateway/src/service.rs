@@ -180,10 +180,24 @@ where
     let body = read_body(shared, &parts.headers, body).await?;
     let meta = RequestMeta::parse(&body)?;
     let request = Arc::new(route_request(shared, &parts, &meta)?);
-    let routed = shared
-        .router()
-        .route(&request, Instant::now())
-        .map_err(|e| route_error(shared, e))?;
+    let overflow = crate::overflow::eligible(shared, &parts);
+    // A statement of its own: the router's lock must not be held across an await.
+    let routed = shared.router().route(&request, Instant::now());
+    let routed = match routed {
+        Ok(routed) => routed,
+        // Nothing local can take it (none healthy, all saturated, model not served here).
+        Err(
+            RouteError::NoHealthyBackend { .. }
+            | RouteError::Saturated { .. }
+            | RouteError::UnknownModel { .. },
+        ) if overflow.is_some() => {
+            let tunnel = overflow.expect("checked");
+            let (resp, peer) = crate::overflow::forward(tunnel, &parts, body).await?;
+            return Ok((resp, Some(peer)));
+        }
+        Err(e) => return Err(route_error(shared, e)),
+    };
+    let spare = overflow.map(|t| (t, body.clone()));
     let (resp, backend) = proxy::forward(
         shared,
         ProxyRequest {
@@ -197,6 +211,12 @@ where
         routed,
     )
     .await;
+    // Every local attempt failed before the first byte: a peer region may still serve it.
+    if let (None, Some((tunnel, body))) = (&backend, spare) {
+        if let Ok((resp, peer)) = crate::overflow::forward(tunnel, &parts, body).await {
+            return Ok((resp, Some(peer)));
+        }
+    }
     Ok((resp, backend))
 }
 

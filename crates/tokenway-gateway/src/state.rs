@@ -158,6 +158,8 @@ pub struct Shared {
     pub tunnel: Option<TunnelState>,
     /// `Alt-Svc` value advertising the HTTP/3 front on TCP responses.
     pub alt_svc: std::sync::OnceLock<HeaderValue>,
+    /// The tunnel to peer gateways, when `[overflow]` is configured (set once at bind).
+    pub overflow: std::sync::OnceLock<Arc<tokenway_edge::tunnel::Tunnel>>,
 }
 
 impl Shared {
@@ -221,6 +223,7 @@ impl Shared {
             stream_histograms: std::sync::RwLock::new(HashMap::new()),
             regions,
             alt_svc: std::sync::OnceLock::new(),
+            overflow: std::sync::OnceLock::new(),
         }))
     }
 
