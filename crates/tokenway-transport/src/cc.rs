@@ -192,8 +192,12 @@ impl Controller for Switchable {
         rtt: &quinn_proto::RttEstimator,
     ) {
         self.touch(now);
-        self.brutal.on_rtt(rtt.get());
-        self.brutal.on_acked(now, bytes);
+        if let Some(rate) = self.handle.rate() {
+            // The gain compares deliveries with the rate in force.
+            self.brutal.set_rate(rate);
+        }
+        self.brutal.on_rtt(rtt.conservative());
+        self.brutal.on_acked_app(now, bytes, app_limited);
         self.base.on_ack(now, sent, bytes, app_limited, rtt);
     }
 

@@ -11,6 +11,7 @@ mod examples;
 mod failover;
 mod h3;
 mod harness;
+mod lossy;
 mod overflow;
 mod roaming;
 mod routing;
