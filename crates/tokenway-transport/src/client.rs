@@ -179,6 +179,10 @@ impl QuicClient {
             (false, connecting) => (handshake(connecting, p.timeout, addr).await?, None),
         };
         let (driver, session) = start_h3(&conn).await.map_err(err)?;
+        // The datagram layer's FEC flush delay follows this connection's RTT.
+        if let Some(d) = &p.settings.datagram {
+            d.layer.follow_rtt(&conn);
+        }
         let sampler = p.metrics.as_ref().map(|m| {
             tokio::spawn(crate::stats::sample_connection(
                 conn.clone(),

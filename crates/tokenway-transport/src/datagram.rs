@@ -37,6 +37,13 @@
 //! and obfuscation); `QuicSettings::transport_config` lowers MTU discovery's ceiling
 //! accordingly.
 //!
+//! **RTT.** The FEC flush delay is min(5 ms, sRTT/8), so the sender towards a peer wants that
+//! connection's smoothed RTT, which only quinn knows. [`LayerSlot::follow_rtt`] feeds it: a
+//! task per connection copies `Connection::rtt()` into the sender of its current peer address
+//! every [`RTT_FOLLOW_INTERVAL`], until the connection closes. The slot is shared by the clones
+//! of the [`DatagramSettings`](crate::settings::DatagramSettings) the layer was built from and
+//! always points at the endpoint's current socket, so it follows a rebind.
+//!
 //! **Interactive scope.** With `fec_scope = "interactive"`, a peer counts as interactive while
 //! what is sent to it stays below `fec_bulk_above` (measured over 100 ms windows, leaving the
 //! bulk state only below half of it): token streams and short requests get FEC, a bulk upload
@@ -74,6 +81,8 @@ const RECV_BATCH: usize = 4;
 const RECV_BUF: usize = 65_536;
 /// Most datagrams waiting for quinn to read them; beyond it they are dropped and counted.
 const MAX_READY: usize = 256;
+/// How often [`LayerSlot::follow_rtt`] copies a connection's RTT into the layer.
+pub const RTT_FOLLOW_INTERVAL: Duration = Duration::from_millis(100);
 /// Window over which a peer's send rate is measured (interactive scope).
 const RATE_WINDOW: Duration = Duration::from_millis(100);
 
@@ -92,6 +101,8 @@ pub struct LayerConfig {
     pub metrics: Option<DatagramMetrics>,
     /// `server` or `client`, the metrics' `side` label.
     pub side: &'static str,
+    /// Where the wrapped socket is published (for [`LayerSlot::follow_rtt`]).
+    pub slot: Option<LayerSlot>,
 }
 
 impl LayerConfig {
@@ -116,7 +127,59 @@ impl LayerConfig {
             bulk_above: s.fec_bulk_above.bytes_per_sec(),
             metrics,
             side,
+            slot: Some(s.layer.clone()),
         })
+    }
+}
+
+/// Where an endpoint's current datagram layer is: shared by the clones of the settings it was
+/// built from, set each time a socket is wrapped with them (so it follows a rebind). Holds no
+/// strong reference: the layer ends with its endpoint.
+#[derive(Clone, Default)]
+pub struct LayerSlot(Arc<Mutex<Weak<DatagramSocket>>>);
+
+impl std::fmt::Debug for LayerSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let live = lock(&self.0).strong_count() > 0;
+        f.debug_struct("LayerSlot").field("live", &live).finish()
+    }
+}
+
+impl LayerSlot {
+    fn set(&self, socket: &Arc<DatagramSocket>) {
+        *lock(&self.0) = Arc::downgrade(socket);
+    }
+
+    /// A handle on the current layer, if one is alive.
+    pub fn handle(&self) -> Option<DatagramHandle> {
+        lock(&self.0)
+            .upgrade()
+            .map(|socket| DatagramHandle { socket })
+    }
+
+    /// Feeds `conn`'s smoothed RTT to the FEC sender towards its peer (see the module docs),
+    /// on a task of the current tokio runtime, until the connection closes. Without a runtime
+    /// or a layer it does nothing.
+    pub fn follow_rtt(&self, conn: &quinn::Connection) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let slot = self.clone();
+        let conn = conn.clone();
+        runtime.spawn(async move {
+            let mut tick = tokio::time::interval(RTT_FOLLOW_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = conn.closed() => return,
+                    _ = tick.tick() => {}
+                }
+                // Upgraded only for the update: the task never keeps a layer alive.
+                if let Some(h) = slot.handle() {
+                    h.set_srtt(conn.remote_address(), conn.rtt());
+                }
+            }
+        });
     }
 }
 
@@ -620,6 +683,14 @@ impl DatagramHandle {
             p.tx.set_srtt(srtt);
         }
     }
+
+    /// The smoothed RTT the FEC sender towards `peer` was last told, if any.
+    pub fn srtt(&self, peer: SocketAddr) -> Option<Duration> {
+        lock(&self.socket.state)
+            .peers
+            .get(&peer)
+            .and_then(|p| p.tx.srtt())
+    }
 }
 
 impl DatagramSocket {
@@ -656,6 +727,9 @@ impl DatagramSocket {
             }),
             wake: Arc::new(Notify::new()),
         });
+        if let Some(slot) = &lock(&socket.state).config.slot {
+            slot.set(&socket);
+        }
         runtime.spawn(timer_task(Arc::downgrade(&socket), socket.wake.clone()));
         let handle = DatagramHandle {
             socket: socket.clone(),
@@ -863,6 +937,91 @@ async fn timer_task(socket: Weak<DatagramSocket>, wake: Arc<Notify>) {
         tokio::select! {
             _ = wake.notified() => {}
             _ = tokio::time::sleep_until(deadline.into()) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certs::Identity;
+    use crate::settings::{DatagramSettings, QuicSettings};
+    use crate::trust::{client_tls, Trust};
+
+    fn layered() -> QuicSettings {
+        QuicSettings {
+            zero_rtt: false,
+            datagram: Some(DatagramSettings::default()),
+            ..QuicSettings::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn follow_rtt_feeds_the_connections_rtt_to_the_fec_sender_towards_its_peer() {
+        let identity = Identity::self_signed(&["localhost"]).expect("identity");
+        let server_settings = layered();
+        let (server, _) = crate::endpoint::server_endpoint_with_layer(
+            "127.0.0.1:0".parse().expect("addr"),
+            &identity,
+            &server_settings,
+        )
+        .expect("server endpoint");
+        let server_addr = server.local_addr().expect("bound");
+        let accept = tokio::spawn(async move {
+            let conn = server.accept().await.expect("incoming").await;
+            (server, conn)
+        });
+        let settings = layered();
+        let client =
+            crate::endpoint::client_endpoint("127.0.0.1:0".parse().expect("addr"), &settings)
+                .expect("client endpoint");
+        let tls = client_tls(
+            &Trust::Pinned(vec![identity.fingerprint()]),
+            &[crate::ALPN_H3],
+            false,
+        )
+        .expect("tls");
+        let config = crate::endpoint::client_config(tls, &settings, None).expect("config");
+        let conn = client
+            .connect_with(config, server_addr, "localhost")
+            .expect("connect")
+            .await
+            .expect("handshake");
+        let (_server, server_conn) = accept.await.expect("accept task");
+        let _server_conn = server_conn.expect("server side of the handshake");
+
+        let slot = &settings.datagram.as_ref().expect("layer settings").layer;
+        let layer = slot
+            .handle()
+            .expect("the endpoint published its layer in the slot");
+        assert_eq!(layer.srtt(server_addr), None, "nothing told the sender yet");
+        slot.follow_rtt(&conn);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let fed = loop {
+            if let Some(srtt) = layer.srtt(server_addr) {
+                break srtt;
+            }
+            assert!(Instant::now() < deadline, "no RTT reached the FEC sender");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        // The connection's RTT (loopback: well under the 100 ms initial guess once sampled).
+        assert!(fed < Duration::from_millis(100), "fed {fed:?}");
+        assert!(
+            fed.abs_diff(conn.rtt()) < Duration::from_millis(20),
+            "fed {fed:?}, connection {:?}",
+            conn.rtt()
+        );
+
+        // The task ends with the connection and keeps nothing alive.
+        conn.close(0u32.into(), b"done");
+        drop((conn, layer, client));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while slot.handle().is_some() {
+            assert!(
+                Instant::now() < deadline,
+                "something keeps the layer of a closed endpoint alive"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 }

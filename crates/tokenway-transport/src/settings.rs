@@ -365,6 +365,10 @@ pub struct DatagramSettings {
     pub cc: Option<CongestionControl>,
     /// Link capacities for brutal and its negotiation.
     pub bandwidth: BandwidthSettings,
+    /// Not a config key: where the layer built from these settings is, so that connections can
+    /// feed it their RTT ([`crate::datagram::LayerSlot::follow_rtt`]). Clones share it.
+    #[serde(skip)]
+    pub layer: crate::datagram::LayerSlot,
 }
 
 impl Default for DatagramSettings {
@@ -378,6 +382,7 @@ impl Default for DatagramSettings {
             obfs: None,
             cc: None,
             bandwidth: BandwidthSettings::default(),
+            layer: crate::datagram::LayerSlot::default(),
         }
     }
 }

@@ -151,6 +151,11 @@ impl FecSender {
         }
     }
 
+    /// The smoothed RTT last given to [`set_srtt`](Self::set_srtt), if any.
+    pub fn srtt(&self) -> Option<Duration> {
+        self.srtt
+    }
+
     /// Updates the smoothed RTT, which sets the flush delay of blocks opened from now on.
     pub fn set_srtt(&mut self, srtt: Duration) {
         self.srtt = Some(srtt);
