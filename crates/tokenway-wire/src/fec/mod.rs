@@ -25,6 +25,7 @@
 
 pub mod adapt;
 pub(crate) mod codec;
+pub mod receive_path;
 mod receiver;
 mod sender;
 
