@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -75,13 +75,28 @@ pub async fn send(
             .request(req)
             .await
             .map_err(|e| HttpError::Transport(format!("{uri}: {e}")))?;
-        let (parts, body) = resp.into_parts();
-        let body = Limited::new(body, limit)
-            .collect()
-            .await
-            .map_err(|e| HttpError::Transport(format!("{uri}: reading the body: {e}")))?
-            .to_bytes();
-        Ok::<_, HttpError>((Response::from_parts(parts, ()), body))
+        let (parts, mut body) = resp.into_parts();
+        // Read into one buffer sized from Content-Length (from the pool: pieces are large
+        // and many, see `piece_buffers`), instead of collecting frames and copying them.
+        let expected = parts
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+            .unwrap_or(0);
+        let mut buf = crate::piece_buffers::take(expected.min(limit));
+        while let Some(frame) = body.frame().await {
+            let frame =
+                frame.map_err(|e| HttpError::Transport(format!("{uri}: reading the body: {e}")))?;
+            if let Ok(data) = frame.into_data() {
+                if buf.len() + data.len() > limit {
+                    return Err(HttpError::Transport(format!(
+                        "{uri}: reading the body: length limit of {limit} bytes exceeded"
+                    )));
+                }
+                buf.extend_from_slice(&data);
+            }
+        }
+        Ok::<_, HttpError>((Response::from_parts(parts, ()), buf.freeze()))
     };
     let (resp, body) = tokio::time::timeout(timeout, fut)
         .await

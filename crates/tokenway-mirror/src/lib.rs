@@ -13,6 +13,7 @@
 //! - [`range_server`], [`http_range`], [`http_error`]: the blob range API mirrors and peers
 //!   share.
 //! - [`piece_bits`]: which pieces a peer holds (sans-IO).
+//! - [`piece_buffers`]: reused piece-sized receive buffers.
 //! - [`faults`]: test-only fault injection (corrupt pieces on purpose).
 //!
 //! Not here yet (see `docs/weights.md`): bao-tree outboards, `s3://`.
@@ -29,6 +30,7 @@ pub mod mirror;
 pub mod origin;
 pub mod peer_server;
 pub mod piece_bits;
+pub mod piece_buffers;
 pub mod progress;
 pub mod publish;
 pub mod pull;

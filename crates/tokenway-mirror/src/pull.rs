@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures_util::stream::{self, StreamExt};
+use futures_util::stream::{self, FuturesUnordered, StreamExt};
 use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
@@ -398,9 +398,9 @@ pub async fn pull_from(
     let jobs_meta = Arc::new(jobs_meta);
     let mut errors: Vec<MirrorError> = Vec::new();
     // Blobs with nothing left to fetch (empty files, or all pieces from an earlier run).
-    for blob in blobs.iter_mut() {
+    for (b, blob) in blobs.iter_mut().enumerate() {
         if blob.remaining == 0 {
-            finish_blob(out, blob, &mut report, &mut prog, opts, &mut errors).await;
+            finish_blob(out, b, blob, &mut report, &mut prog, opts, &mut errors).await;
         }
     }
 
@@ -436,7 +436,24 @@ pub async fn pull_from(
         .buffer_unordered(opts.parallel.max(1));
     let mut stream = std::pin::pin!(stream);
 
-    while let Some(o) = stream.next().await {
+    // Finishing a blob (fsync, whole-file hash, rename) takes seconds for a large file; it
+    // runs beside the stream so the pieces of the other blobs keep arriving meanwhile.
+    let mut finishing = FuturesUnordered::new();
+    let mut pieces_left = true;
+    while pieces_left || !finishing.is_empty() {
+        let o = tokio::select! {
+            o = stream.next(), if pieces_left => match o {
+                Some(o) => o,
+                None => {
+                    pieces_left = false;
+                    continue;
+                }
+            },
+            Some((b, res)) = finishing.next() => {
+                finished_blob(out, &blobs[b], res, &mut report, &mut prog, opts, &mut errors);
+                continue;
+            }
+        };
         report.pieces_fetched += o.fetched;
         report.bytes_fetched += o.bytes_fetched;
         report.pieces_corrupt += o.corrupt;
@@ -478,7 +495,7 @@ pub async fn pull_from(
                     errors.push(e);
                 }
                 if blob.remaining == 0 {
-                    finish_blob(out, blob, &mut report, &mut prog, opts, &mut errors).await;
+                    finishing.push(finish_work(out, o.blob, blob));
                 } else if let Some(cb) = &opts.progress {
                     cb(&prog);
                 }
@@ -789,9 +806,13 @@ async fn fetch_piece(
         let file = Arc::clone(file);
         let start = range.start;
         let n = bytes.len() as u64;
-        let written = tokio::task::spawn_blocking(move || file.write_all_at(&bytes, start))
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        let written = tokio::task::spawn_blocking(move || {
+            let r = file.write_all_at(&bytes, start);
+            crate::piece_buffers::give_back(bytes);
+            r
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
         out.end = match written {
             Ok(()) => {
                 out.verified_from = Some((kind, n));
@@ -837,12 +858,24 @@ async fn fetch_piece(
 /// Verifies a blob whose pieces are all in, and moves it into place under every path.
 async fn finish_blob(
     out: &Path,
+    b: usize,
     blob: &mut Blob,
     report: &mut PullReport,
     prog: &mut PullProgress,
     opts: &PullOptions,
     errors: &mut Vec<MirrorError>,
 ) {
+    let (_, res) = finish_work(out, b, blob).await;
+    finished_blob(out, blob, res, report, prog, opts, errors);
+}
+
+/// The slow part of finishing blob `b` (sync, whole-file hash, rename) as a future that
+/// borrows nothing, so it can run while other pieces arrive.
+fn finish_work(
+    out: &Path,
+    b: usize,
+    blob: &mut Blob,
+) -> impl std::future::Future<Output = (usize, Result<(), MirrorError>)> + Send + 'static {
     let file = blob.file.take();
     let (entry, paths, partial, progress_path, out2) = (
         blob.entry.clone(),
@@ -880,8 +913,20 @@ async fn finish_blob(
         place(&partial, &out2.join(&paths[0]))?;
         let _ = std::fs::remove_file(&progress_path);
         Ok(())
-    })
-    .await;
+    });
+    async move { (b, res.await) }
+}
+
+/// Records the end of [`finish_work`] for `blob`.
+fn finished_blob(
+    out: &Path,
+    blob: &Blob,
+    res: Result<(), MirrorError>,
+    report: &mut PullReport,
+    prog: &mut PullProgress,
+    opts: &PullOptions,
+    errors: &mut Vec<MirrorError>,
+) {
     match res {
         Ok(()) => {
             if let Some(h) = &opts.holdings {

@@ -392,6 +392,31 @@ impl WeightsBenchReport {
             st.pullers, self.crowd.wall_secs
         );
 
+        // What the machine itself allows: every process here shares its CPUs.
+        let cpu_sum = |pulls: &mut dyn Iterator<Item = &PullRun>, mirror: &MirrorCounters| {
+            let mut total = mirror.cpu_secs?;
+            for p in pulls {
+                total += p.cpu_secs?;
+            }
+            Some(total)
+        };
+        let alone_cpu = cpu_sum(&mut std::iter::once(&self.alone), &self.alone_mirror);
+        let crowd_cpu = cpu_sum(&mut self.crowd.pulls.iter(), &self.crowd.mirror);
+        if let (Some(a), Some(c)) = (alone_cpu, crowd_cpu) {
+            let n = m.nproc.max(1) as f64;
+            let _ = writeln!(
+                s,
+                "CPU time of pullers plus mirror: {a:.1} s for the lone pull, {c:.1} s for the \
+                 {} pullers ({:.1}x); on {} CPUs the crowd cannot finish in less than \
+                 {:.1} s, the lone pull in less than {:.1} s, whatever the network.",
+                st.pullers,
+                c / a.max(f64::MIN_POSITIVE),
+                m.nproc,
+                c / n,
+                a / n
+            );
+        }
+
         if !self.notes.is_empty() {
             let _ = writeln!(s, "\n### Notes\n");
             for n in &self.notes {
