@@ -6,6 +6,8 @@
 //!
 //! - [`gateway`] — `tokenway bench gateway`, direct vs. `tokenway gateway` vs. nginx.
 //! - [`transport`] — `tokenway bench transport`, h1/h2/h3/tunnel side by side on netlab links.
+//! - [`routing`] — `tokenway bench routing`, the gateway's routing policies side by side on a
+//!   multi-turn workload over eight simulated backends, and the router's decision time.
 //! - [`weights`] — `tokenway bench weights`, one pull alone vs. eight at once through a mirror,
 //!   origin egress, and a pull's throughput against curl and aria2c.
 //! - [`plot`] — SVG plots (CDFs).
@@ -21,6 +23,7 @@ pub mod nginx;
 pub mod plot;
 pub mod process;
 pub mod report;
+pub mod routing;
 pub mod stats;
 pub mod transport;
 pub mod weights;

@@ -66,6 +66,16 @@ pub struct CostConfig {
     pub kv_high_water: f64,
     /// The KV penalty at 100 % usage (default 1 s).
     pub kv_full_penalty: Duration,
+    /// Slack ε of the cost policy's load bound (default 0.5; `None` disables the bound): the
+    /// cheapest backend goes first only while its attempts in flight are below
+    /// `max(load_bound_floor, ceil((1 + ε) × (total in flight + 1) / eligible backends))`;
+    /// otherwise the cheapest backend within the bound does. Prefix affinity alone herds every
+    /// conversation that shares a cached prefix (a system prompt) onto the backends that hold it,
+    /// and the learned queue price lags a queue that builds faster than it is sampled.
+    pub load_bound_epsilon: Option<f64>,
+    /// Attempts in flight that never count as over the load bound (default 2), so that at low
+    /// load a conversation is not moved off its cached backend for one concurrent request.
+    pub load_bound_floor: u32,
 }
 
 impl Default for CostConfig {
@@ -84,6 +94,8 @@ impl Default for CostConfig {
             load_signal_max_age: Duration::from_secs(5),
             kv_high_water: 0.9,
             kv_full_penalty: Duration::from_secs(1),
+            load_bound_epsilon: Some(0.5),
+            load_bound_floor: 2,
         }
     }
 }
@@ -130,6 +142,15 @@ impl CostConfig {
                 "within [cost.min_rate, cost.max_throughput]",
                 self.prior_throughput,
             ));
+        }
+        if let Some(e) = self.load_bound_epsilon {
+            if !(e.is_finite() && (0.0..=100.0).contains(&e)) {
+                return Err(InvalidSetting::new(
+                    "cost.load_bound_epsilon",
+                    "in [0, 100]",
+                    e,
+                ));
+            }
         }
         if !pos(self.prior_weight) {
             return Err(InvalidSetting::new(

@@ -307,6 +307,11 @@ impl Router {
         if !cands.is_empty() {
             self.selector
                 .order(self.policy, &mut cands, self.backends.len());
+            if self.policy == Policy::CostAware {
+                if let Some(pos) = self.load_bound_pick(&cands) {
+                    cands[..=pos].rotate_right(1);
+                }
+            }
             if let Some((pos, r)) = self.session_pick(req, &cands) {
                 cands[..=pos].rotate_right(1);
                 reason = r;
@@ -337,6 +342,27 @@ impl Router {
             expected_ttft: Duration::try_from_secs_f64(est.ttft).unwrap_or(Duration::MAX),
             cached_blocks: est.cached_blocks,
         })
+    }
+
+    /// Under the `cost` policy, the position of the cheapest candidate within the load bound
+    /// (see [`crate::CostConfig::load_bound_epsilon`]) when the cheapest is over it; `None` when the
+    /// first candidate may stay first. The bound is the bounded-load rule of session affinity
+    /// ((1 + ε) × mean in flight, Mirrokni et al. 2018) applied to cost ranking: prefix
+    /// affinity is a strong pull (a cached conversation saves its whole prefill), and without
+    /// a bound every request that shares a cached prefix queues on the few backends holding it.
+    fn load_bound_pick(&self, cands: &[Candidate]) -> Option<usize> {
+        let eps = self.cfg.cost.load_bound_epsilon?;
+        let first = cands.first()?;
+        let total: u64 = cands.iter().map(|c| u64::from(c.inflight)).sum();
+        let mean_after = (total + 1) as f64 / cands.len() as f64;
+        let bound = ((1.0 + eps) * mean_after)
+            .ceil()
+            .max(f64::from(self.cfg.cost.load_bound_floor));
+        let within = |c: &Candidate| f64::from(c.inflight) < bound;
+        if within(first) {
+            return None;
+        }
+        cands.iter().position(within)
     }
 
     /// The position in `cands` of the session's rendezvous backend, and the reason.
@@ -819,6 +845,69 @@ mod tests {
 
     fn ids(v: &[usize]) -> Vec<BackendId> {
         v.iter().map(|&i| BackendId(i)).collect()
+    }
+
+    #[test]
+    fn a_cached_prefix_does_not_pin_a_backend_beyond_the_load_bound() {
+        let now = Instant::now();
+        let req = RouteRequest::new(M)
+            .with_blocks(crate::prompt_blocks(&[b'x'; 256 * 40], 256))
+            .with_prompt_tokens(2_560)
+            .with_max_output_tokens(32);
+        for bounded in [true, false] {
+            let mut r = router(Policy::CostAware, 4);
+            if !bounded {
+                r.cfg.cost.load_bound_epsilon = None;
+            }
+            // b2 holds the conversation's prefix.
+            let t = r.start_attempt(BackendId(2), &req, now);
+            r.end_attempt(t, Outcome::Success, now);
+            let mut open = Vec::new();
+            // Below the floor the cached backend goes first.
+            for _ in 0..2 {
+                let route = r.route(&req, now).expect("routable");
+                assert_eq!(route.backends[0], BackendId(2), "bounded {bounded}");
+                open.push(r.start_attempt(BackendId(2), &req, now));
+            }
+            // Two in flight on b2, none elsewhere: max(2, ceil(1.5 x 3 / 4)) = 2, so b2 is at
+            // the bound and the request spills; b2 stays in the retry order.
+            let route = r.route(&req, now).expect("routable");
+            if bounded {
+                assert_ne!(route.backends[0], BackendId(2));
+                assert!(route.backends.contains(&BackendId(2)));
+            } else {
+                assert_eq!(route.backends[0], BackendId(2), "unbounded affinity pins");
+            }
+            for t in open {
+                r.end_attempt(t, Outcome::Success, now);
+            }
+        }
+    }
+
+    #[test]
+    fn the_load_bound_grows_with_the_clusters_load() {
+        let now = Instant::now();
+        let mut r = router(Policy::CostAware, 4);
+        let req = RouteRequest::new(M)
+            .with_blocks(crate::prompt_blocks(&[b'y'; 256 * 40], 256))
+            .with_prompt_tokens(2_560);
+        let t = r.start_attempt(BackendId(1), &req, now);
+        r.end_attempt(t, Outcome::Success, now);
+        // Eight other attempts in flight elsewhere and three on b1: mean after this one is
+        // (11 + 1) / 4 = 3, bound ceil(1.5 x 3) = 5 > 3, so b1 keeps its conversation.
+        let other = RouteRequest::new(M).with_prompt_tokens(10);
+        let mut open = Vec::new();
+        for i in [0, 0, 0, 2, 2, 2, 3, 3] {
+            open.push(r.start_attempt(BackendId(i), &other, now));
+        }
+        for _ in 0..3 {
+            open.push(r.start_attempt(BackendId(1), &req, now));
+        }
+        let route = r.route(&req, now).expect("routable");
+        assert_eq!(route.backends[0], BackendId(1));
+        for t in open {
+            r.end_attempt(t, Outcome::Success, now);
+        }
     }
 
     #[test]

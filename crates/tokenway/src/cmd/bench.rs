@@ -20,6 +20,43 @@ pub enum BenchCommand {
     /// `tokenway pull` alone and to eight at once sharing as peers (origin egress, time of
     /// each), and one pull's throughput against curl and aria2c -x8 on the same blob.
     Weights(WeightsBenchArgs),
+    /// The gateway's routing policies side by side on a multi-turn chat workload over eight
+    /// simulated backends with limited prefix caches (TTFT, cache hits), a far-backend scenario,
+    /// and the router's decision time with 64 backends; JSON, Markdown and SVG plots.
+    Routing(RoutingBenchArgs),
+}
+
+/// Flags of `tokenway bench routing`.
+#[derive(clap::Args)]
+pub struct RoutingBenchArgs {
+    /// Smoke run of the whole pipeline (16 conversations x 3 turns per policy); under a minute.
+    #[arg(long)]
+    pub quick: bool,
+    /// Directory for results.json, results.md, plots/, generated configs and server logs.
+    #[arg(long, default_value = "bench-out/routing")]
+    pub out: PathBuf,
+    /// Conversations [default: 200, --quick 16].
+    #[arg(long)]
+    pub conversations: Option<usize>,
+    /// Turns per conversation [default: 6, --quick 3].
+    #[arg(long)]
+    pub turns: Option<usize>,
+    /// Offered load as a fraction of the cluster capacity derived from the sim's cost model.
+    #[arg(long, default_value_t = 0.7)]
+    pub load: f64,
+    /// Seed of the workload.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Extra network delay of the two far backends, milliseconds (0 skips that scenario).
+    #[arg(long, default_value_t = 30.0)]
+    pub far_ms: f64,
+    /// Policies to run (the far scenario needs cost and least_inflight).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "cost,round_robin,least_inflight,p2c_ewma"
+    )]
+    pub policies: Vec<String>,
 }
 
 /// Flags of `tokenway bench weights`.
@@ -97,7 +134,8 @@ pub struct TransportBenchArgs {
     /// Every built-in netlab profile: fiber, wifi, 4g, lossy, satellite, udp-blocked, handover.
     #[arg(long)]
     pub all_profiles: bool,
-    /// Transports to compare.
+    /// Transports to compare; the datagram-layer variants `tunnel-fec`, `tunnel-fec-obfs` and
+    /// `tunnel-brutal` are opt-in.
     #[arg(
         long,
         value_delimiter = ',',
@@ -137,6 +175,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Gateway(args) => gateway(args).await,
         BenchCommand::Transport(args) => transport(args).await,
         BenchCommand::Weights(args) => weights(args).await,
+        BenchCommand::Routing(args) => routing(args).await,
     }
 }
 
@@ -206,8 +245,8 @@ async fn transport(args: TransportBenchArgs) -> anyhow::Result<()> {
     if !(args.token_ms.is_finite() && args.token_ms >= 0.0 && args.token_ms <= 10_000.0) {
         anyhow::bail!("--token-ms must be in 0..=10000, got {}", args.token_ms);
     }
-    if args.upload_kib == 0 || args.upload_kib > 16 * 1024 {
-        anyhow::bail!("--upload-kib must be in 1..=16384, got {}", args.upload_kib);
+    if args.upload_kib == 0 || args.upload_kib > 64 * 1024 {
+        anyhow::bail!("--upload-kib must be in 1..=65536, got {}", args.upload_kib);
     }
     let options = tb::TransportBenchOptions {
         exe: std::env::current_exe().context("cannot locate the tokenway executable")?,
@@ -261,6 +300,60 @@ async fn gateway(args: GatewayBenchArgs) -> anyhow::Result<()> {
         "results: {} and {}",
         options.out_dir.join("results.json").display(),
         options.out_dir.join("results.md").display()
+    );
+    Ok(())
+}
+
+async fn routing(args: RoutingBenchArgs) -> anyhow::Result<()> {
+    use tokenway_bench::routing::RoutingBenchOptions;
+    let exe = std::env::current_exe().context("cannot locate the tokenway executable")?;
+    let mut options = if args.quick {
+        RoutingBenchOptions::quick(exe, args.out, command_line())
+    } else {
+        RoutingBenchOptions::full(exe, args.out, command_line())
+    };
+    if let Some(c) = args.conversations {
+        if c == 0 || c > 100_000 {
+            anyhow::bail!("--conversations must be in 1..=100000, got {c}");
+        }
+        options.shape.conversations = c;
+    }
+    if let Some(t) = args.turns {
+        if t == 0 || t > 100 {
+            anyhow::bail!("--turns must be in 1..=100, got {t}");
+        }
+        options.shape.turns = t;
+    }
+    if !(args.load.is_finite() && args.load > 0.0 && args.load <= 2.0) {
+        anyhow::bail!("--load must be in (0, 2], got {}", args.load);
+    }
+    if !(args.far_ms.is_finite() && (0.0..=10_000.0).contains(&args.far_ms)) {
+        anyhow::bail!("--far-ms must be in 0..=10000, got {}", args.far_ms);
+    }
+    if let Some(p) = args
+        .policies
+        .iter()
+        .find(|p| !tokenway_bench::routing::POLICIES.contains(&p.as_str()))
+    {
+        anyhow::bail!(
+            "--policies: unknown policy {p:?}; expected some of {}",
+            tokenway_bench::routing::POLICIES.join(",")
+        );
+    }
+    if args.policies.is_empty() {
+        anyhow::bail!("--policies must name at least one policy");
+    }
+    options.policies = args.policies;
+    options.load = args.load;
+    options.shape.seed = args.seed;
+    options.far_ms = args.far_ms;
+    let report = tokenway_bench::routing::run(&options).await?;
+    println!("{}", report.to_markdown());
+    println!(
+        "results: {} and {}, plots in {}",
+        options.out_dir.join("results.json").display(),
+        options.out_dir.join("results.md").display(),
+        options.out_dir.join("plots").display()
     );
     Ok(())
 }

@@ -98,6 +98,60 @@ fn bench_transport_quick_writes_json_markdown_and_plots_for_every_transport() {
     );
 }
 
+/// `tokenway bench routing --quick`: every policy and both scenarios run on loopback sims, and
+/// the report, the verdict table and the plots are written. Never asserts on time.
+#[test]
+fn bench_routing_quick_writes_every_policy_the_targets_and_plots() {
+    let dir = TempDir::new("bench-routing");
+    let out = dir.0.join("out");
+    let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))
+        .args(["bench", "routing", "--quick", "--out"])
+        .arg(&out)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("tokenway runs");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "bench routing --quick failed ({}):\nstdout: {stdout}\nstderr: {stderr}",
+        run.status
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&non_empty(&out.join("results.json"))).expect("results.json is JSON");
+    let runs = json["runs"].as_array().expect("runs is a list");
+    for (scenario, policy) in [
+        ("main", "cost"),
+        ("main", "round_robin"),
+        ("main", "least_inflight"),
+        ("main", "p2c_ewma"),
+        ("far", "cost"),
+        ("far", "least_inflight"),
+    ] {
+        let r = runs
+            .iter()
+            .find(|r| r["scenario"] == scenario && r["policy"] == policy)
+            .unwrap_or_else(|| panic!("no {scenario}/{policy} run in {json}"));
+        let ok = r["requests"].as_u64().unwrap_or(0) - r["errors"].as_u64().unwrap_or(0);
+        assert!(ok > 0, "every request of {scenario}/{policy} failed: {r}");
+        assert!(r["cache_hit_rate"].is_number(), "{r}");
+    }
+    assert!(
+        json["decision"]["calls"].as_u64().unwrap_or(0) > 0,
+        "{json}"
+    );
+    assert_eq!(json["verdicts"].as_array().map(Vec::len), Some(4), "{json}");
+    let md = non_empty(&out.join("results.md"));
+    assert!(md.contains("PASS") || md.contains("FAIL"), "{md}");
+    for file in ["routing-ttft-cdf.svg", "routing-far-ttft-cdf.svg"] {
+        let svg = non_empty(&out.join("plots").join(file));
+        assert!(
+            svg.contains("<svg") && svg.contains("least_inflight"),
+            "{file}"
+        );
+    }
+}
+
 /// `tokenway bench weights --quick`: a 64 MB model through real mirror and pull processes,
 /// one pull alone, one through the warm mirror, curl on the largest blob, and four pullers at
 /// once; the report, the verdicts and the plot are written and the scratch data deleted.
