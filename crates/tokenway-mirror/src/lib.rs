@@ -2,7 +2,7 @@
 //! resumable, parallel pulls.
 //!
 //! - [`manifest`]: the model format (sans-IO): manifests, tags, names, object layout.
-//! - [`origin`]: opens an object store from a URL (`file://` this round).
+//! - [`origin`]: opens an object store from a URL (`file://`, `s3://`).
 //! - [`publish`]: hashes a directory and uploads blobs, manifest and tag.
 //! - [`pull`]: downloads pieces in parallel with ranged GETs, verifies each, writes in place,
 //!   records progress for resume, verifies the whole file and renames it atomically.
@@ -16,7 +16,7 @@
 //! - [`piece_buffers`]: reused piece-sized receive buffers.
 //! - [`faults`]: test-only fault injection (corrupt pieces on purpose).
 //!
-//! Not here yet (see `docs/weights.md`): bao-tree outboards, `s3://`.
+//! Not here yet (see `docs/weights.md`): bao-tree outboards, `gs://` and `az://` origins.
 
 pub mod announce;
 pub mod display;
