@@ -4,7 +4,12 @@
 //! Transports: `h1` (HTTP/1.1 over TCP to the gateway), `h2` (HTTP/2 over TLS), `h3` (HTTP/3
 //! over QUIC to the gateway's public front), `tunnel` (HTTP/1.1 to a local `tokenway edge`,
 //! HTTP/3 through the tunnel to the gateway) and `tunnel-tcp` (the same edge forced onto its
-//! TCP fallback by a QUIC address that nobody answers).
+//! TCP fallback by a QUIC address that nobody answers). The datagram-layer variants (issue 5)
+//! go through edges and gateways with generated `[datagram]` / `[tunnel.datagram]` sections:
+//! `tunnel-fec` (FEC `auto`), `tunnel-fec-obfs` (FEC and obfuscation, its own gateway, since
+//! both ends must agree on obfuscation) and `tunnel-brutal` (FEC and brutal at
+//! [`stack::BRUTAL_RATE`]; the edge advertises its receive rate, so the gateway sends with
+//! brutal too).
 //!
 //! Placement: on a netlab profile the sim and the gateway run in the lab's server namespace,
 //! the edges and the load generator in its client namespace ([`stack`]); the load generator is
@@ -17,6 +22,7 @@
 //! `results.json`, `results.md` and SVG plots ([`crate::plot`]).
 
 pub mod clients;
+pub mod datagram;
 pub mod report;
 pub mod stack;
 
@@ -48,11 +54,42 @@ pub enum Transport {
     /// Through `tokenway edge` on its TCP fallback (HTTP/2 over TLS).
     #[serde(rename = "tunnel-tcp")]
     TunnelTcp,
+    /// The tunnel with FEC (`auto`) in the datagram layer.
+    #[serde(rename = "tunnel-fec")]
+    TunnelFec,
+    /// The tunnel with FEC and obfuscation.
+    #[serde(rename = "tunnel-fec-obfs")]
+    TunnelFecObfs,
+    /// The tunnel with FEC and brutal congestion control both ways.
+    #[serde(rename = "tunnel-brutal")]
+    TunnelBrutal,
 }
 
 impl Transport {
     /// Every transport, in table order.
-    pub const ALL: [Transport; 5] = [Self::H1, Self::H2, Self::H3, Self::Tunnel, Self::TunnelTcp];
+    pub const ALL: [Transport; 8] = [
+        Self::H1,
+        Self::H2,
+        Self::H3,
+        Self::Tunnel,
+        Self::TunnelTcp,
+        Self::TunnelFec,
+        Self::TunnelFecObfs,
+        Self::TunnelBrutal,
+    ];
+
+    /// The datagram-layer variants of the tunnel.
+    pub const LAYERED: [Transport; 3] = [Self::TunnelFec, Self::TunnelFecObfs, Self::TunnelBrutal];
+
+    /// Whether this goes through an edge (and so has edge metrics).
+    pub fn via_edge(self) -> bool {
+        !matches!(self, Self::H1 | Self::H2 | Self::H3)
+    }
+
+    /// Whether this runs the datagram layer.
+    pub fn layered(self) -> bool {
+        Self::LAYERED.contains(&self)
+    }
 
     /// The name used on the command line and in reports.
     pub fn name(self) -> &'static str {
@@ -62,6 +99,9 @@ impl Transport {
             Self::H3 => "h3",
             Self::Tunnel => "tunnel",
             Self::TunnelTcp => "tunnel-tcp",
+            Self::TunnelFec => "tunnel-fec",
+            Self::TunnelFecObfs => "tunnel-fec-obfs",
+            Self::TunnelBrutal => "tunnel-brutal",
         }
     }
 }
@@ -73,7 +113,10 @@ impl std::str::FromStr for Transport {
             .into_iter()
             .find(|t| t.name() == s)
             .ok_or_else(|| {
-                format!("unknown transport {s:?}; one of h1, h2, h3, tunnel, tunnel-tcp")
+                format!(
+                    "unknown transport {s:?}; one of h1, h2, h3, tunnel, tunnel-tcp, \
+                     tunnel-fec, tunnel-fec-obfs, tunnel-brutal"
+                )
             })
     }
 }
@@ -159,7 +202,9 @@ impl Scenario {
 
     /// Whether `transport` has this scenario (0-RTT exists only for QUIC).
     pub fn applies_to(self, transport: Transport) -> bool {
-        self != Self::First0rtt || matches!(transport, Transport::H3 | Transport::Tunnel)
+        self != Self::First0rtt
+            || matches!(transport, Transport::H3 | Transport::Tunnel)
+            || transport.layered()
     }
 }
 
@@ -191,6 +236,26 @@ pub const ALL_PROFILES: [&str; 7] = [
 
 /// The profile without a lab: everything on 127.0.0.1.
 pub const LOOPBACK: &str = "loopback";
+
+/// `lossy` without its loss (100 ms RTT, nothing else): the reference of issue 5's "p99 TTFT
+/// within 1.25 × its own p99 on the same link without loss". Generated into the output
+/// directory when named.
+pub const LOSSY_NOLOSS: &str = "lossy-noloss";
+
+/// The profile file of [`LOSSY_NOLOSS`].
+fn lossy_noloss_file(out_dir: &std::path::Path) -> Result<String, BenchError> {
+    let path = out_dir.join(format!("{LOSSY_NOLOSS}.toml"));
+    std::fs::write(
+        &path,
+        "description = \"lossy without loss: 100 ms RTT, no loss\"\n\
+         [conditions]\ndelay_ms = 50.0\n",
+    )
+    .map_err(|source| BenchError::Io {
+        context: format!("cannot write {}", path.display()),
+        source,
+    })?;
+    Ok(path.display().to_string())
+}
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -272,7 +337,15 @@ pub async fn run(opts: &TransportBenchOptions) -> Result<TransportReport, BenchE
         source,
     })?;
     let mut descriptions = Vec::new();
+    let mut profiles = Vec::new();
     for p in &opts.profiles {
+        if p == LOSSY_NOLOSS {
+            profiles.push(lossy_noloss_file(&opts.out_dir)?);
+        } else {
+            profiles.push(p.clone());
+        }
+    }
+    for p in &profiles {
         if p == LOOPBACK {
             descriptions.push("everything on 127.0.0.1, no emulated link".to_owned());
             continue;
@@ -292,7 +365,7 @@ pub async fn run(opts: &TransportBenchOptions) -> Result<TransportReport, BenchE
         descriptions.push(profile.description.clone());
     }
     let mut report = TransportReport::new(opts, timestamp);
-    for (profile, description) in opts.profiles.iter().zip(descriptions) {
+    for (profile, description) in profiles.iter().zip(descriptions) {
         let started = Instant::now();
         progress(format_args!("profile {profile}: starting"));
         let result = run_profile(opts, profile, description).await?;
@@ -333,6 +406,7 @@ async fn run_profile(
         dir: &dir,
         placement: &placement,
         token_ms: opts.token_ms,
+        layered: opts.transports.iter().any(|t| t.layered()),
     })
     .await?;
     let targets = stack.targets.clone();
@@ -451,8 +525,10 @@ async fn measure(targets: Targets, plan: Plan) -> Result<Measured, String> {
             plan.requests
         ));
         let mut before = Vec::new();
+        let mut layer_before = Vec::new();
         for &t in &transports {
             before.push(edge_counters(&clients, t, scenario).await);
+            layer_before.push(clients.layer_counters(t).await);
         }
         let mut records: Vec<Vec<Record>> = vec![Vec::new(); transports.len()];
         for _ in 0..plan.requests {
@@ -471,13 +547,12 @@ async fn measure(targets: Targets, plan: Plan) -> Result<Measured, String> {
                 let (z0, f0) = before[i].unwrap_or_default();
                 ((z - z0).max(0.0) as u64, (f - f0).max(0.0) as u64)
             });
-            runs.push(RunResult::from_records(
-                t,
-                scenario,
-                plan.requests,
-                &records[i],
-                counters,
-            ));
+            let mut run =
+                RunResult::from_records(t, scenario, plan.requests, &records[i], counters);
+            if let (Some(a), Some(b)) = (clients.layer_counters(t).await, layer_before[i]) {
+                run.layer = Some(a.since(&b));
+            }
+            runs.push(run);
         }
     }
     clients.close();
@@ -486,7 +561,7 @@ async fn measure(targets: Targets, plan: Plan) -> Result<Measured, String> {
 
 /// (0-RTT accepted, TCP fallbacks) of the edge a tunnel scenario uses.
 async fn edge_counters(clients: &Clients, t: Transport, s: Scenario) -> Option<(f64, f64)> {
-    if !matches!(t, Transport::Tunnel | Transport::TunnelTcp) {
+    if !t.via_edge() {
         return None;
     }
     let mode = s.mode();

@@ -27,6 +27,7 @@ use tokenway_transport::fallback::TcpClient;
 use tokenway_transport::trust::{client_tls, Trust};
 use tokenway_transport::QuicSettings;
 
+use super::report::LayerCounters;
 use super::stack::Targets;
 use super::{Mode, Transport};
 use crate::load;
@@ -123,6 +124,14 @@ impl Clients {
 
     /// The edge a tunnel transport goes through in `mode`.
     fn edge(&self, transport: Transport, mode: Mode) -> SocketAddr {
+        if let Some((_, edge, _)) = self
+            .targets
+            .layered
+            .iter()
+            .find(|(t, _, _)| *t == transport)
+        {
+            return *edge;
+        }
         match (transport, mode) {
             (Transport::TunnelTcp, _) => self.targets.edge_tcp,
             (_, Mode::Fresh) => self.targets.edge_full,
@@ -221,7 +230,11 @@ impl Clients {
                 }
                 record
             }
-            Transport::Tunnel | Transport::TunnelTcp => {
+            Transport::Tunnel
+            | Transport::TunnelTcp
+            | Transport::TunnelFec
+            | Transport::TunnelFecObfs
+            | Transport::TunnelBrutal => {
                 let edge = self.edge(transport, mode);
                 if mode != Mode::Reused {
                     if let Err(e) = self.admin(edge, "/admin/reconnect").await {
@@ -266,6 +279,39 @@ impl Clients {
         } else {
             Err(format!("{path} on the edge answered {status}"))
         }
+    }
+
+    /// The datagram-layer counters of a layered tunnel's edge and gateway, summed.
+    pub async fn layer_counters(&self, transport: Transport) -> Option<LayerCounters> {
+        let (_, edge, gateway) = *self
+            .targets
+            .layered
+            .iter()
+            .find(|(t, _, _)| *t == transport)?;
+        let edge = self.metrics_text(edge).await;
+        let gateway = self.metrics_text(gateway).await;
+        let sum = |text: &str, prefix: &str| -> f64 {
+            text.lines()
+                .filter(|l| l.starts_with(prefix))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        let values = LayerCounters::METRICS.map(|m| sum(&edge, m) + sum(&gateway, m));
+        Some(LayerCounters::from_values(values))
+    }
+
+    /// A server's `/metrics` text (empty when it cannot be read).
+    async fn metrics_text(&self, addr: SocketAddr) -> String {
+        let req = Request::get(format!("http://{addr}/metrics"))
+            .body(Full::new(Bytes::new()))
+            .expect("a socket address and a static path form a valid URI");
+        let Ok(resp) = self.pool.request(req).await else {
+            return String::new();
+        };
+        let Ok(body) = resp.into_body().collect().await else {
+            return String::new();
+        };
+        String::from_utf8_lossy(&body.to_bytes()).into_owned()
     }
 
     /// Reads an edge's `/metrics` and sums the series starting with `prefix`.

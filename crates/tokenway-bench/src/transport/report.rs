@@ -89,6 +89,77 @@ pub struct RunResult {
     pub max_gap_ms: Vec<f64>,
     /// Total per successful request, ms.
     pub total_ms: Vec<f64>,
+    /// Datagram-layer counters of the edge and its gateway over the run (layered tunnels).
+    pub layer: Option<LayerCounters>,
+}
+
+/// Datagram-layer counters summed over an edge and its gateway (both directions).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct LayerCounters {
+    /// FEC source packets sent.
+    pub source_packets: f64,
+    /// Bytes of FEC source packets sent (UDP payload).
+    pub source_bytes: f64,
+    /// Packets sent outside FEC (bulk, with scope `interactive`).
+    pub plain_packets: f64,
+    /// FEC repair packets sent.
+    pub repair_packets: f64,
+    /// Bytes of repair packets sent.
+    pub repair_bytes: f64,
+    /// Lost packets restored by FEC.
+    pub recovered: f64,
+    /// Source packets seen missing before recovery.
+    pub lost: f64,
+    /// Missing source packets FEC could not restore.
+    pub residual: f64,
+    /// Packets QUIC declared lost.
+    pub quic_lost: f64,
+}
+
+impl LayerCounters {
+    /// The metric names, in field order.
+    pub const METRICS: [&'static str; 9] = [
+        "tokenway_datagram_source_packets_total",
+        "tokenway_datagram_source_bytes_total",
+        "tokenway_datagram_plain_packets_total",
+        "tokenway_datagram_repair_packets_total",
+        "tokenway_datagram_repair_bytes_total",
+        "tokenway_datagram_recovered_packets_total",
+        "tokenway_datagram_lost_packets_total",
+        "tokenway_datagram_residual_loss_total",
+        "tokenway_quic_lost_packets_total",
+    ];
+
+    /// From values in [`Self::METRICS`] order.
+    pub fn from_values(v: [f64; 9]) -> Self {
+        Self {
+            source_packets: v[0],
+            source_bytes: v[1],
+            plain_packets: v[2],
+            repair_packets: v[3],
+            repair_bytes: v[4],
+            recovered: v[5],
+            lost: v[6],
+            residual: v[7],
+            quic_lost: v[8],
+        }
+    }
+
+    /// The change since `before`.
+    pub fn since(&self, before: &Self) -> Self {
+        let d = |a: f64, b: f64| (a - b).max(0.0);
+        Self {
+            source_packets: d(self.source_packets, before.source_packets),
+            source_bytes: d(self.source_bytes, before.source_bytes),
+            plain_packets: d(self.plain_packets, before.plain_packets),
+            repair_packets: d(self.repair_packets, before.repair_packets),
+            repair_bytes: d(self.repair_bytes, before.repair_bytes),
+            recovered: d(self.recovered, before.recovered),
+            lost: d(self.lost, before.lost),
+            residual: d(self.residual, before.residual),
+            quic_lost: d(self.quic_lost, before.quic_lost),
+        }
+    }
 }
 
 impl RunResult {
@@ -142,6 +213,7 @@ impl RunResult {
             ttft_ms,
             max_gap_ms,
             total_ms,
+            layer: None,
         }
     }
 }
@@ -186,7 +258,7 @@ fn ser_unavailable<S: serde::Serializer>(
 }
 
 impl ProfileResult {
-    fn run(&self, t: Transport, s: Scenario) -> Option<&RunResult> {
+    pub(crate) fn run(&self, t: Transport, s: Scenario) -> Option<&RunResult> {
         self.runs
             .iter()
             .find(|r| r.transport == t && r.scenario == s)
@@ -558,6 +630,7 @@ impl TransportReport {
             self.summary_table(&mut out, scenario, metric);
         }
         self.issue3_section(&mut out);
+        super::datagram::section(self, &mut out);
         for p in &self.profiles {
             let _ = writeln!(out, "\n## Profile `{}`: {}\n", p.profile, p.description);
             for (t, reason) in &p.unavailable {
