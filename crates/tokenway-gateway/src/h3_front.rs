@@ -99,6 +99,18 @@ async fn connection(
         shared.quic_metrics.clone(),
         Duration::from_secs(1),
     ));
+    // The datagram layer's FEC flush delay follows this connection's RTT (tunnel port with
+    // `[tunnel.datagram]` only; the config's settings share the endpoint's layer slot).
+    if front == Front::Tunnel {
+        if let Some(d) = shared
+            .config
+            .tunnel
+            .as_ref()
+            .and_then(|t| t.datagram.as_ref())
+        {
+            d.layer.follow_rtt(&conn);
+        }
+    }
     // The connection's brutal rate handle (tunnel port with `[tunnel.datagram]` only).
     let rate = tokenway_transport::cc::rate_handle(&conn);
     let h3_conn = h3_quinn_prio::Connection::new(conn);
