@@ -25,6 +25,7 @@ pub mod holdings;
 pub mod http_client;
 pub mod http_error;
 pub mod http_range;
+pub mod http_serve;
 pub mod manifest;
 pub mod mirror;
 pub mod origin;

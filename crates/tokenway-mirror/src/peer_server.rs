@@ -3,7 +3,6 @@
 //! not hold is 404, so a puller moves on to the next source. What it serves was verified
 //! when it was written, and the receiver verifies again: peers need not trust each other.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::os::unix::fs::FileExt as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,9 +12,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{header, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
 use crate::faults::Faults;
@@ -121,40 +117,15 @@ impl PeerServer {
 
     /// Serves on `listener` until `shutdown` resolves.
     pub async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
-        let builder = auto::Builder::new(TokioExecutor::new());
-        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-        tokio::pin!(shutdown);
-        loop {
-            let (stream, _) = tokio::select! {
-                r = listener.accept() => match r {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "peer accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-                () = &mut shutdown => return,
-            };
-            let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-                tracing::warn!("{MAX_CONNECTIONS} peer connections open; closing a new one");
-                continue;
-            };
-            let _ = stream.set_nodelay(true);
-            let me = Arc::clone(&self);
-            let svc = service_fn(move |req| {
-                let me = Arc::clone(&me);
-                async move { Ok::<_, Infallible>(me.route(req).await) }
-            });
-            let conn = builder
-                .serve_connection(TokioIo::new(stream), svc)
-                .into_owned();
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "peer connection ended with an error");
-                }
-                drop(permit);
-            });
-        }
+        let handler = move |req| Arc::clone(&self).route(req);
+        crate::http_serve::serve(
+            listener,
+            "peer",
+            MAX_CONNECTIONS,
+            Duration::from_secs(2),
+            handler,
+            shutdown,
+        )
+        .await;
     }
 }

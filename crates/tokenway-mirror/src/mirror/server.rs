@@ -13,7 +13,6 @@
 //! Errors are JSON `{"error": {"kind", "message"}}`; an unreachable origin is 502 for what
 //! is not cached, and everything cached keeps being served.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,10 +20,6 @@ use std::time::{Duration, Instant};
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 
 use super::peers::Announce;
@@ -49,44 +44,16 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
-    let graceful = GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, _) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = &mut shutdown => break,
-        };
-        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-            tracing::warn!("{MAX_CONNECTIONS} connections open; closing a new one");
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let m = Arc::clone(&mirror);
-        let svc = service_fn(move |req| {
-            let m = Arc::clone(&m);
-            async move { Ok::<_, Infallible>(route(m, req).await) }
-        });
-        let conn = builder
-            .serve_connection(TokioIo::new(stream), svc)
-            .into_owned();
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "mirror connection ended with an error");
-            }
-            drop(permit);
-        });
-    }
-    let _ = tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await;
+    let handler = move |req| route(Arc::clone(&mirror), req);
+    crate::http_serve::serve(
+        listener,
+        "mirror",
+        MAX_CONNECTIONS,
+        SHUTDOWN_GRACE,
+        handler,
+        shutdown,
+    )
+    .await;
     Ok(())
 }
 

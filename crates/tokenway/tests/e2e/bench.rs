@@ -17,6 +17,7 @@ fn non_empty(path: &Path) -> String {
 
 #[test]
 fn bench_transport_quick_writes_json_markdown_and_plots_for_every_transport() {
+    let _turn = crate::harness::HEAVY.blocking_lock();
     if !tokenway_netlab::is_root() {
         eprintln!("SKIP: bench transport --quick runs on a netlab profile, which needs root");
         return;
@@ -102,6 +103,7 @@ fn bench_transport_quick_writes_json_markdown_and_plots_for_every_transport() {
 /// the report, the verdict table and the plots are written. Never asserts on time.
 #[test]
 fn bench_routing_quick_writes_every_policy_the_targets_and_plots() {
+    let _turn = crate::harness::HEAVY.blocking_lock();
     let dir = TempDir::new("bench-routing");
     let out = dir.0.join("out");
     let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))
@@ -159,6 +161,7 @@ fn bench_routing_quick_writes_every_policy_the_targets_and_plots() {
 /// origin), never time.
 #[test]
 fn bench_weights_quick_reports_one_origin_copy_and_every_target() {
+    let _turn = crate::harness::HEAVY.blocking_lock();
     let dir = TempDir::new("bench-weights");
     let out = dir.0.join("out");
     let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))

@@ -382,3 +382,72 @@ pub fn openai_check(api: &str, backend: &str, key: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A tunnel stack in a netlab lab: sim and gateway (tunnel port on the server's lab address) in
+/// the server namespace, an edge pinned to the gateway in the client namespace.
+pub struct LabStack {
+    pub sim: Proc,
+    pub gateway: Proc,
+    pub edge: Proc,
+}
+
+/// Starts a [`LabStack`]: `gateway_tables` follow the gateway's `[tunnel]` table (e.g.
+/// `[tunnel.datagram]`), `edge_tables` follow the edge's `[[gateways]]` entry (e.g. `[quic]`).
+pub fn lab_stack(
+    lab: &tokenway_netlab::Lab,
+    token: &str,
+    sim_toml: &str,
+    gateway_tables: &str,
+    edge_tables: &str,
+) -> LabStack {
+    let server_ns = lab.namespace(tokenway_netlab::SERVER);
+    let client_ns = lab.namespace(tokenway_netlab::CLIENT);
+    let server_ip = lab
+        .address(tokenway_netlab::SERVER)
+        .expect("server address");
+    let sim = start_in(
+        Some(&server_ns),
+        "sim",
+        Some(sim_toml),
+        &["--listen", "127.0.0.1:0"],
+        false,
+    );
+    let gateway = start_in(
+        Some(&server_ns),
+        "gateway",
+        Some(&format!(
+            "listen = \"127.0.0.1:0\"\n\
+             [[backends]]\nurl = \"{}\"\nmodels = [\"sim-model\"]\n\
+             [tunnel]\nlisten = \"{server_ip}:0\"\ntokens = [\"{token}\"]\n\
+             {gateway_tables}\n",
+            sim.url()
+        )),
+        &[],
+        false,
+    );
+    let tunnel = gateway
+        .extra("tunnel")
+        .expect("the gateway reports its tunnel port");
+    let pin = gateway
+        .fingerprint()
+        .expect("the gateway reports its fingerprint");
+    let edge = start_in(
+        Some(&client_ns),
+        "edge",
+        Some(&format!(
+            "listen = \"127.0.0.1:0\"\n\
+             token = \"{token}\"\n\
+             [trust]\npin_sha256 = [\"{pin}\"]\n\
+             [[gateways]]\nname = \"gw\"\nquic = \"{tunnel}\"\nserver_name = \"localhost\"\n\
+             {edge_tables}\n"
+        )),
+        &[],
+        false,
+    );
+    LabStack { sim, gateway, edge }
+}
+
+/// Tests that load both CPUs (hundreds of MB hashed and copied), run a netlab emulator or
+/// measure throughput take turns: on a 2-core machine two at once starve each other's timing.
+/// Async tests `.lock().await`, plain ones `blocking_lock()`.
+pub static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

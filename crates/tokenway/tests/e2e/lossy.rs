@@ -4,75 +4,26 @@
 //! its target rate on a rate-limited link with random loss.
 //! Needs root (CI runs as root); otherwise each test prints SKIP and passes.
 
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tokenway_netlab::{Lab, LabConfig, Profile, CLIENT, SERVER};
 
-use crate::harness::{chat, data_events, get, metric_sum, post, start_in, Proc};
-
-/// The two tests take turns: each brings up its own lab, and the emulator's timing (and the
-/// throughput measured) must not be disturbed by the other one.
-static LAB_TURN: Mutex<()> = Mutex::new(());
+use crate::harness::{
+    chat, data_events, get, lab_stack, metric_sum, post, LabStack as Stack, Proc,
+};
 
 const TOKEN: &str = "lossy-test-token-0123456789";
 
 /// Sim, gateway (tunnel port with `gateway_datagram` as `[tunnel.datagram]`) and edge (with
 /// `edge_datagram` as `[datagram]`) in `lab`.
-struct Stack {
-    _sim: Proc,
-    gateway: Proc,
-    edge: Proc,
-}
-
 fn stack(lab: &Lab, sim_toml: &str, gateway_datagram: &str, edge_datagram: &str) -> Stack {
-    let server_ns = lab.namespace(SERVER);
-    let client_ns = lab.namespace(CLIENT);
-    let server_ip = lab.address(SERVER).expect("server address");
-    let sim = start_in(
-        Some(&server_ns),
-        "sim",
-        Some(sim_toml),
-        &["--listen", "127.0.0.1:0"],
-        false,
-    );
-    let gateway = start_in(
-        Some(&server_ns),
-        "gateway",
-        Some(&format!(
-            "listen = \"127.0.0.1:0\"\n\
-             [[backends]]\nurl = \"{}\"\nmodels = [\"sim-model\"]\n\
-             [tunnel]\nlisten = \"{server_ip}:0\"\ntokens = [\"{TOKEN}\"]\n\
-             [tunnel.datagram]\n{gateway_datagram}\n",
-            sim.url()
-        )),
-        &[],
-        false,
-    );
-    let tunnel = gateway
-        .extra("tunnel")
-        .expect("the gateway reports its tunnel port");
-    let pin = gateway
-        .fingerprint()
-        .expect("the gateway reports its fingerprint");
-    let edge = start_in(
-        Some(&client_ns),
-        "edge",
-        Some(&format!(
-            "listen = \"127.0.0.1:0\"\n\
-             token = \"{TOKEN}\"\n\
-             [trust]\npin_sha256 = [\"{pin}\"]\n\
-             [[gateways]]\nname = \"gw\"\nquic = \"{tunnel}\"\nserver_name = \"localhost\"\n\
-             [datagram]\n{edge_datagram}\n"
-        )),
-        &[],
-        false,
-    );
-    Stack {
-        _sim: sim,
-        gateway,
-        edge,
-    }
+    lab_stack(
+        lab,
+        TOKEN,
+        sim_toml,
+        &format!("[tunnel.datagram]\n{gateway_datagram}"),
+        &format!("[datagram]\n{edge_datagram}"),
+    )
 }
 
 /// Runs `f` on a fresh current-thread runtime inside `host`'s namespace.
@@ -191,7 +142,7 @@ fn fec_on_the_lossy_profile_recovers_packets_and_spares_quic_losses() {
         eprintln!("SKIP: netlab tests create network namespaces: needs root");
         return;
     }
-    let _turn = LAB_TURN.lock().unwrap_or_else(|p| p.into_inner());
+    let _turn = crate::harness::HEAVY.blocking_lock();
     let profile = Profile::builtin("lossy").expect("built-in profile");
     let sim = sim_toml(10.0);
     let mut runs = Vec::new();
@@ -245,7 +196,7 @@ fn brutal_holds_its_rate_on_a_lossy_20_mbit_link() {
         eprintln!("SKIP: netlab tests create network namespaces: needs root");
         return;
     }
-    let _turn = LAB_TURN.lock().unwrap_or_else(|p| p.into_inner());
+    let _turn = crate::harness::HEAVY.blocking_lock();
     let profile = Profile::from_toml_str(
         "brutal20",
         r#"

@@ -9,9 +9,9 @@
 use std::process::Command;
 use std::time::Duration;
 
-use tokenway_netlab::{Lab, LabConfig, Profile, CLIENT, SERVER};
+use tokenway_netlab::{Lab, LabConfig, Profile, CLIENT};
 
-use crate::harness::{chat, data_events, metric_sum, start_in};
+use crate::harness::{chat, data_events, lab_stack, metric_sum, LabStack};
 
 /// `curl` inside namespace `ns`; its stdout, or a panic with stderr.
 fn curl_in(ns: &str, args: &[&str]) -> String {
@@ -31,6 +31,7 @@ fn curl_in(ns: &str, args: &[&str]) -> String {
 
 #[test]
 fn a_stream_survives_the_client_address_changing_under_it() {
+    let _turn = crate::harness::HEAVY.blocking_lock();
     if !tokenway_netlab::is_root() {
         eprintln!("SKIP: the roaming test changes addresses inside network namespaces: needs root");
         return;
@@ -56,48 +57,14 @@ fn a_stream_survives_the_client_address_changing_under_it() {
     let prefix = "twroam";
     let _ = tokenway_netlab::down(prefix);
     let lab = Lab::up(LabConfig::from_profile(prefix, &profile, 11)).expect("lab comes up");
-    let server_ns = lab.namespace(SERVER);
     let client_ns = lab.namespace(CLIENT);
-    let server_ip = lab.address(SERVER).expect("server address");
-
-    let sim = start_in(
-        Some(&server_ns),
-        "sim",
-        Some("base_latency_ms = 1.0\ntime_per_output_token_ms = 25.0\n"),
-        &["--listen", "127.0.0.1:0"],
-        false,
-    );
-    let gateway = start_in(
-        Some(&server_ns),
-        "gateway",
-        Some(&format!(
-            "listen = \"127.0.0.1:0\"\n\
-             [[backends]]\nurl = \"{}\"\nmodels = [\"sim-model\"]\n\
-             [tunnel]\nlisten = \"{server_ip}:0\"\ntokens = [\"roaming-test-token-0123\"]\n",
-            sim.url()
-        )),
-        &[],
-        false,
-    );
-    let tunnel = gateway
-        .extra("tunnel")
-        .expect("the gateway reports its tunnel port");
-    let pin = gateway
-        .fingerprint()
-        .expect("the gateway reports its fingerprint");
     // Keep-alives far beyond the test's length, so they cannot be what carries the migration.
-    let edge = start_in(
-        Some(&client_ns),
-        "edge",
-        Some(&format!(
-            "listen = \"127.0.0.1:0\"\n\
-             token = \"roaming-test-token-0123\"\n\
-             [trust]\npin_sha256 = [\"{pin}\"]\n\
-             [[gateways]]\nname = \"gw\"\nquic = \"{tunnel}\"\nserver_name = \"localhost\"\n\
-             [quic]\nkeep_alive_ms = 60000\nidle_timeout_ms = 120000\n"
-        )),
-        &[],
-        false,
+    let LabStack { sim, gateway, edge } = lab_stack(
+        &lab,
+        "roaming-test-token-0123",
+        "base_latency_ms = 1.0\ntime_per_output_token_ms = 25.0\n",
+        "",
+        "[quic]\nkeep_alive_ms = 60000\nidle_timeout_ms = 120000",
     );
 
     // 160 tokens at 25 ms: about 4 s, across two or three address changes.

@@ -336,6 +336,7 @@ fn s(p: &Path) -> String {
 
 #[tokio::test]
 async fn a_pull_through_a_mirror_is_byte_identical_and_the_origin_sends_one_copy() {
+    let _turn = crate::harness::HEAVY.lock().await;
     let fx = fixture();
     let cache = TempDir::new("w-cache");
     let m = start_mirror(&fx.origin_url(), &cache.0, &[]);
@@ -363,6 +364,7 @@ async fn a_pull_through_a_mirror_is_byte_identical_and_the_origin_sends_one_copy
 
 #[tokio::test]
 async fn a_pull_killed_halfway_resumes_refetching_at_most_the_pieces_in_flight() {
+    let _turn = crate::harness::HEAVY.lock().await;
     let fx = fixture();
     let cache = TempDir::new("w-cache");
     let m = start_mirror(&fx.origin_url(), &cache.0, &[]);
@@ -419,6 +421,7 @@ async fn a_pull_killed_halfway_resumes_refetching_at_most_the_pieces_in_flight()
 
 #[tokio::test]
 async fn corrupt_pieces_from_a_mirror_or_a_peer_are_refetched_elsewhere_and_penalised() {
+    let _turn = crate::harness::HEAVY.lock().await;
     let fx = fixture();
     let origin = fx.origin_url();
     // A mirror corrupting every third piece, with the origin as the fallback.
@@ -477,6 +480,7 @@ async fn corrupt_pieces_from_a_mirror_or_a_peer_are_refetched_elsewhere_and_pena
 
 #[tokio::test]
 async fn a_straggling_piece_is_hedged_to_another_source() {
+    let _turn = crate::harness::HEAVY.lock().await;
     let fx = fixture();
     let origin = fx.origin_url();
     let cache = TempDir::new("w-cache");
@@ -506,6 +510,7 @@ async fn a_straggling_piece_is_hedged_to_another_source() {
 
 #[tokio::test]
 async fn four_pullers_sharing_as_peers_cost_the_origin_about_one_copy() {
+    let _turn = crate::harness::HEAVY.lock().await;
     let fx = fixture();
     let cache = TempDir::new("w-cache");
     let m = start_mirror(&fx.origin_url(), &cache.0, &["--region", "eu"]);
@@ -573,6 +578,7 @@ async fn four_pullers_sharing_as_peers_cost_the_origin_about_one_copy() {
 
 #[tokio::test]
 async fn a_mirror_cache_smaller_than_the_model_evicts_and_stays_within_its_bound() {
+    let _turn = crate::harness::HEAVY.lock().await;
     let fx = fixture();
     let tmp = TempDir::new("w-evict");
     let cache = s(&tmp.0.join("cache"));
@@ -612,6 +618,7 @@ async fn a_mirror_cache_smaller_than_the_model_evicts_and_stays_within_its_bound
 
 #[tokio::test]
 async fn with_the_origin_down_a_mirror_serves_its_cache_and_a_clear_error_for_the_rest() {
+    let _turn = crate::harness::HEAVY.lock().await;
     let fx = fixture();
     // A private origin (hard links: nothing is copied or modified) that can be taken down.
     let tmp = TempDir::new("w-down");
@@ -674,6 +681,7 @@ fn link_tree(src: &Path, dst: &Path) {
 
 #[tokio::test]
 async fn bad_names_unknown_tags_and_truncated_manifests_give_clear_errors() {
+    let _turn = crate::harness::HEAVY.lock().await;
     let fx = fixture();
     let tmp = TempDir::new("w-bad");
     // An origin holding a truncated manifest.
@@ -730,6 +738,7 @@ impl Drop for Mount {
 
 #[tokio::test]
 async fn a_full_disk_stops_the_pull_with_a_clear_error_and_a_rerun_resumes() {
+    let _turn = crate::harness::HEAVY.lock().await;
     let fx = fixture();
     let tmp = TempDir::new("w-full");
     let dir = tmp.0.join("tmpfs");
