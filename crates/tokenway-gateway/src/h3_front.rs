@@ -28,7 +28,7 @@ use tokio::sync::watch;
 
 use crate::error::{ApiError, ResponseBody};
 use crate::proxy::is_event_stream;
-use crate::service::{self, PeerAddr, Transport};
+use crate::service::{self, Transport};
 use crate::state::Shared;
 
 type SendHalf = RequestStream<h3_quinn_prio::SendStream<Bytes>, Bytes>;
@@ -238,9 +238,8 @@ async fn request(
         return;
     }
     let head = parts.method == Method::HEAD;
-    parts.extensions.insert(PeerAddr(remote));
     let req = Request::from_parts(parts, H3Body { recv });
-    let resp = service::handle_request(shared, req, transport).await;
+    let resp = service::handle_request(shared, req, transport, remote).await;
     prio.set(class.unwrap_or_else(|| response_priority(&resp)));
     write_response(&mut send, resp, head).await;
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Response, StatusCode};
 use http_body::Frame;
@@ -20,7 +20,7 @@ use tokenway_router::{BackendId, HedgeWinner, Outcome, Route, RouteRequest};
 use crate::error::{ApiError, ResponseBody};
 use crate::relay::RelayBody;
 use crate::state::{Attempt, Shared, Upstream};
-use crate::upstream_h1::{H1Body, H1Error};
+use crate::upstream_h1::{encode_head, H1Body, H1Error};
 use tokenway_telemetry::stream_clock::{StreamClock, StreamHistograms};
 
 /// Header naming the backend that served a response.
@@ -70,8 +70,12 @@ async fn try_backend(
     let upstream = shared.upstream(id);
     let sent = Instant::now();
     let deadline = tokio::time::Instant::now() + shared.config.timeouts.first_byte();
-    let headers = upstream_headers(&upstream, req.parts);
-    let authority = upstream.base.authority().map_or("", |a| a.as_str());
+    let head = encode_head(
+        &upstream.authority,
+        req.parts,
+        upstream_headers(&upstream, req.parts),
+        req.body.len(),
+    );
     let fail = |mut attempt: Attempt, failure: Failure| {
         attempt.finish(failure.outcome());
         tracing::info!(backend = %upstream.name, reason = %failure.describe(), "attempt failed before the first byte");
@@ -80,7 +84,9 @@ async fn try_backend(
             failure,
         }
     };
-    let send = shared.h1.send(authority, req.parts, &headers, &req.body);
+    let send = shared
+        .h1
+        .send(&upstream.authority, req.parts, &head, &req.body);
     let (parts, mut body) = match tokio::time::timeout_at(deadline, send).await {
         Err(_) => return fail(attempt, Failure::Timeout),
         Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
@@ -159,7 +165,7 @@ pub async fn forward(
         match tried {
             Tried::Failed { backend, failure } => last_failure = Some((backend, failure)),
             Tried::Answered(answer) => {
-                let name = answer.attempt.backend_name().to_string();
+                let name = answer.attempt.backend_name();
                 return (respond(shared, &req, &routed, *answer), Some(name));
             }
         }
@@ -281,10 +287,16 @@ fn respond(
         attempt,
         clock,
         shared.config.timeouts.stream_idle(),
+        // HTTP/1.1 queues frames itself and writes them together (see `relay`).
+        req.transport != crate::service::Transport::H1.as_str(),
     );
     let mut resp = Response::new(BodyExt::boxed(body));
     *resp.status_mut() = parts.status;
-    copy_end_to_end_headers(&parts.headers, resp.headers_mut());
+    // The backend's headers move over as they are (their values share the response head's
+    // bytes); only the hop-by-hop ones are dropped.
+    let mut headers = parts.headers;
+    strip_hop_by_hop(&mut headers);
+    *resp.headers_mut() = headers;
     let h = resp.headers_mut();
     if let Some(v) = &upstream.name_header {
         h.insert(HeaderName::from_static(BACKEND_HEADER), v.clone());
@@ -292,18 +304,22 @@ fn respond(
     // server-timing (W3C): time in the gateway before the backend answered, the backend's time
     // to first byte, the backend chosen, and why.
     let gateway_ms = req.start.elapsed().saturating_sub(ttfb).as_secs_f64() * 1e3;
-    let reason = if upstream_is_first(routed, id) {
-        routed.reason.to_string()
+    let reason: &dyn std::fmt::Display = if upstream_is_first(routed, id) {
+        &routed.reason
     } else {
-        "retry".to_string()
+        &"retry"
     };
-    let timing = format!(
-        "gateway;dur={gateway_ms:.3}, ttfb;dur={:.3}, expected;dur={:.3}, backend;desc=\"{}\", route;desc=\"{reason}\"",
-        ttfb.as_secs_f64() * 1e3,
-        routed.expected_ttft.as_secs_f64() * 1e3,
-        upstream.name.replace(['"', '\\'], "_"),
+    let mut timing = String::with_capacity(160 + upstream.name.len());
+    let _ = std::fmt::Write::write_fmt(
+        &mut timing,
+        format_args!(
+            "gateway;dur={gateway_ms:.3}, ttfb;dur={:.3}, expected;dur={:.3}, backend;desc=\"{}\", route;desc=\"{reason}\"",
+            ttfb.as_secs_f64() * 1e3,
+            routed.expected_ttft.as_secs_f64() * 1e3,
+            QuotedSafe(&upstream.name),
+        ),
     );
-    if let Ok(v) = http::HeaderValue::from_str(&timing) {
+    if let Ok(v) = http::HeaderValue::try_from(timing) {
         h.append(header::HeaderName::from_static("server-timing"), v);
     }
     resp
@@ -372,6 +388,42 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
+/// Drops the hop-by-hop headers from `headers`.
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    for name in [
+        header::CONNECTION,
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+    ] {
+        headers.remove(name);
+    }
+    for name in ["keep-alive", "proxy-connection"] {
+        headers.remove(name);
+    }
+}
+
+/// A backend name inside a quoted `server-timing` description: quotes and backslashes become `_`.
+struct QuotedSafe<'a>(&'a str);
+
+impl std::fmt::Display for QuotedSafe<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for part in self.0.split_inclusive(['"', '\\']) {
+            match part.strip_suffix(['"', '\\']) {
+                Some(rest) => {
+                    f.write_str(rest)?;
+                    f.write_str("_")?;
+                }
+                None => f.write_str(part)?,
+            }
+        }
+        Ok(())
+    }
+}
+
 pub(crate) fn copy_end_to_end_headers(from: &HeaderMap, to: &mut HeaderMap) {
     for (name, value) in from {
         if !is_hop_by_hop(name) {
@@ -382,22 +434,22 @@ pub(crate) fn copy_end_to_end_headers(from: &HeaderMap, to: &mut HeaderMap) {
 
 /// The headers sent to `upstream`: the client's end-to-end headers, with the client's credentials
 /// replaced by the backend's own (`host` and `content-length` are set by the connection).
-fn upstream_headers(upstream: &Upstream, parts: &Parts) -> HeaderMap {
-    let mut headers = HeaderMap::with_capacity(parts.headers.len() + 1);
-    for (name, value) in &parts.headers {
-        if is_hop_by_hop(name)
-            || name == header::HOST
-            || name == header::AUTHORIZATION
-            || name == header::CONTENT_LENGTH
+fn upstream_headers<'a>(
+    upstream: &'a Upstream,
+    parts: &'a Parts,
+) -> impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)> {
+    static AUTHORIZATION: HeaderName = header::AUTHORIZATION;
+    let forwarded = parts.headers.iter().filter(|(name, _)| {
+        !(is_hop_by_hop(name)
+            || name == &header::HOST
+            || name == &header::AUTHORIZATION
+            || name == &header::CONTENT_LENGTH
             // The whole body is already here: the backend must not wait for a go-ahead.
-            || name == header::EXPECT
-        {
-            continue;
-        }
-        headers.append(name.clone(), value.clone());
-    }
-    if let Some(auth) = &upstream.authorization {
-        headers.insert(header::AUTHORIZATION, auth.clone());
-    }
-    headers
+            || name == &header::EXPECT)
+    });
+    let own = upstream
+        .authorization
+        .as_ref()
+        .map(|auth| (&AUTHORIZATION, auth));
+    forwarded.chain(own)
 }

@@ -2,8 +2,9 @@
 //!
 //! [`RelayBody`] wraps the upstream body: the client connection polls it directly, so a frame
 //! goes from the backend's socket to the client's without a task hop. Frames that have already
-//! arrived together are merged into one write (up to [`COALESCE_BYTES`]); nothing ever waits for
-//! more bytes, so the first token leaves the moment it arrives. On the way the relay measures
+//! arrived together leave in one write: HTTP/1.1 connections queue them and write them with one
+//! `writev`; for the other fronts the relay merges them (up to [`COALESCE_BYTES`]). Nothing ever
+//! waits for more bytes, so the first token leaves the moment it arrives. On the way the relay measures
 //! SSE events: time to first token and inter-token gaps.
 //!
 //! A silent backend (no bytes for `stream_idle`) ends the stream. A client that stops reading is
@@ -51,17 +52,21 @@ pub struct RelayBody {
     idle_timeout: Duration,
     last_activity: tokio::time::Instant,
     tail: Tail,
+    merge: bool,
 }
 
 impl RelayBody {
     /// Relays `upstream`, whose first frame (already read while the attempt could still be
-    /// retried) is `first`.
+    /// retried) is `first`. With `merge`, frames that are ready together are copied into one
+    /// (for fronts that send each frame on its own: HTTP/2, HTTP/3); without it they pass one by
+    /// one, untouched (HTTP/1.1, whose connection queues them and writes them with one `writev`).
     pub fn new(
         first: Option<Frame<Bytes>>,
         upstream: H1Body,
         attempt: Attempt,
         clock: StreamClock,
         stream_idle: Duration,
+        merge: bool,
     ) -> Self {
         let now = tokio::time::Instant::now();
         Self {
@@ -73,13 +78,14 @@ impl RelayBody {
             idle_timeout: stream_idle,
             last_activity: now,
             tail: Tail::Open,
+            merge,
         }
     }
 
     /// Ends the relay after an upstream failure or stall.
     fn fail(&mut self, stalled: bool, why: &str) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.tail = Tail::Closed;
-        let backend = self.attempt.backend_name().to_string();
+        let backend = self.attempt.backend_name();
         let (outcome, message) = if stalled {
             (
                 Outcome::Timeout,
@@ -183,7 +189,11 @@ impl Body for RelayBody {
                 this.last_activity = tokio::time::Instant::now();
                 match frame.into_data() {
                     Ok(data) => {
-                        let data = this.coalesce(cx, data);
+                        let data = if this.merge {
+                            this.coalesce(cx, data)
+                        } else {
+                            data
+                        };
                         this.clock.observe(&data);
                         Poll::Ready(Some(Ok(Frame::data(data))))
                     }

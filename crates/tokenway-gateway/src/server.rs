@@ -19,7 +19,6 @@ use tokio_rustls::TlsAcceptor;
 use crate::config::GatewayConfig;
 use crate::error::GatewayError;
 use crate::h3_front::{self, Front};
-use crate::service::PeerAddr;
 use crate::stall_io::StallGuard;
 use crate::state::Shared;
 use crate::{discovery, probe, service};
@@ -280,9 +279,8 @@ async fn serve_connection<S>(
         .max_concurrent_streams(1024)
         .keep_alive_interval(Some(Duration::from_secs(20)));
     let stream = StallGuard::new(stream, shared.config.timeouts.client_write());
-    let svc = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
-        req.extensions_mut().insert(PeerAddr(peer));
-        service::handle(shared.clone(), req)
+    let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
+        service::handle(shared.clone(), req, peer)
     });
     // With upgrades: CONNECT port forwarding from edges on their TCP fallback.
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);

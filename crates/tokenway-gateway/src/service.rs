@@ -2,6 +2,7 @@
 //! route, authenticate, read a bounded body, parse what routing needs, rank, forward, measure.
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -64,6 +65,7 @@ impl Transport {
 pub async fn handle(
     shared: Arc<Shared>,
     mut req: Request<Incoming>,
+    peer: SocketAddr,
 ) -> Result<Response<ResponseBody>, Infallible> {
     let mut transport = Transport::of_tcp_request(&req);
     if let Some(tunnel) = &shared.tunnel {
@@ -80,18 +82,20 @@ pub async fn handle(
             transport = Transport::TunnelTcp;
         }
     }
-    let mut resp = handle_request(shared.clone(), req, transport).await;
+    let mut resp = handle_request(shared.clone(), req, transport, peer).await;
     if let Some(alt_svc) = shared.alt_svc.get() {
         resp.headers_mut().insert(header::ALT_SVC, alt_svc.clone());
     }
     Ok(resp)
 }
 
-/// Handles one request from any front: the one request-handling core.
+/// Handles one request from any front, which passes the client's address (`peer`): the one
+/// request-handling core.
 pub async fn handle_request<B>(
     shared: Arc<Shared>,
     req: Request<B>,
     transport: Transport,
+    peer: SocketAddr,
 ) -> Response<ResponseBody>
 where
     B: Body + Send,
@@ -122,7 +126,8 @@ where
             (r, "/v1/models", None)
         }
         (&Method::POST, _, Some(route)) => {
-            let (r, backend) = match proxy_route(&shared, req, route, transport, start).await {
+            let (r, backend) = match proxy_route(&shared, req, route, transport, start, peer).await
+            {
                 Ok(rb) => rb,
                 Err(e) => (e.into_response(), None),
             };
@@ -169,6 +174,7 @@ async fn proxy_route<B>(
     route: &'static str,
     transport: &'static str,
     start: Instant,
+    peer: SocketAddr,
 ) -> Result<(Response<ResponseBody>, Option<String>), ApiError>
 where
     B: Body + Send,
@@ -179,7 +185,7 @@ where
     let (parts, body) = req.into_parts();
     let body = read_body(shared, &parts.headers, body).await?;
     let meta = RequestMeta::parse(&body)?;
-    let request = Arc::new(route_request(shared, &parts, &meta)?);
+    let request = Arc::new(route_request(shared, &parts, &meta, peer)?);
     let overflow = crate::overflow::eligible(shared, &parts);
     // A statement of its own: the router's lock must not be held across an await.
     let routed = shared.router().route(&request, Instant::now());
@@ -225,6 +231,7 @@ fn route_request(
     shared: &Shared,
     parts: &http::request::Parts,
     meta: &RequestMeta<'_>,
+    peer: SocketAddr,
 ) -> Result<RouteRequest, ApiError> {
     let settings = &shared.config.routing;
     let prompt = meta.prompt_text();
@@ -246,17 +253,11 @@ fn route_request(
     } else if let Some(user) = meta.user.as_deref().filter(|u| !u.is_empty()) {
         r = r.with_session(SessionKind::User, user);
     } else if settings.source_affinity {
-        if let Some(peer) = parts.extensions.get::<PeerAddr>() {
-            r = r.with_session(SessionKind::SourceAddr, peer.0.ip().to_string());
-        }
+        r = r.with_session(SessionKind::SourceAddr, peer.ip().to_string());
     }
     let region = header(&settings.client_region_header).unwrap_or(&shared.config.region);
     Ok(r.with_client_region(region))
 }
-
-/// The client's address, put into request extensions by the fronts.
-#[derive(Clone, Copy, Debug)]
-pub struct PeerAddr(pub std::net::SocketAddr);
 
 /// Checks the Bearer key when keys are configured.
 fn authenticate<B>(shared: &Shared, req: &Request<B>) -> Result<(), ApiError> {

@@ -41,6 +41,8 @@ pub struct Upstream {
     pub name: String,
     /// `scheme://authority` of the backend.
     pub base: Uri,
+    /// The authority of `base`, shared with the connections to it (no copy per request).
+    pub authority: Arc<str>,
     /// `Authorization` sent to the backend, if configured.
     pub authorization: Option<HeaderValue>,
     /// Labels of the per-backend gauges.
@@ -106,6 +108,7 @@ impl Upstream {
             },
             name_header: HeaderValue::from_str(&name).ok(),
             name,
+            authority: Arc::from(base.authority().map_or("", |a| a.as_str())),
             base,
             authorization,
             model_entries: Mutex::new(entries),

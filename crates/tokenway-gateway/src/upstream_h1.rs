@@ -32,6 +32,8 @@ const MAX_LINE_BYTES: usize = 4 * 1024;
 /// Read buffer growth step: a few KiB hold a burst of token events; large bodies simply take
 /// more reads. Kept small because every open stream holds one.
 const READ_BYTES: usize = 4 * 1024;
+/// Below this much free space the read buffer grows by [`READ_BYTES`] before a read.
+const MIN_READ_BYTES: usize = 1024;
 /// Idle connections kept per backend.
 const MAX_IDLE_PER_BACKEND: usize = 512;
 /// An idle connection older than this is closed instead of reused.
@@ -86,7 +88,11 @@ impl H1Pool {
 
     fn checkin(&self, authority: &str, stream: TcpStream) {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        let list = idle.entry(authority.to_string()).or_default();
+        // Look up before inserting: the key is allocated once per backend, not per request.
+        let list = match idle.get_mut(authority) {
+            Some(list) => list,
+            None => idle.entry(authority.to_string()).or_default(),
+        };
         if list.len() < MAX_IDLE_PER_BACKEND {
             list.push((stream, Instant::now()));
         }
@@ -101,26 +107,25 @@ impl H1Pool {
         Ok(stream)
     }
 
-    /// Sends a request (head from `parts`, the given `headers`, and `body`) to `authority` and
-    /// reads the response head; the body streams from the returned [`H1Body`]. A pooled
-    /// connection that turns out to be closed is replaced by a fresh one once.
+    /// Sends a request (its `head` from [`encode_head`], then `body`) to `authority` and reads
+    /// the response head; the body streams from the returned [`H1Body`]. A pooled connection
+    /// that turns out to be closed is replaced by a fresh one once.
     pub async fn send(
         self: &Arc<Self>,
-        authority: &str,
+        authority: &Arc<str>,
         parts: &Parts,
-        headers: &HeaderMap,
+        head: &[u8],
         body: &Bytes,
     ) -> Result<(http::response::Parts, H1Body), H1Error> {
-        let head = encode_head(authority, parts, headers, body.len());
         if let Some(stream) = self.checkout(authority) {
-            match self.exchange(stream, authority, parts, &head, body).await {
+            match self.exchange(stream, authority, parts, head, body).await {
                 Err(Exchange::Stale) => {}
                 Err(Exchange::Failed(e)) => return Err(e),
                 Ok(r) => return Ok(r),
             }
         }
         let stream = self.connect(authority).await?;
-        match self.exchange(stream, authority, parts, &head, body).await {
+        match self.exchange(stream, authority, parts, head, body).await {
             Ok(r) => Ok(r),
             Err(Exchange::Stale) => Err(H1Error::Io(
                 "connection closed before the response".to_string(),
@@ -132,7 +137,7 @@ impl H1Pool {
     async fn exchange(
         self: &Arc<Self>,
         mut stream: TcpStream,
-        authority: &str,
+        authority: &Arc<str>,
         parts: &Parts,
         head: &[u8],
         body: &Bytes,
@@ -146,7 +151,7 @@ impl H1Pool {
         }
         let mut buf = BytesMut::with_capacity(READ_BYTES);
         loop {
-            buf.reserve(READ_BYTES);
+            reserve_read_space(&mut buf);
             let n = tokio::io::AsyncReadExt::read_buf(&mut stream, &mut buf)
                 .await
                 .map_err(|e| {
@@ -183,7 +188,7 @@ impl H1Pool {
                         buf,
                         framing,
                         pool: self.clone(),
-                        authority: authority.to_string(),
+                        authority: authority.clone(),
                         reusable,
                         finished: false,
                     };
@@ -194,15 +199,30 @@ impl H1Pool {
     }
 }
 
+/// Makes room for the next read: only when little is left, so that a buffer whose front was split
+/// off (and is still referenced) is not reallocated on every read.
+fn reserve_read_space(buf: &mut BytesMut) {
+    if buf.capacity() - buf.len() < MIN_READ_BYTES {
+        buf.reserve(READ_BYTES);
+    }
+}
+
 enum Exchange {
     /// Nothing came back on a connection that may have been closed while idle.
     Stale,
     Failed(H1Error),
 }
 
-fn encode_head(authority: &str, parts: &Parts, headers: &HeaderMap, body_len: usize) -> Vec<u8> {
+/// The request head sent to a backend: method and path from `parts`, `host: authority`, the
+/// given headers, and the body's length.
+pub fn encode_head<'h>(
+    authority: &str,
+    parts: &Parts,
+    headers: impl Iterator<Item = (&'h HeaderName, &'h HeaderValue)>,
+    body_len: usize,
+) -> Vec<u8> {
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    let mut out = Vec::with_capacity(256 + headers.len() * 48);
+    let mut out = Vec::with_capacity(256 + parts.headers.len() * 48);
     out.extend_from_slice(parts.method.as_str().as_bytes());
     out.push(b' ');
     out.extend_from_slice(path.as_bytes());
@@ -216,13 +236,15 @@ fn encode_head(authority: &str, parts: &Parts, headers: &HeaderMap, body_len: us
         out.extend_from_slice(b"\r\n");
     }
     if body_len > 0 || parts.method == Method::POST || parts.method == Method::PUT {
-        out.extend_from_slice(format!("content-length: {body_len}\r\n").as_bytes());
+        // Formatted straight into the buffer: no temporary string.
+        let _ = std::io::Write::write_fmt(&mut out, format_args!("content-length: {body_len}\r\n"));
     }
     out.extend_from_slice(b"\r\n");
     out
 }
 
 /// Parses a complete response head off the front of `buf`, or `None` when more bytes are needed.
+/// Header values share the head's bytes instead of being copied one by one.
 fn parse_head(buf: &mut BytesMut) -> Result<Option<http::response::Parts>, H1Error> {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut headers);
@@ -241,14 +263,31 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<http::response::Parts>, H1Err
         Version::HTTP_11
     };
     let mut map = HeaderMap::with_capacity(resp.headers.len());
-    for h in resp.headers.iter() {
-        let name = HeaderName::from_bytes(h.name.as_bytes())
-            .map_err(|_| H1Error::Protocol(format!("bad header name {:?}", h.name)))?;
-        let value = HeaderValue::from_bytes(h.value)
-            .map_err(|_| H1Error::Protocol(format!("bad value of header {}", h.name)))?;
+    // Where each name and value lies in `buf`; the values become slices of the frozen head.
+    let base = buf.as_ptr() as usize;
+    let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
+    let count = resp.headers.len();
+    for (h, span) in resp.headers.iter().zip(spans.iter_mut()) {
+        *span = (
+            h.name.as_ptr() as usize - base,
+            h.name.len(),
+            h.value.as_ptr() as usize - base,
+            h.value.len(),
+        );
+    }
+    let head = buf.split_to(consumed).freeze();
+    for &(name_at, name_len, at, len) in &spans[..count] {
+        let raw_name = &head[name_at..name_at + name_len];
+        let name = HeaderName::from_bytes(raw_name).map_err(|_| {
+            H1Error::Protocol(format!(
+                "bad header name {:?}",
+                String::from_utf8_lossy(raw_name)
+            ))
+        })?;
+        let value = HeaderValue::from_maybe_shared(head.slice(at..at + len))
+            .map_err(|_| H1Error::Protocol(format!("bad value of header {name}")))?;
         map.append(name, value);
     }
-    buf.advance(consumed);
     let mut out = http::Response::new(());
     *out.status_mut() = status;
     *out.version_mut() = version;
@@ -309,7 +348,7 @@ pub struct H1Body {
     buf: BytesMut,
     framing: Framing,
     pool: Arc<H1Pool>,
-    authority: String,
+    authority: Arc<str>,
     reusable: bool,
     finished: bool,
 }
@@ -325,44 +364,36 @@ enum Decoded {
 }
 
 impl H1Body {
-    /// Decodes as much of the buffer as possible into one piece of body data.
+    /// Decodes the next piece of body data off the buffer: a slice of the read buffer, never a
+    /// copy. Framing after it (the chunk's CRLF, the next size line, the last chunk and trailers)
+    /// is consumed too when already buffered, so the end of the body is known with its last data.
+    /// Several chunks that arrived together come out as several pieces; the client connection
+    /// queues them and sends them in one vectored write.
     fn decode(&mut self) -> Result<Decoded, H1Error> {
-        let mut out = BytesMut::new();
+        let mut out: Option<Bytes> = None;
+        let pending =
+            |out: Option<Bytes>, otherwise: Decoded| Ok(out.map_or(otherwise, Decoded::Data));
         loop {
             match self.framing {
-                Framing::Empty => {
-                    return Ok(if out.is_empty() {
-                        Decoded::End
-                    } else {
-                        Decoded::Data(out.freeze())
-                    })
-                }
+                Framing::Empty => return pending(out, Decoded::End),
                 Framing::UntilClose => {
-                    if !self.buf.is_empty() {
-                        out.extend_from_slice(&self.buf.split());
+                    if out.is_none() && !self.buf.is_empty() {
+                        out = Some(self.buf.split_to(self.buf.len()).freeze());
                     }
-                    return Ok(if out.is_empty() {
-                        Decoded::More
-                    } else {
-                        Decoded::Data(out.freeze())
-                    });
+                    return pending(out, Decoded::More);
                 }
                 Framing::Length(rem) => {
-                    let n = (rem as usize).min(self.buf.len());
-                    out.extend_from_slice(&self.buf.split_to(n));
+                    if out.is_some() || self.buf.is_empty() {
+                        return pending(out, Decoded::More);
+                    }
+                    let n = (rem.min(usize::MAX as u64) as usize).min(self.buf.len());
+                    out = Some(self.buf.split_to(n).freeze());
                     let rem = rem - n as u64;
                     self.framing = if rem == 0 {
                         Framing::Empty
                     } else {
                         Framing::Length(rem)
                     };
-                    if rem > 0 {
-                        return Ok(if out.is_empty() {
-                            Decoded::More
-                        } else {
-                            Decoded::Data(out.freeze())
-                        });
-                    }
                 }
                 Framing::Chunked(Chunk::Size) => match httparse::parse_chunk_size(&self.buf) {
                     Ok(httparse::Status::Complete((used, size))) => {
@@ -376,36 +407,25 @@ impl H1Body {
                     Ok(httparse::Status::Partial) if self.buf.len() > MAX_LINE_BYTES => {
                         return Err(H1Error::Protocol("chunk size line too long".to_string()))
                     }
-                    Ok(httparse::Status::Partial) => {
-                        return Ok(if out.is_empty() {
-                            Decoded::More
-                        } else {
-                            Decoded::Data(out.freeze())
-                        })
-                    }
+                    Ok(httparse::Status::Partial) => return pending(out, Decoded::More),
                     Err(_) => return Err(H1Error::Protocol("bad chunk size".to_string())),
                 },
                 Framing::Chunked(Chunk::Data(rem)) => {
-                    let n = (rem.min(usize::MAX as u64) as usize).min(self.buf.len());
-                    out.extend_from_slice(&self.buf.split_to(n));
-                    let rem = rem - n as u64;
-                    if rem > 0 {
-                        self.framing = Framing::Chunked(Chunk::Data(rem));
-                        return Ok(if out.is_empty() {
-                            Decoded::More
-                        } else {
-                            Decoded::Data(out.freeze())
-                        });
+                    if out.is_some() || self.buf.is_empty() {
+                        return pending(out, Decoded::More);
                     }
-                    self.framing = Framing::Chunked(Chunk::DataEnd);
+                    let n = (rem.min(usize::MAX as u64) as usize).min(self.buf.len());
+                    out = Some(self.buf.split_to(n).freeze());
+                    let rem = rem - n as u64;
+                    self.framing = Framing::Chunked(if rem == 0 {
+                        Chunk::DataEnd
+                    } else {
+                        Chunk::Data(rem)
+                    });
                 }
                 Framing::Chunked(Chunk::DataEnd) => {
                     if self.buf.len() < 2 {
-                        return Ok(if out.is_empty() {
-                            Decoded::More
-                        } else {
-                            Decoded::Data(out.freeze())
-                        });
+                        return pending(out, Decoded::More);
                     }
                     if &self.buf[..2] != b"\r\n" {
                         return Err(H1Error::Protocol("chunk not followed by CRLF".to_string()));
@@ -424,13 +444,7 @@ impl H1Body {
                         None if self.buf.len() > MAX_LINE_BYTES => {
                             return Err(H1Error::Protocol("trailer line too long".to_string()))
                         }
-                        None => {
-                            return Ok(if out.is_empty() {
-                                Decoded::More
-                            } else {
-                                Decoded::Data(out.freeze())
-                            })
-                        }
+                        None => return pending(out, Decoded::More),
                     }
                 }
             }
@@ -481,7 +495,7 @@ impl Body for H1Body {
             let Some(stream) = this.stream.as_mut() else {
                 return Poll::Ready(None);
             };
-            this.buf.reserve(READ_BYTES);
+            reserve_read_space(&mut this.buf);
             match tokio_util::io::poll_read_buf(Pin::new(stream), cx, &mut this.buf) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(e)) => {
@@ -535,15 +549,26 @@ mod tests {
     }
 
     #[test]
-    fn several_complete_chunks_decode_into_one_piece() {
-        let mut b = body_with(
-            b"5\r\nhello\r\n6\r\n world\r\n3;ext=1\r\n!!!\r\n0\r\nx-trailer: 1\r\n\r\n",
-            Framing::Chunked(Chunk::Size),
-        );
-        match b.decode().expect("valid") {
-            Decoded::Data(d) => assert_eq!(&d[..], b"hello world!!!"),
-            _ => panic!("expected data"),
+    fn complete_chunks_decode_one_by_one_without_copies_and_the_end_comes_with_the_last() {
+        let wire = b"5\r\nhello\r\n6\r\n world\r\n3;ext=1\r\n!!!\r\n0\r\nx-trailer: 1\r\n\r\n";
+        let mut b = body_with(wire, Framing::Chunked(Chunk::Size));
+        let start = b.buf.as_ptr() as usize;
+        let end = start + wire.len();
+        let mut pieces = Vec::new();
+        while let Decoded::Data(d) = b.decode().expect("valid") {
+            // Each piece is a view of the read buffer, not a copy.
+            assert!((start..end).contains(&(d.as_ptr() as usize)));
+            pieces.push(d);
         }
+        assert_eq!(pieces, [&b"hello"[..], b" world", b"!!!"]);
+        assert_eq!(b.framing, Framing::Empty);
+        // The terminator and trailers were consumed along with the last piece.
+        let mut b = body_with(wire, Framing::Chunked(Chunk::Size));
+        for _ in 0..2 {
+            assert!(matches!(b.decode().expect("valid"), Decoded::Data(_)));
+            assert_ne!(b.framing, Framing::Empty);
+        }
+        assert!(matches!(b.decode().expect("valid"), Decoded::Data(_)));
         assert_eq!(b.framing, Framing::Empty);
         assert!(matches!(b.decode().expect("valid"), Decoded::End));
     }
