@@ -35,6 +35,11 @@ pub struct GatewayConfig {
     /// Largest number of concurrently open client connections; further ones wait in the
     /// kernel's accept queue.
     pub max_connections: usize,
+    /// Threads serving the TCP fronts (HTTP/1.1, h2c, TLS), each with its own event loop
+    /// accepting from the same listeners; a request is handled start to end on one thread, so
+    /// no wake-up crosses cores. 0 (default) means one per CPU. The QUIC fronts, health probes
+    /// and discovery run on the main thread, which is also the first front thread.
+    pub front_threads: usize,
     /// Routing policy: `cost` (default), `round_robin`, `least_inflight` or `p2c_ewma`.
     pub policy: Policy,
     /// Attempts per request before the first byte (1 = no retry).
@@ -70,6 +75,7 @@ impl Default for GatewayConfig {
             api_keys: Vec::new(),
             max_body_bytes: 32 * 1024 * 1024,
             max_connections: 10_000,
+            front_threads: 0,
             policy: Policy::default(),
             max_attempts: 3,
             region: "local".to_string(),
@@ -309,6 +315,14 @@ fn default_max_inflight() -> u32 {
 }
 
 impl GatewayConfig {
+    /// How many threads serve the TCP fronts: `front_threads`, or one per CPU when it is 0.
+    pub fn front_thread_count(&self) -> usize {
+        match self.front_threads {
+            0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            n => n,
+        }
+    }
+
     /// Parses a TOML document and validates it.
     pub fn from_toml_str(text: &str) -> Result<Self, GatewayError> {
         let config: Self =
@@ -411,6 +425,13 @@ impl GatewayConfig {
         }
         if self.max_connections == 0 {
             return Err(bad("max_connections", ">= 1", self.max_connections));
+        }
+        if self.front_threads > 1024 {
+            return Err(bad(
+                "front_threads",
+                "in 0..=1024 (0: one per CPU)",
+                self.front_threads,
+            ));
         }
         if !(1..=10).contains(&self.max_attempts) {
             return Err(bad("max_attempts", "in 1..=10", self.max_attempts));

@@ -161,26 +161,35 @@ impl BoundGateway {
             tokio::spawn(discovery::dns::run(self.shared.clone(), stop_rx.clone()));
         }
         let mut tasks = Vec::new();
-        if let Some(l) = self.plain {
-            tasks.push(tokio::spawn(accept_loop(
-                l,
-                None,
-                self.shared.clone(),
-                graceful.clone(),
-                permits.clone(),
-                stop_rx.clone(),
-            )));
+        // The TCP listeners, as plain sockets that every front thread registers with its own
+        // event loop.
+        let mut listeners = Vec::new();
+        for (l, tls) in self
+            .plain
+            .map(|l| (l, None))
+            .into_iter()
+            .chain(self.tls.map(|(l, a)| (l, Some(a))))
+        {
+            match l.into_std() {
+                Ok(l) => listeners.push((l, tls)),
+                Err(e) => tracing::error!(error = %e, "cannot take over a listener"),
+            }
         }
-        if let Some((l, acceptor)) = self.tls {
-            tasks.push(tokio::spawn(accept_loop(
-                l,
-                Some(acceptor),
-                self.shared.clone(),
-                graceful.clone(),
-                permits.clone(),
-                stop_rx.clone(),
-            )));
+        let fronts = FrontThreads {
+            shared: self.shared.clone(),
+            graceful: graceful.clone(),
+            permits: permits.clone(),
+            stop: stop_rx.clone(),
+        };
+        let mut extra = fronts.spawn_threads(&listeners);
+        // This thread is front thread 0.
+        for (l, tls) in listeners {
+            match TcpListener::from_std(l) {
+                Ok(l) => tasks.push(tokio::spawn(fronts.clone().accept_loop(l, tls))),
+                Err(e) => tracing::error!(error = %e, "cannot register a listener"),
+            }
         }
+        drop(fronts);
         for (endpoint, front) in [(self.h3, Front::Public), (self.tunnel, Front::Tunnel)] {
             if let Some(endpoint) = endpoint {
                 tasks.push(tokio::spawn(h3_front::serve(
@@ -196,6 +205,7 @@ impl BoundGateway {
         for t in tasks {
             let _ = t.await;
         }
+        extra.stop_accepting().await;
         match Arc::try_unwrap(graceful) {
             Ok(g) => {
                 if tokio::time::timeout(DRAIN, g.shutdown()).await.is_err() {
@@ -204,6 +214,138 @@ impl BoundGateway {
             }
             Err(_) => tracing::debug!("graceful shutdown handle still shared"),
         }
+        extra.exit().await;
+    }
+}
+
+/// What every front thread shares: the gateway, the graceful-shutdown handle, the connection
+/// limit and the stop signal.
+#[derive(Clone)]
+struct FrontThreads {
+    shared: Arc<Shared>,
+    graceful: Arc<GracefulShutdown>,
+    permits: Arc<Semaphore>,
+    stop: watch::Receiver<bool>,
+}
+
+/// The front threads besides the caller's: each signals when it stopped accepting, and leaves
+/// (closing what is still open on it) when told to exit.
+struct ExtraFronts {
+    stopped: Vec<tokio::sync::oneshot::Receiver<()>>,
+    exited: Vec<tokio::sync::oneshot::Receiver<()>>,
+    exit: watch::Sender<bool>,
+}
+
+impl ExtraFronts {
+    async fn stop_accepting(&mut self) {
+        for s in self.stopped.drain(..) {
+            let _ = s.await;
+        }
+    }
+
+    async fn exit(self) {
+        let _ = self.exit.send(true);
+        for e in self.exited {
+            let _ = e.await;
+        }
+    }
+}
+
+impl FrontThreads {
+    /// Starts front threads 1.. (`front_threads` in all, with the caller's), each running its
+    /// own single-threaded event loop with accept loops on duplicates of `listeners`. A thread
+    /// that cannot start is logged and skipped: the others serve.
+    fn spawn_threads(
+        &self,
+        listeners: &[(std::net::TcpListener, Option<TlsAcceptor>)],
+    ) -> ExtraFronts {
+        let (exit, exit_rx) = watch::channel(false);
+        let mut extra = ExtraFronts {
+            stopped: Vec::new(),
+            exited: Vec::new(),
+            exit,
+        };
+        for index in 1..self.shared.config.front_thread_count() {
+            let mut own = Vec::new();
+            for (l, tls) in listeners {
+                match l.try_clone() {
+                    Ok(l) => own.push((l, tls.clone())),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot share a listener with a front thread")
+                    }
+                }
+            }
+            let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel();
+            let (exited_tx, exited_rx) = tokio::sync::oneshot::channel();
+            let fronts = self.clone();
+            let exit = exit_rx.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("tokenway-front-{index}"))
+                .spawn(move || {
+                    fronts.run_thread(index, own, stopped_tx, exit);
+                    let _ = exited_tx.send(());
+                });
+            match spawned {
+                Ok(_) => {
+                    extra.stopped.push(stopped_rx);
+                    extra.exited.push(exited_rx);
+                }
+                Err(e) => tracing::warn!(error = %e, index, "cannot start a front thread"),
+            }
+        }
+        extra
+    }
+
+    /// Body of front thread `index`.
+    fn run_thread(
+        self,
+        index: usize,
+        listeners: Vec<(std::net::TcpListener, Option<TlsAcceptor>)>,
+        stopped: tokio::sync::oneshot::Sender<()>,
+        mut exit: watch::Receiver<bool>,
+    ) {
+        // One worker, like the main runtime (see `main.rs`): tasks of a request stay on it.
+        let runtime = match tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name(format!("tokenway-front-{index}"))
+            .on_thread_start(move || crate::upstream_h1::set_front_thread(index))
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                tracing::warn!(error = %e, index, "cannot start a front thread's event loop");
+                return;
+            }
+        };
+        runtime.block_on(async move {
+            let mut loops = Vec::new();
+            for (l, tls) in listeners {
+                match TcpListener::from_std(l) {
+                    Ok(l) => loops.push(tokio::spawn(self.clone().accept_loop(l, tls))),
+                    Err(e) => tracing::warn!(error = %e, index, "cannot register a listener"),
+                }
+            }
+            drop(self);
+            for l in loops {
+                let _ = l.await;
+            }
+            let _ = stopped.send(());
+            // Connections accepted here keep running on this thread while the gateway drains.
+            let _ = exit.wait_for(|e| *e).await;
+        });
+    }
+
+    async fn accept_loop(self, listener: TcpListener, tls: Option<TlsAcceptor>) {
+        accept_loop(
+            listener,
+            tls,
+            self.shared,
+            self.graceful,
+            self.permits,
+            self.stop,
+        )
+        .await;
     }
 }
 

@@ -211,7 +211,7 @@ impl Shared {
             }
         }
         regions.push("other".to_string());
-        let h1 = H1Pool::new(config.timeouts.connect());
+        let h1 = H1Pool::new(config.timeouts.connect(), config.front_thread_count());
         Ok(Arc::new(Self {
             h1,
             tunnel,

@@ -53,24 +53,47 @@ pub enum H1Error {
     Protocol(String),
 }
 
-/// Idle keep-alive connections per backend authority.
+thread_local! {
+    /// Which front thread runs here (0: the main runtime's threads). A connection belongs to
+    /// the event loop it was opened on, so each front thread keeps its own idle connections.
+    static FRONT_THREAD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks the calling thread as front thread `index` (see [`H1Pool`]).
+pub fn set_front_thread(index: usize) {
+    FRONT_THREAD.with(|t| t.set(index));
+}
+
+/// Idle connections of one front thread, per backend authority.
+type IdleMap = HashMap<String, Vec<(TcpStream, Instant)>>;
+
+/// Idle keep-alive connections per front thread and backend authority: a request reuses only
+/// connections opened on its own thread's event loop, so no I/O readiness crosses threads.
 pub struct H1Pool {
-    idle: Mutex<HashMap<String, Vec<(TcpStream, Instant)>>>,
+    idle: Vec<Mutex<IdleMap>>,
     connect_timeout: Duration,
 }
 
 impl H1Pool {
-    /// An empty pool.
-    pub fn new(connect_timeout: Duration) -> Arc<Self> {
+    /// An empty pool for `threads` front threads.
+    pub fn new(connect_timeout: Duration, threads: usize) -> Arc<Self> {
         Arc::new(Self {
-            idle: Mutex::new(HashMap::new()),
+            idle: (0..threads.max(1))
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
             connect_timeout,
         })
     }
 
+    /// This thread's idle connections.
+    fn idle(&self) -> std::sync::MutexGuard<'_, IdleMap> {
+        let i = FRONT_THREAD.with(std::cell::Cell::get) % self.idle.len();
+        self.idle[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// A live idle connection to `authority`, if one is pooled.
     fn checkout(&self, authority: &str) -> Option<TcpStream> {
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let mut idle = self.idle();
         let list = idle.get_mut(authority)?;
         while let Some((stream, since)) = list.pop() {
             if since.elapsed() > IDLE_TIMEOUT {
@@ -87,7 +110,7 @@ impl H1Pool {
     }
 
     fn checkin(&self, authority: &str, stream: TcpStream) {
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let mut idle = self.idle();
         // Look up before inserting: the key is allocated once per backend, not per request.
         let list = match idle.get_mut(authority) {
             Some(list) => list,
@@ -541,7 +564,7 @@ mod tests {
             stream: None,
             buf: BytesMut::from(bytes),
             framing,
-            pool: H1Pool::new(Duration::from_secs(1)),
+            pool: H1Pool::new(Duration::from_secs(1), 1),
             authority: "x:1".into(),
             reusable: false,
             finished: false,

@@ -45,10 +45,18 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     tokenway_telemetry::init_tracing();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    // The gateway and the edge are proxies: a request's tasks wake each other many times, and a
+    // wake-up that crosses to another worker thread costs a futex and an inter-processor
+    // interrupt (several per request, measured). They run on one worker thread instead: the
+    // edge on one, the gateway's TCP fronts on one per CPU (`front_threads`). One worker of the
+    // multi-thread scheduler rather than the current-thread one: its LIFO slot runs a task woken
+    // by the running one next, which keeps a request's hand-offs back to back (measured: fewer
+    // packets per request and a lower latency than with the current-thread scheduler).
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if matches!(cli.command, Command::Gateway(_) | Command::Edge(_)) {
+        builder.worker_threads(1);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
