@@ -37,6 +37,7 @@ use crate::manifest::{
     manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
 };
 use crate::piece_bits::PieceBits;
+use crate::piece_writer::PieceWriter;
 use crate::progress::PieceProgress;
 use crate::publish::read_full;
 use crate::rate_limit::RateLimit;
@@ -227,7 +228,7 @@ struct Blob {
     paths: Vec<String>,
     partial: PathBuf,
     progress_path: PathBuf,
-    file: Option<Arc<std::fs::File>>,
+    file: Option<Arc<PieceWriter>>,
     progress: PieceProgress,
     /// Tree hash of each verified piece (see [`FileEntry::verify_piece`]), for the root check.
     trees: Vec<Option<Blake3Hash>>,
@@ -352,7 +353,11 @@ pub async fn pull_from(
         let partial = partial_dir.join(hash.to_hex());
         let progress_path = partial_dir.join(format!("{}.progress", hash.to_hex()));
         let (e2, pp, prp) = (entry.clone(), partial.clone(), progress_path.clone());
-        let (file, progress, trees) = blocking(move || open_partial(&e2, &pp, &prp)).await?;
+        let (file, progress, trees) = blocking(move || {
+            let (f, progress, trees) = open_partial(&e2, &pp, &prp)?;
+            Ok((PieceWriter::new(f, &pp), progress, trees))
+        })
+        .await?;
         let done = progress.done_count();
         report.pieces_resumed += done;
         if let Some(h) = &opts.holdings {
@@ -390,7 +395,7 @@ pub async fn pull_from(
                 .map(move |i| (b, i))
         })
         .collect();
-    let jobs_meta: Vec<(String, FileEntry, Arc<std::fs::File>)> = blobs
+    let jobs_meta: Vec<(String, FileEntry, Arc<PieceWriter>)> = blobs
         .iter()
         .map(|b| {
             (
@@ -734,7 +739,7 @@ async fn fetch_piece(
     ctx: &Ctx,
     path: &str,
     entry: &FileEntry,
-    file: &Arc<std::fs::File>,
+    file: &Arc<PieceWriter>,
     blob: usize,
     piece: u64,
     stop: &Stop,
