@@ -300,7 +300,7 @@ fn cpu_delta(before: Option<f64>, after: Option<f64>) -> Option<f64> {
     Some(after? - before?)
 }
 
-/// Publishes the model once per size, seed and piece size; returns the origin directory
+/// Publishes the model once per size, seed, piece size and manifest format; returns the origin directory
 /// and the seconds publishing took (0 when reused).
 async fn publish(
     opts: &WeightsBenchOptions,
@@ -308,8 +308,11 @@ async fn publish(
     model: &GeneratedModel,
     logs: &Path,
 ) -> Result<(PathBuf, f64), BenchError> {
+    // `-m2`: manifest format 2 (pieces hashed as BLAKE3 subtrees). An origin published by
+    // an older build (format 1) is not reused, so a run measures the format its executable
+    // writes.
     let name = format!(
-        "origin-{}-seed{}-{}k",
+        "origin-{}-seed{}-{}k-m2",
         opts.size, opts.seed, opts.piece_size_kib
     );
     let origin = data.join(&name);

@@ -14,6 +14,8 @@
 //!   share.
 //! - [`piece_bits`]: which pieces a peer holds (sans-IO).
 //! - [`piece_buffers`]: reused piece-sized receive buffers.
+//! - [`piece_writer`]: writes verified pieces with `O_DIRECT` when aligned.
+//! - [`piece_tree`]: the whole-file BLAKE3 from the pieces' chaining values (sans-IO).
 //! - [`faults`]: test-only fault injection (corrupt pieces on purpose).
 //!
 //! Not here yet (see `docs/weights.md`): bao-tree outboards, `gs://` and `az://` origins.
@@ -32,6 +34,8 @@ pub mod origin;
 pub mod peer_server;
 pub mod piece_bits;
 pub mod piece_buffers;
+pub mod piece_tree;
+pub mod piece_writer;
 pub mod progress;
 pub mod publish;
 pub mod pull;

@@ -5,6 +5,12 @@
 //! hashes are listed in the manifest, so whoever receives any piece (from an origin, a mirror
 //! or a peer) can verify it without trusting the sender, and without the whole file.
 //!
+//! Two formats, both read: format 1 lists each piece's BLAKE3 as if the piece were a file of
+//! its own; format 2 (written since) uses power-of-two piece sizes and lists each piece's
+//! chaining value in the file's BLAKE3 tree ([`crate::piece_tree`]), so the pieces are checked
+//! against the file hash when the manifest is validated, and a file assembled from verified
+//! pieces has the file hash without being hashed again.
+//!
 //! This module parses and validates; it never touches a file or the network. Everything it
 //! accepts is safe to join onto a local directory: paths are relative, have no `..`, no
 //! empty components, no NUL or backslash.
@@ -18,10 +24,15 @@ use std::fmt;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use blake3::hazmat::HasherExt as _;
+
+use crate::piece_tree::{is_subtree_size, piece_cv, root_from_piece_cvs};
 use crate::MirrorError;
 
-/// Version of the manifest format written by this crate.
-pub const MANIFEST_FORMAT: u32 = 1;
+/// Version of the manifest format written by this crate: pieces hashed as subtrees.
+pub const MANIFEST_FORMAT: u32 = 2;
+/// The first manifest format: pieces hashed as standalone inputs. Still read.
+pub const MANIFEST_FORMAT_STANDALONE_PIECES: u32 = 1;
 /// Default piece size: 4 MiB.
 pub const DEFAULT_PIECE_SIZE: u64 = 4 << 20;
 /// Smallest piece size accepted (64 KiB).
@@ -172,6 +183,32 @@ pub fn validate_rel_path(field: &str, path: &str) -> Result<(), MirrorError> {
     Ok(())
 }
 
+/// What the `pieces` of a file entry are the hashes of; follows from the manifest's format.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PieceHashing {
+    /// Format 1: `BLAKE3(piece)`, each piece hashed as an input of its own.
+    #[default]
+    Standalone,
+    /// Format 2: the piece's chaining value as the subtree at its offset in the file's BLAKE3
+    /// tree; the file hash itself when the file is one piece.
+    Subtree,
+}
+
+impl PieceHashing {
+    /// The hashing of manifest format `format`, if this build knows it.
+    pub fn of_format(format: u32) -> Option<Self> {
+        match format {
+            MANIFEST_FORMAT_STANDALONE_PIECES => Some(Self::Standalone),
+            MANIFEST_FORMAT => Some(Self::Subtree),
+            _ => None,
+        }
+    }
+}
+
+/// A piece whose bytes do not match the manifest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PieceMismatch;
+
 /// One file of a model revision.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -184,8 +221,13 @@ pub struct FileEntry {
     pub hash: Blake3Hash,
     /// Size of every piece but the last.
     pub piece_size: u64,
-    /// BLAKE3 hash of each piece, in order; `ceil(size / piece_size)` of them.
+    /// Hash of each piece, in order; `ceil(size / piece_size)` of them; see
+    /// [`piece_hashing`](Self::piece_hashing).
     pub pieces: Vec<Blake3Hash>,
+    /// How `pieces` were computed: not in the JSON, set from the manifest's `format` by
+    /// [`Manifest::from_json`] (and by whoever builds an entry).
+    #[serde(skip)]
+    pub piece_hashing: PieceHashing,
 }
 
 impl FileEntry {
@@ -198,6 +240,63 @@ impl FileEntry {
     pub fn piece_range(&self, index: u64) -> std::ops::Range<u64> {
         let start = index * self.piece_size;
         start..(start + self.piece_size).min(self.size)
+    }
+
+    /// Checks piece `index` (`data` is all of it) against the manifest. On a match, returns
+    /// the piece's chaining value in the file's BLAKE3 tree (the file hash for a file of one
+    /// piece) when `want_tree` is set and it can be had, so the whole-file hash can be merged
+    /// from the pieces ([`file_hash_from_pieces`](Self::file_hash_from_pieces)) instead of
+    /// read again. Format 2 gets it for free; format 1 pays a second hash of the piece (in
+    /// memory), and has none when its piece size is not a power of two.
+    pub fn verify_piece(
+        &self,
+        index: u64,
+        data: &[u8],
+        want_tree: bool,
+    ) -> Result<Option<Blake3Hash>, PieceMismatch> {
+        let want = *self.pieces.get(index as usize).ok_or(PieceMismatch)?;
+        let r = self.piece_range(index);
+        if data.len() as u64 != r.end - r.start {
+            return Err(PieceMismatch);
+        }
+        let only = self.pieces.len() == 1;
+        match self.piece_hashing {
+            PieceHashing::Subtree => {
+                let got = if only {
+                    Blake3Hash::of(data)
+                } else {
+                    piece_cv(data, r.start)
+                };
+                (got == want).then_some(Some(got)).ok_or(PieceMismatch)
+            }
+            PieceHashing::Standalone => {
+                if Blake3Hash::of(data) != want {
+                    return Err(PieceMismatch);
+                }
+                Ok(if only {
+                    Some(want)
+                } else if want_tree && is_subtree_size(self.piece_size) {
+                    Some(piece_cv(data, r.start))
+                } else {
+                    None
+                })
+            }
+        }
+    }
+
+    /// Does piece `index` match the manifest?
+    pub fn piece_matches(&self, index: u64, data: &[u8]) -> bool {
+        self.verify_piece(index, data, false).is_ok()
+    }
+
+    /// The file hash merged from the tree hashes [`verify_piece`](Self::verify_piece)
+    /// returned for every piece, in order.
+    pub fn file_hash_from_pieces(&self, trees: &[Blake3Hash]) -> Blake3Hash {
+        match trees {
+            [] => Blake3Hash::of(&[]),
+            [one] => *one,
+            _ => root_from_piece_cvs(trees),
+        }
     }
 
     fn validate(&self, field: &str) -> Result<(), MirrorError> {
@@ -229,7 +328,77 @@ impl FileEntry {
                 "an empty file must have the hash of no bytes",
             ));
         }
+        if self.piece_hashing == PieceHashing::Subtree {
+            if !is_subtree_size(self.piece_size) {
+                return Err(MirrorError::manifest(
+                    format!("{field}.piece_size"),
+                    format!(
+                        "{} is not a power of two (format {MANIFEST_FORMAT} needs one)",
+                        self.piece_size
+                    ),
+                ));
+            }
+            if !self.pieces.is_empty() && self.file_hash_from_pieces(&self.pieces) != self.hash {
+                return Err(MirrorError::manifest(
+                    format!("{field}.pieces"),
+                    "the piece hashes do not combine into the file hash",
+                ));
+            }
+        }
         Ok(())
+    }
+}
+
+/// Builds the format-2 [`FileEntry`] of a file from its pieces, in order, hashing each once.
+#[derive(Debug)]
+pub struct FileEntryBuilder {
+    piece_size: u64,
+    size: u64,
+    pieces: Vec<Blake3Hash>,
+    /// The first piece hashed as a whole input: the file hash if it stays the only piece.
+    first_as_root: Option<Blake3Hash>,
+}
+
+impl FileEntryBuilder {
+    /// A builder for pieces of `piece_size` bytes, a power of two (checked by
+    /// [`FileEntry`] validation, see [`crate::piece_tree::is_subtree_size`]).
+    pub fn new(piece_size: u64) -> Self {
+        Self {
+            piece_size,
+            size: 0,
+            pieces: Vec::new(),
+            first_as_root: None,
+        }
+    }
+
+    /// Adds the next piece: `piece_size` bytes, fewer only for the last one; never empty.
+    pub fn push(&mut self, data: &[u8]) {
+        debug_assert!(!data.is_empty() && data.len() as u64 <= self.piece_size);
+        let mut h = blake3::Hasher::new();
+        h.set_input_offset(self.size);
+        h.update(data);
+        if self.pieces.is_empty() {
+            self.first_as_root = Some(h.finalize().into());
+        }
+        self.pieces.push(Blake3Hash(h.finalize_non_root()));
+        self.size += data.len() as u64;
+    }
+
+    /// The entry for `path`.
+    pub fn finish(self, path: &str) -> FileEntry {
+        let (hash, pieces) = match (self.pieces.len(), self.first_as_root) {
+            (0, _) => (Blake3Hash::of(&[]), Vec::new()),
+            (1, Some(root)) => (root, vec![root]),
+            _ => (root_from_piece_cvs(&self.pieces), self.pieces),
+        };
+        FileEntry {
+            path: path.to_string(),
+            size: self.size,
+            hash,
+            piece_size: self.piece_size,
+            pieces,
+            piece_hashing: PieceHashing::Subtree,
+        }
     }
 }
 
@@ -250,10 +419,29 @@ pub struct Manifest {
 impl Manifest {
     /// Parses and validates manifest JSON.
     pub fn from_json(bytes: &[u8]) -> Result<Self, MirrorError> {
-        let m: Manifest = serde_json::from_slice(bytes)
+        let mut m: Manifest = serde_json::from_slice(bytes)
             .map_err(|e| MirrorError::manifest("(json)", e.to_string()))?;
+        if let Some(h) = PieceHashing::of_format(m.format) {
+            for f in &mut m.files {
+                f.piece_hashing = h;
+            }
+        }
         m.validate()?;
         Ok(m)
+    }
+
+    /// Same files with the same contents and layout (format and piece hashes aside): what
+    /// republishing a revision may leave as it is.
+    pub fn same_content(&self, other: &Manifest) -> bool {
+        self.model == other.model
+            && self.revision == other.revision
+            && self.files.len() == other.files.len()
+            && self.files.iter().zip(&other.files).all(|(a, b)| {
+                a.path == b.path
+                    && a.size == b.size
+                    && a.hash == b.hash
+                    && a.piece_size == b.piece_size
+            })
     }
 
     /// Pretty JSON, as stored in the origin.
@@ -271,18 +459,28 @@ impl Manifest {
 
     /// Checks every field; errors name the field (`files[2].path`).
     pub fn validate(&self) -> Result<(), MirrorError> {
-        if self.format != MANIFEST_FORMAT {
+        let Some(hashing) = PieceHashing::of_format(self.format) else {
             return Err(MirrorError::manifest(
                 "format",
                 format!(
-                    "version {} not supported (this build reads {MANIFEST_FORMAT})",
+                    "version {} not supported (this build reads \
+                     {MANIFEST_FORMAT_STANDALONE_PIECES} and {MANIFEST_FORMAT})",
                     self.format
                 ),
             ));
-        }
+        };
         validate_model_name("model", &self.model)?;
         validate_name("revision", &self.revision)?;
         for (i, f) in self.files.iter().enumerate() {
+            if f.piece_hashing != hashing {
+                return Err(MirrorError::manifest(
+                    format!("files[{i}]"),
+                    format!(
+                        "pieces hashed as {:?}, but format {} hashes them as {hashing:?}",
+                        f.piece_hashing, self.format
+                    ),
+                ));
+            }
             f.validate(&format!("files[{i}]"))?;
         }
         let mut paths: Vec<&str> = self.files.iter().map(|f| f.path.as_str()).collect();
@@ -382,6 +580,15 @@ mod tests {
     use super::*;
 
     fn entry(path: &str, data: &[u8], piece_size: u64) -> FileEntry {
+        let mut b = FileEntryBuilder::new(piece_size);
+        for p in data.chunks(piece_size as usize) {
+            b.push(p);
+        }
+        b.finish(path)
+    }
+
+    /// A format-1 entry: every piece hashed as an input of its own.
+    fn entry_v1(path: &str, data: &[u8], piece_size: u64) -> FileEntry {
         FileEntry {
             path: path.into(),
             size: data.len() as u64,
@@ -391,7 +598,105 @@ mod tests {
                 .chunks(piece_size as usize)
                 .map(Blake3Hash::of)
                 .collect(),
+            piece_hashing: PieceHashing::Standalone,
         }
+    }
+
+    fn bytes(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 7 + i / 1000) as u8).collect()
+    }
+
+    #[test]
+    fn format_2_entries_hash_each_piece_as_a_subtree_of_the_file() {
+        let piece = 4u64 << 20;
+        let p = piece as usize;
+        for len in [0, 1, p - 1, p, p + 1, 3 * p + 5, 5 * p + 17] {
+            let data = bytes(len);
+            let e = entry("f", &data, piece);
+            assert_eq!(e.hash, Blake3Hash::of(&data), "{len} bytes");
+            assert_eq!(
+                e.pieces.len() as u64,
+                FileEntry::piece_count_for(e.size, piece)
+            );
+            e.validate("f").unwrap();
+            let trees: Vec<Blake3Hash> = (0..e.pieces.len() as u64)
+                .map(|i| {
+                    let r = e.piece_range(i);
+                    e.verify_piece(i, &data[r.start as usize..r.end as usize], true)
+                        .unwrap()
+                        .expect("format 2 always has the tree hash")
+                })
+                .collect();
+            assert_eq!(e.file_hash_from_pieces(&trees), e.hash, "{len} bytes");
+        }
+    }
+
+    #[test]
+    fn a_piece_that_does_not_match_is_refused_in_both_formats() {
+        let piece = MIN_PIECE_SIZE;
+        let mut data = bytes(3 * piece as usize + 5);
+        for e in [entry("f", &data, piece), entry_v1("f", &data, piece)] {
+            let good = &data[piece as usize..2 * piece as usize];
+            assert!(e.piece_matches(1, good));
+            assert!(!e.piece_matches(0, good), "a piece at the wrong offset");
+            assert!(!e.piece_matches(1, &good[1..]), "a short piece");
+        }
+        let e = entry("f", &data, piece);
+        data[piece as usize + 3] ^= 0x40;
+        assert!(!e.piece_matches(1, &data[piece as usize..2 * piece as usize]));
+    }
+
+    #[test]
+    fn format_1_pieces_give_tree_hashes_that_merge_into_the_file_hash() {
+        let piece = MIN_PIECE_SIZE;
+        let data = bytes(5 * piece as usize + 9);
+        let e = entry_v1("f", &data, piece);
+        let trees: Vec<Blake3Hash> = (0..e.pieces.len() as u64)
+            .map(|i| {
+                let r = e.piece_range(i);
+                e.verify_piece(i, &data[r.start as usize..r.end as usize], true)
+                    .unwrap()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(e.file_hash_from_pieces(&trees), e.hash);
+        // Without a power-of-two piece size there is no tree hash (a second pass is needed).
+        let e = entry_v1("f", &data, 100_000);
+        assert_eq!(e.verify_piece(0, &data[..100_000], true), Ok(None));
+    }
+
+    #[test]
+    fn format_1_manifests_are_still_read() {
+        let mut m = manifest(vec![entry_v1("a", &bytes(200_000), MIN_PIECE_SIZE)]);
+        m.format = MANIFEST_FORMAT_STANDALONE_PIECES;
+        let back = Manifest::from_json(&m.to_json()).unwrap();
+        assert_eq!(back, m);
+        assert_eq!(back.files[0].piece_hashing, PieceHashing::Standalone);
+        assert!(back.same_content(&manifest(vec![entry("a", &bytes(200_000), MIN_PIECE_SIZE)])));
+    }
+
+    #[test]
+    fn format_2_pieces_must_combine_into_the_file_hash_and_sizes_be_powers_of_two() {
+        let data = bytes(200_000);
+        let mut e = entry("a", &data, MIN_PIECE_SIZE);
+        e.pieces.swap(0, 1);
+        let err = manifest(vec![e]).validate().unwrap_err().to_string();
+        assert!(
+            err.contains("files[0].pieces") && err.contains("combine"),
+            "{err}"
+        );
+        let mut e = entry("a", &data, MIN_PIECE_SIZE);
+        e.hash = Blake3Hash::of(b"other");
+        assert!(manifest(vec![e]).validate().is_err());
+        let mut e = entry("a", &data, MIN_PIECE_SIZE);
+        e.piece_size = 100_000;
+        e.pieces.truncate(2);
+        let err = manifest(vec![e]).validate().unwrap_err().to_string();
+        assert!(err.contains("power of two"), "{err}");
+        let mut m = manifest(vec![entry("a", &data, MIN_PIECE_SIZE)]);
+        m.format = 3;
+        let err = Manifest::from_json(&m.to_json()).unwrap_err().to_string();
+        assert!(err.contains("version 3 not supported"), "{err}");
     }
 
     fn manifest(files: Vec<FileEntry>) -> Manifest {

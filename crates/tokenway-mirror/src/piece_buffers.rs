@@ -8,10 +8,17 @@
 //! `perf`). A small process-wide pool keeps buffers whose bytes have been written and hands
 //! them to the next piece. It is bounded by bytes, so it never holds more than
 //! [`MAX_POOLED_BYTES`] however large the pieces.
+//!
+//! Pooled buffers start on a [`DIRECT_ALIGN`] boundary, so a piece received into one can be
+//! written with `O_DIRECT` ([`crate::piece_writer`]). The mirror reads cached pieces into
+//! them too ([`take_for_read`]); those come back by themselves when the last `Bytes` over
+//! them is dropped (after hyper has sent them).
 
 use std::sync::{Mutex, PoisonError};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf as _, Bytes, BytesMut};
+
+use crate::piece_writer::DIRECT_ALIGN;
 
 /// Most bytes of capacity kept in the pool.
 pub const MAX_POOLED_BYTES: usize = 128 << 20;
@@ -42,9 +49,13 @@ impl Pool {
     }
 
     fn give_back(&mut self, bytes: Bytes) {
-        let Ok(mut b) = bytes.try_into_mut() else {
+        let Ok(b) = bytes.try_into_mut() else {
             return;
         };
+        self.give_back_mut(b);
+    }
+
+    fn give_back_mut(&mut self, mut b: BytesMut) {
         let cap = b.capacity();
         if cap >= MIN_POOLED && self.bytes + cap <= self.max_bytes {
             b.clear();
@@ -61,13 +72,53 @@ fn pool() -> std::sync::MutexGuard<'static, Pool> {
 }
 
 /// An empty buffer with room for at least `capacity` bytes, from the pool when one fits.
+/// Buffers of at least [`MIN_POOLED`] bytes start on a [`DIRECT_ALIGN`] boundary.
 pub fn take(capacity: usize) -> BytesMut {
-    if capacity >= MIN_POOLED {
-        if let Some(b) = pool().take(capacity) {
-            return b;
-        }
+    if capacity < MIN_POOLED {
+        return BytesMut::with_capacity(capacity);
     }
-    BytesMut::with_capacity(capacity)
+    if let Some(b) = pool().take(capacity) {
+        return b;
+    }
+    let mut b = BytesMut::with_capacity(capacity + DIRECT_ALIGN);
+    // Skip to the boundary; the skipped bytes stay part of the allocation, so the start
+    // stays aligned when the buffer comes back to the pool and is handed out again.
+    let pad = b.as_ptr().align_offset(DIRECT_ALIGN);
+    b.resize(pad, 0);
+    b.advance(pad);
+    b
+}
+
+/// A pooled buffer behind a `Bytes`: back to the pool when the last reference goes.
+struct Pooled(BytesMut);
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        pool().give_back_mut(std::mem::take(&mut self.0));
+    }
+}
+
+/// A buffer of exactly `len` bytes to read a cached piece into (its contents are stale);
+/// [`into_shared`] turns it into `Bytes` that return it to the pool when dropped.
+pub fn take_for_read(len: usize) -> BytesMut {
+    let mut b = take(len);
+    b.resize(len, 0);
+    b
+}
+
+/// `Bytes` over a buffer from [`take_for_read`] that go back to the pool when the last clone
+/// or slice of them is dropped.
+pub fn into_shared(b: BytesMut) -> Bytes {
+    if b.capacity() < MIN_POOLED {
+        return b.freeze();
+    }
+    Bytes::from_owner(Pooled(b))
 }
 
 /// Returns a buffer whose contents are no longer needed. Kept only when nothing else still
@@ -96,6 +147,30 @@ mod tests {
         assert!(again.is_empty());
         assert_eq!(again.as_ptr(), ptr);
         assert!(pool.take(1).is_none(), "handed out once");
+    }
+
+    #[test]
+    fn pooled_buffers_are_aligned_for_direct_io_and_come_back_from_shared_bytes() {
+        let b = take_for_read(1 << 20);
+        assert_eq!(b.len(), 1 << 20);
+        assert_eq!(b.as_ptr().align_offset(DIRECT_ALIGN), 0);
+        let ptr = b.as_ptr();
+        let shared = into_shared(b);
+        let slice = shared.slice(10..20);
+        drop(shared);
+        drop(slice);
+        // Other tests share the global pool: look for this buffer among what it holds.
+        let back: Vec<BytesMut> = std::iter::from_fn(|| pool().take(1 << 20)).collect();
+        assert!(
+            back.iter().any(|b| b.as_ptr() == ptr),
+            "returned on the last drop"
+        );
+        assert!(back
+            .iter()
+            .all(|b| b.as_ptr().align_offset(DIRECT_ALIGN) == 0));
+        for b in back {
+            pool().give_back_mut(b);
+        }
     }
 
     #[test]

@@ -15,9 +15,10 @@ use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 
 use crate::manifest::{
-    self, blob_key, manifest_key, tag_key, Blake3Hash, FileEntry, Manifest, DEFAULT_PIECE_SIZE,
-    MANIFEST_FORMAT, MAX_PIECE_SIZE, MIN_PIECE_SIZE,
+    self, blob_key, manifest_key, tag_key, Blake3Hash, FileEntry, FileEntryBuilder, Manifest,
+    DEFAULT_PIECE_SIZE, MANIFEST_FORMAT, MAX_PIECE_SIZE, MIN_PIECE_SIZE,
 };
+use crate::piece_tree::is_subtree_size;
 use crate::MirrorError;
 
 /// Settings of a publish.
@@ -72,6 +73,16 @@ pub async fn publish(
             "piece_size",
             format!(
                 "{} is outside {MIN_PIECE_SIZE}..={MAX_PIECE_SIZE}",
+                opts.piece_size
+            ),
+        ));
+    }
+    if !is_subtree_size(opts.piece_size) {
+        return Err(MirrorError::manifest(
+            "piece_size",
+            format!(
+                "{} bytes is not a power of two (64 KiB, 128 KiB, ..., 64 MiB): pieces are \
+                 subtrees of the file's BLAKE3 tree",
                 opts.piece_size
             ),
         ));
@@ -134,7 +145,8 @@ pub async fn publish(
                 .bytes()
                 .await
                 .map_err(|e| MirrorError::store(format!("reading {mkey}"), e))?;
-            let same = Manifest::from_json(&bytes).is_ok_and(|old| old == manifest);
+            // A revision published by an older build (format 1) with the same files is kept.
+            let same = Manifest::from_json(&bytes).is_ok_and(|old| old.same_content(&manifest));
             if !same {
                 return Err(MirrorError::RevisionExists {
                     model: model.into(),
@@ -207,33 +219,25 @@ fn list_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, MirrorError> {
     Ok(out)
 }
 
-/// Hashes one file: whole-file BLAKE3 and one BLAKE3 per piece, in one read.
+/// Hashes one file in one read: each piece once, as a subtree of the file's BLAKE3 tree;
+/// the file hash is merged from the pieces ([`crate::piece_tree`]). `piece_size` is a power
+/// of two.
 pub fn hash_file(rel: &str, abs: &Path, piece_size: u64) -> Result<FileEntry, MirrorError> {
     let ctx = || format!("hashing {}", abs.display());
     let mut f = std::fs::File::open(abs).map_err(|e| MirrorError::io(ctx(), e))?;
-    let mut whole = blake3::Hasher::new();
-    let mut pieces = Vec::new();
+    let mut entry = FileEntryBuilder::new(piece_size);
     let mut buf = vec![0u8; piece_size as usize];
-    let mut size = 0u64;
     loop {
         let n = read_full(&mut f, &mut buf).map_err(|e| MirrorError::io(ctx(), e))?;
         if n == 0 {
             break;
         }
-        whole.update(&buf[..n]);
-        pieces.push(Blake3Hash::of(&buf[..n]));
-        size += n as u64;
+        entry.push(&buf[..n]);
         if n < buf.len() {
             break;
         }
     }
-    Ok(FileEntry {
-        path: rel.to_string(),
-        size,
-        hash: whole.finalize().into(),
-        piece_size,
-        pieces,
-    })
+    Ok(entry.finish(rel))
 }
 
 /// Reads until `buf` is full or end of file.

@@ -4,9 +4,13 @@
 //! size, written in place) and `<out>/.partial/<hash>.progress` (which pieces are done, see
 //! [`crate::progress`]). A piece is fetched with one ranged GET, hashed, and only if its
 //! BLAKE3 matches the manifest is it written and then marked done; so an interrupted pull
-//! loses at most the pieces that were in flight. When every piece of a blob is done the whole
-//! file is hashed again (the root check), synced, and renamed atomically into `<out>/<path>`;
-//! nothing unverified ever appears under its final name.
+//! loses at most the pieces that were in flight. When every piece of a blob is done, the
+//! whole-file hash is checked (the root check), the file synced, and renamed atomically into
+//! `<out>/<path>`; nothing unverified ever appears under its final name. The root check merges
+//! the chaining values of the verified pieces ([`crate::piece_tree`]: with format 2 manifests
+//! these are the piece hashes themselves, format 1 computes them beside the piece hash), which
+//! gives the BLAKE3 of exactly the bytes written without reading the file again; only a
+//! format 1 manifest whose piece size is not a power of two still hashes the file once more.
 //!
 //! Pieces come from a [`SourceSet`]: peers holding the piece, then mirrors by RTT, then the
 //! origin. A corrupt piece is discarded, its source penalised, and the piece refetched from
@@ -33,6 +37,7 @@ use crate::manifest::{
     manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
 };
 use crate::piece_bits::PieceBits;
+use crate::piece_writer::PieceWriter;
 use crate::progress::PieceProgress;
 use crate::publish::read_full;
 use crate::rate_limit::RateLimit;
@@ -223,8 +228,10 @@ struct Blob {
     paths: Vec<String>,
     partial: PathBuf,
     progress_path: PathBuf,
-    file: Option<Arc<std::fs::File>>,
+    file: Option<Arc<PieceWriter>>,
     progress: PieceProgress,
+    /// Tree hash of each verified piece (see [`FileEntry::verify_piece`]), for the root check.
+    trees: Vec<Option<Blake3Hash>>,
     remaining: u64,
 }
 
@@ -245,6 +252,8 @@ struct PieceOutcome {
     hedge_won: bool,
     /// Kind of the source the written copy came from, and its size.
     verified_from: Option<(SourceKind, u64)>,
+    /// Tree hash of the written copy.
+    tree: Option<Blake3Hash>,
     end: PieceEnd,
 }
 
@@ -344,7 +353,11 @@ pub async fn pull_from(
         let partial = partial_dir.join(hash.to_hex());
         let progress_path = partial_dir.join(format!("{}.progress", hash.to_hex()));
         let (e2, pp, prp) = (entry.clone(), partial.clone(), progress_path.clone());
-        let (file, progress) = blocking(move || open_partial(&e2, &pp, &prp)).await?;
+        let (file, progress, trees) = blocking(move || {
+            let (f, progress, trees) = open_partial(&e2, &pp, &prp)?;
+            Ok((PieceWriter::new(f, &pp), progress, trees))
+        })
+        .await?;
         let done = progress.done_count();
         report.pieces_resumed += done;
         if let Some(h) = &opts.holdings {
@@ -369,6 +382,7 @@ pub async fn pull_from(
             progress_path,
             file: Some(Arc::new(file)),
             progress,
+            trees,
         });
     }
 
@@ -381,7 +395,7 @@ pub async fn pull_from(
                 .map(move |i| (b, i))
         })
         .collect();
-    let jobs_meta: Vec<(String, FileEntry, Arc<std::fs::File>)> = blobs
+    let jobs_meta: Vec<(String, FileEntry, Arc<PieceWriter>)> = blobs
         .iter()
         .map(|b| {
             (
@@ -483,6 +497,7 @@ pub async fn pull_from(
                 report.pieces_written += 1;
                 let blob = &mut blobs[o.blob];
                 blob.progress.set(o.piece, true);
+                blob.trees[o.piece as usize] = o.tree;
                 if let Some(h) = &opts.holdings {
                     h.piece_written(&blob.entry.hash, o.piece);
                 }
@@ -564,12 +579,12 @@ fn hash_whole(path: &Path) -> std::io::Result<Blake3Hash> {
 }
 
 /// Opens (or creates and preallocates) the partial file of a blob and loads its progress,
-/// re-verifying every piece it claims.
+/// re-verifying every piece it claims (and keeping their tree hashes).
 fn open_partial(
     entry: &FileEntry,
     partial: &Path,
     progress_path: &Path,
-) -> Result<(std::fs::File, PieceProgress), MirrorError> {
+) -> Result<(std::fs::File, PieceProgress, Vec<Option<Blake3Hash>>), MirrorError> {
     let ctx = || format!("opening partial file {}", partial.display());
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -604,24 +619,29 @@ fn open_partial(
         })?;
     }
     let mut buf = Vec::new();
+    let mut trees = vec![None; entry.pieces.len()];
     for i in 0..pieces {
         if !progress.is_done(i) {
             continue;
         }
         let r = entry.piece_range(i);
         buf.resize((r.end - r.start) as usize, 0);
-        let ok = file.read_exact_at(&mut buf, r.start).is_ok()
-            && Blake3Hash::of(&buf) == entry.pieces[i as usize];
-        if !ok {
-            progress.set(i, false);
+        match file
+            .read_exact_at(&mut buf, r.start)
+            .ok()
+            .and_then(|()| entry.verify_piece(i, &buf, true).ok())
+        {
+            Some(tree) => trees[i as usize] = tree,
+            None => progress.set(i, false),
         }
     }
-    Ok((file, progress))
+    Ok((file, progress, trees))
 }
 
 /// One fetch from one source, verified.
 enum Fetched {
-    Good(Bytes),
+    /// The bytes and their tree hash.
+    Good(Bytes, Option<Blake3Hash>),
     Corrupt(u64),
     Failed(FetchError),
 }
@@ -645,15 +665,15 @@ async fn fetch_verified(
         Ok(b) => b,
         Err(e) => return (Fetched::Failed(e), t.elapsed()),
     };
-    let want = entry.pieces[i as usize];
-    let b2 = bytes.clone();
-    let ok = tokio::task::spawn_blocking(move || Blake3Hash::of(&b2) == want)
+    let (b2, e2) = (bytes.clone(), entry.clone());
+    // One hash per piece with format 2 (the piece hash is its chaining value).
+    let checked = tokio::task::spawn_blocking(move || e2.verify_piece(i, &b2, true))
         .await
-        .unwrap_or(false);
-    let out = if ok {
-        Fetched::Good(bytes)
-    } else {
-        Fetched::Corrupt(bytes.len() as u64)
+        .ok()
+        .and_then(Result::ok);
+    let out = match checked {
+        Some(tree) => Fetched::Good(bytes, tree),
+        None => Fetched::Corrupt(bytes.len() as u64),
     };
     (out, t.elapsed())
 }
@@ -696,7 +716,7 @@ async fn hedged_fetch(
     let mut done = Vec::new();
     tokio::select! {
         (f, d) = &mut a => {
-            let good = matches!(f, Fetched::Good(_));
+            let good = matches!(f, Fetched::Good(..));
             done.push((Arc::clone(primary), f, d));
             if !good {
                 let (f, d) = b.await;
@@ -704,7 +724,7 @@ async fn hedged_fetch(
             }
         }
         (f, d) = &mut b => {
-            let good = matches!(f, Fetched::Good(_));
+            let good = matches!(f, Fetched::Good(..));
             done.push((Arc::clone(second), f, d));
             if !good {
                 let (f, d) = a.await;
@@ -719,7 +739,7 @@ async fn fetch_piece(
     ctx: &Ctx,
     path: &str,
     entry: &FileEntry,
-    file: &Arc<std::fs::File>,
+    file: &Arc<PieceWriter>,
     blob: usize,
     piece: u64,
     stop: &Stop,
@@ -735,6 +755,7 @@ async fn fetch_piece(
         hedged: false,
         hedge_won: false,
         verified_from: None,
+        tree: None,
         end: PieceEnd::Discarded,
     };
     let mut tried: Vec<String> = Vec::new();
@@ -761,7 +782,7 @@ async fn fetch_piece(
         for (src, f, d) in done {
             fetches += 1;
             match f {
-                Fetched::Good(bytes) => {
+                Fetched::Good(bytes, tree) => {
                     out.fetched += 1;
                     out.bytes_fetched += bytes.len() as u64;
                     src.ok(bytes.len() as u64);
@@ -770,7 +791,7 @@ async fn fetch_piece(
                         .unwrap_or_else(PoisonError::into_inner)
                         .record(d);
                     out.hedge_won = hedged && !Arc::ptr_eq(&src, primary);
-                    winner = Some((src.kind(), bytes));
+                    winner = Some((src.kind(), bytes, tree));
                 }
                 Fetched::Corrupt(n) => {
                     out.fetched += 1;
@@ -796,7 +817,7 @@ async fn fetch_piece(
                 }
             }
         }
-        let Some((kind, bytes)) = winner else {
+        let Some((kind, bytes, tree)) = winner else {
             continue;
         };
         if stop.is_set() {
@@ -816,6 +837,7 @@ async fn fetch_piece(
         out.end = match written {
             Ok(()) => {
                 out.verified_from = Some((kind, n));
+                out.tree = tree;
                 PieceEnd::Written
             }
             Err(e) => PieceEnd::Failed(MirrorError::io(
@@ -869,14 +891,17 @@ async fn finish_blob(
     finished_blob(out, blob, res, report, prog, opts, errors);
 }
 
-/// The slow part of finishing blob `b` (sync, whole-file hash, rename) as a future that
-/// borrows nothing, so it can run while other pieces arrive.
+/// The slow part of finishing blob `b` (sync, root check, rename) as a future that borrows
+/// nothing, so it can run while other pieces arrive.
 fn finish_work(
     out: &Path,
     b: usize,
     blob: &mut Blob,
 ) -> impl std::future::Future<Output = (usize, Result<(), MirrorError>)> + Send + 'static {
     let file = blob.file.take();
+    // Every piece verified and gave its tree hash: the root is merged from them. Otherwise
+    // (format 1 with a piece size that is not a power of two) the file is hashed again.
+    let trees: Option<Vec<Blake3Hash>> = blob.trees.iter().copied().collect();
     let (entry, paths, partial, progress_path, out2) = (
         blob.entry.clone(),
         blob.paths.clone(),
@@ -890,8 +915,11 @@ fn finish_work(
                 .map_err(|e| MirrorError::io(format!("syncing {}", partial.display()), e))?;
         }
         drop(file);
-        let got = hash_whole(&partial)
-            .map_err(|e| MirrorError::io(format!("hashing {}", partial.display()), e))?;
+        let got = match &trees {
+            Some(t) => entry.file_hash_from_pieces(t),
+            None => hash_whole(&partial)
+                .map_err(|e| MirrorError::io(format!("hashing {}", partial.display()), e))?,
+        };
         if got != entry.hash {
             // Every piece verified but the whole did not: the manifest is inconsistent.
             let _ = std::fs::remove_file(&partial);

@@ -178,6 +178,18 @@ impl<K: Clone + Eq + Hash> LruIndex<K> {
     }
 }
 
+/// Reads a whole cached piece into a pooled buffer ([`crate::piece_buffers`]): a fresh
+/// allocation per piece read would be mapped and faulted in page by page every time, and a
+/// mirror serving a crowd reads the same pieces many times over.
+fn read_pooled(path: &Path) -> std::io::Result<Bytes> {
+    use std::io::Read as _;
+    let mut f = std::fs::File::open(path)?;
+    let len = usize::try_from(f.metadata()?.len()).map_err(std::io::Error::other)?;
+    let mut buf = crate::piece_buffers::take_for_read(len);
+    f.read_exact(&mut buf)?;
+    Ok(crate::piece_buffers::into_shared(buf))
+}
+
 /// What [`PieceCache::store`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Stored {
@@ -288,11 +300,14 @@ impl PieceCache {
         if !lock(&self.index).pin(k) {
             return None;
         }
-        let res = tokio::fs::read(self.path(k)).await;
+        let path = self.path(k);
+        let res = tokio::task::spawn_blocking(move || read_pooled(&path))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
         let mut idx = lock(&self.index);
         idx.unpin(k);
         match res {
-            Ok(b) => Some(Bytes::from(b)),
+            Ok(b) => Some(b),
             Err(e) => {
                 tracing::warn!(error = %e, "cached piece unreadable, dropping it");
                 idx.remove(k);

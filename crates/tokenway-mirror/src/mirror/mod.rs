@@ -31,7 +31,7 @@ use tokenway_telemetry::Registry;
 
 use crate::faults::Faults;
 use crate::http_error::ServeError;
-use crate::manifest::{blob_key, Blake3Hash, FileEntry};
+use crate::manifest::{blob_key, FileEntry};
 use crate::MirrorError;
 use cache::{PieceCache, PieceKey};
 use manifests::{ManifestCache, ORIGIN_TIMEOUT};
@@ -245,7 +245,7 @@ impl Mirror {
 
     /// The single-flight work: the cache again (a flight may have just ended), else the
     /// origin with verification, then the cache.
-    async fn fetch_and_cache(&self, entry: &FileEntry, i: u64) -> PieceResult {
+    async fn fetch_and_cache(&self, entry: &Arc<FileEntry>, i: u64) -> PieceResult {
         let key = PieceKey {
             hash: entry.hash,
             piece_size: entry.piece_size,
@@ -255,7 +255,6 @@ impl Mirror {
             return Ok(b);
         }
         let range = entry.piece_range(i);
-        let want = entry.pieces[i as usize];
         let path = StorePath::from(blob_key(&entry.hash));
         let mut last = String::new();
         for attempt in 1..=ORIGIN_ATTEMPTS {
@@ -286,11 +285,11 @@ impl Mirror {
                     continue;
                 }
             };
-            let b2 = bytes.clone();
-            let ok = tokio::task::spawn_blocking(move || Blake3Hash::of(&b2) == want)
+            let (b2, e2) = (bytes.clone(), Arc::clone(entry));
+            let ok = tokio::task::spawn_blocking(move || e2.piece_matches(i, &b2))
                 .await
                 .unwrap_or(false);
-            if !ok || bytes.len() as u64 != range.end - range.start {
+            if !ok {
                 self.metrics.origin_corrupt.inc();
                 last = format!(
                     "the origin served corrupt data for blob {} piece {i} (bytes {}..{}): BLAKE3 mismatch",
