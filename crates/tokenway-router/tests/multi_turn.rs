@@ -450,9 +450,9 @@ fn print_outcome(seed: u64, name: &str, o: &Outcomes) {
 fn report_load_bound_epsilon() {
     for seed in 1..=3 {
         for (eps, home) in [
-            (Some(0.5), Some(1.0)),
             (Some(0.5), Some(2.0)),
-            (Some(0.5), None),
+            (Some(1.0), Some(2.0)),
+            (Some(1.5), Some(2.0)),
         ] {
             let mut cfg = bench_config();
             cfg.cost.load_bound_epsilon = eps;
