@@ -123,6 +123,20 @@ pub struct RoutingSettings {
     pub load_signals: bool,
     /// Interval of load-signal scrapes, milliseconds.
     pub load_signal_interval_ms: u64,
+    /// Blocks (of `block_bytes` prompt bytes) each backend's prefix index holds; size it like
+    /// the engine's KV cache: cached tokens × 4 / `block_bytes`. 0 turns prefix affinity off.
+    pub prefix_capacity_blocks: usize,
+    /// Slack ε of the `cost` policy's load bound for new conversations: the cheapest backend
+    /// goes first only while its attempts in flight are below
+    /// `max(load_bound_floor, ceil((1 + ε) × mean in flight))`.
+    pub load_bound_epsilon: f64,
+    /// Attempts in flight that never count as over the load bound.
+    pub load_bound_floor: u32,
+    /// Slack of the load bound for a conversation's home (the backend holding its history).
+    pub load_bound_home_epsilon: f64,
+    /// A conversation leaves its home when the home's expected TTFT exceeds this many times
+    /// the cheapest backend's.
+    pub home_max_cost_ratio: f64,
 }
 
 impl Default for RoutingSettings {
@@ -137,6 +151,11 @@ impl Default for RoutingSettings {
             hedge: false,
             load_signals: true,
             load_signal_interval_ms: 2_000,
+            prefix_capacity_blocks: tokenway_router::DEFAULT_PREFIX_CAPACITY_BLOCKS,
+            load_bound_epsilon: 0.5,
+            load_bound_floor: 2,
+            load_bound_home_epsilon: 2.0,
+            home_max_cost_ratio: 4.0,
         }
     }
 }
@@ -469,6 +488,35 @@ impl GatewayConfig {
                 r.load_signal_interval_ms,
             ));
         }
+        if r.prefix_capacity_blocks > 1 << 24 {
+            return Err(bad(
+                "routing.prefix_capacity_blocks",
+                "in 0..=16777216 (0 turns prefix affinity off)",
+                r.prefix_capacity_blocks,
+            ));
+        }
+        for (key, v) in [
+            ("routing.load_bound_epsilon", r.load_bound_epsilon),
+            ("routing.load_bound_home_epsilon", r.load_bound_home_epsilon),
+        ] {
+            if !(0.0..=100.0).contains(&v) {
+                return Err(bad(key, "a number in [0, 100]", v));
+            }
+        }
+        if r.load_bound_floor > 1_000_000 {
+            return Err(bad(
+                "routing.load_bound_floor",
+                "in 0..=1000000",
+                r.load_bound_floor,
+            ));
+        }
+        if !(1.0..=1000.0).contains(&r.home_max_cost_ratio) {
+            return Err(bad(
+                "routing.home_max_cost_ratio",
+                "a number in [1, 1000]",
+                r.home_max_cost_ratio,
+            ));
+        }
         if self.region.is_empty() {
             return Err(bad("region", "a non-empty string", "\"\""));
         }
@@ -798,6 +846,50 @@ mod tests {
             ("[[discovery.dns]]\nname = \"a\"\nrecord = \"mx\"\n", "mx"),
         ] {
             let e = GatewayConfig::from_toml_str(toml).unwrap_err();
+            assert!(e.to_string().contains(key), "{key}: {e}");
+        }
+    }
+
+    #[test]
+    fn routing_load_bound_and_prefix_capacity_keys_parse_and_bad_values_name_their_key() {
+        const B: &str = "[[backends]]\nurl = \"http://127.0.0.1:8000\"\n";
+        let c = GatewayConfig::from_toml_str(&format!(
+            "[routing]\nprefix_capacity_blocks = 512\nload_bound_epsilon = 1.0\n\
+             load_bound_floor = 3\nload_bound_home_epsilon = 4\nhome_max_cost_ratio = 1.5\n{B}"
+        ))
+        .expect("valid");
+        let r = &c.routing;
+        assert_eq!(r.prefix_capacity_blocks, 512);
+        assert_eq!(r.load_bound_epsilon, 1.0);
+        assert_eq!(r.load_bound_floor, 3);
+        assert_eq!(r.load_bound_home_epsilon, 4.0);
+        assert_eq!(r.home_max_cost_ratio, 1.5);
+        let d = RoutingSettings::default();
+        assert_eq!(
+            d.prefix_capacity_blocks,
+            tokenway_router::DEFAULT_PREFIX_CAPACITY_BLOCKS
+        );
+        for (line, key) in [
+            (
+                "prefix_capacity_blocks = 99999999",
+                "routing.prefix_capacity_blocks must be in 0..=16777216",
+            ),
+            (
+                "load_bound_epsilon = -1",
+                "routing.load_bound_epsilon must be a number in [0, 100]",
+            ),
+            (
+                "load_bound_home_epsilon = nan",
+                "routing.load_bound_home_epsilon",
+            ),
+            ("load_bound_floor = 2000000", "routing.load_bound_floor"),
+            (
+                "home_max_cost_ratio = 0.5",
+                "routing.home_max_cost_ratio must be a number in [1, 1000]",
+            ),
+            ("load_bound_epsilon = \"wide\"", "load_bound_epsilon"),
+        ] {
+            let e = GatewayConfig::from_toml_str(&format!("[routing]\n{line}\n{B}")).unwrap_err();
             assert!(e.to_string().contains(key), "{key}: {e}");
         }
     }

@@ -176,6 +176,11 @@ impl Shared {
         };
         router_config.cost.cross_region_penalty = Duration::from_millis(r.cross_region_penalty_ms);
         router_config.affinity.epsilon = r.affinity_epsilon;
+        router_config.prefix_capacity_blocks = r.prefix_capacity_blocks;
+        router_config.cost.load_bound_epsilon = Some(r.load_bound_epsilon);
+        router_config.cost.load_bound_floor = r.load_bound_floor;
+        router_config.cost.load_bound_home_epsilon = Some(r.load_bound_home_epsilon);
+        router_config.cost.home_max_cost_ratio = r.home_max_cost_ratio;
         router_config.hedge.enabled = r.hedge;
         let mut router = Router::with_config(config.policy, router_config, rand::random());
         let mut upstreams = Vec::with_capacity(config.backends.len());

@@ -73,6 +73,15 @@ pub struct CostConfig {
     /// conversation that shares a cached prefix (a system prompt) onto the backends that hold it,
     /// and the learned queue price lags a queue that builds faster than it is sampled.
     pub load_bound_epsilon: Option<f64>,
+    /// Slack of the load bound for a request whose cheapest backend also holds a private part
+    /// of its prompt (its conversation's history, beyond any prefix other prompts share): the
+    /// conversation's home. Default 2.0; `None` never moves a conversation off its home for
+    /// load. Values below `load_bound_epsilon` act as `load_bound_epsilon`.
+    pub load_bound_home_epsilon: Option<f64>,
+    /// A conversation's home goes first only while its expected TTFT is at most this many
+    /// times the cheapest backend's (default 4.0, at least 1): beyond it the home counts as
+    /// overloaded whatever the attempt counts say.
+    pub home_max_cost_ratio: f64,
     /// Attempts in flight that never count as over the load bound (default 2), so that at low
     /// load a conversation is not moved off its cached backend for one concurrent request.
     pub load_bound_floor: u32,
@@ -95,6 +104,8 @@ impl Default for CostConfig {
             kv_high_water: 0.9,
             kv_full_penalty: Duration::from_secs(1),
             load_bound_epsilon: Some(0.5),
+            load_bound_home_epsilon: Some(2.0),
+            home_max_cost_ratio: 4.0,
             load_bound_floor: 2,
         }
     }
@@ -151,6 +162,22 @@ impl CostConfig {
                     e,
                 ));
             }
+        }
+        if let Some(e) = self.load_bound_home_epsilon {
+            if !(e.is_finite() && (0.0..=100.0).contains(&e)) {
+                return Err(InvalidSetting::new(
+                    "cost.load_bound_home_epsilon",
+                    "in [0, 100]",
+                    e,
+                ));
+            }
+        }
+        if !(self.home_max_cost_ratio.is_finite() && self.home_max_cost_ratio >= 1.0) {
+            return Err(InvalidSetting::new(
+                "cost.home_max_cost_ratio",
+                ">= 1",
+                self.home_max_cost_ratio,
+            ));
         }
         if !pos(self.prior_weight) {
             return Err(InvalidSetting::new(

@@ -89,6 +89,8 @@ pub(crate) struct Candidate {
     /// The policy's cost: expected seconds to first token for `cost`, peak-EWMA TTFT ×
     /// (in-flight + 1) for `p2c_ewma`, unused otherwise.
     pub(crate) cost: f64,
+    /// Leading prompt blocks its prefix index holds (`cost` only; 0 otherwise).
+    pub(crate) cached_blocks: usize,
 }
 
 /// The mutable part of a policy decision: the rotation cursor and the seeded rng.

@@ -14,6 +14,13 @@
 //! [`PrefixIndex::cached_prefix`] binary-search the prompt (O(log n) lookups per backend, which
 //! keeps ranking 64 backends within the decision budget) instead of walking it.
 //!
+//! Each entry also counts its *branches*: how often a block that was not held was inserted right
+//! after it while it was. A conversation's own block is continued at most once (the next turn turns
+//! the trailing partial block into a full one); a block continued more often is a prefix several
+//! prompts share, such as a system prompt. [`PrefixIndex::shared_prefix`] uses that to tell a
+//! conversation's home (it holds private history) from a backend that merely holds the shared
+//! system prompt, which the `cost` policy's load bounds treat differently.
+//!
 //! Estimates can be wrong in both directions (the engine evicts under its own memory
 //! pressure; 64-bit hashes can collide); they only steer ranking, never correctness.
 
@@ -74,13 +81,26 @@ impl Hasher for PassThroughHasher {
 
 type BlockMap<V> = HashMap<BlockHash, V, BuildHasherDefault<PassThroughHasher>>;
 
+/// Distinct continuations after which a block counts as shared (see
+/// [`PrefixIndex::shared_prefix`]): the first continuation is the prompt that created it, the
+/// second may be the same conversation's next turn (its previous trailing partial block became a
+/// full one), a third can only be another prompt.
+const SHARED_AFTER_BRANCHES: u8 = 2;
+
+/// One indexed block: its last touch and how often a new continuation was added after it.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    stamp: u64,
+    branches: u8,
+}
+
 /// One backend's LRU set of block hashes, bounded to `capacity` entries.
 #[derive(Debug, Clone)]
 pub struct PrefixIndex {
     capacity: usize,
     clock: u64,
-    /// Block → the clock value of its last touch.
-    stamps: BlockMap<u64>,
+    /// Block → its last touch and branch count.
+    stamps: BlockMap<Entry>,
     /// Clock value → block, oldest first: the eviction order.
     order: BTreeMap<u64, BlockHash>,
 }
@@ -102,13 +122,28 @@ impl PrefixIndex {
         if self.capacity == 0 {
             return;
         }
-        // Last to first: leading blocks end up the most recent (see the module docs).
+        // Last to first: leading blocks end up the most recent (see the module docs). A block
+        // that was already held and is followed by a block that was not gains a branch.
+        let mut next_is_new = false;
         for &b in blocks.iter().rev() {
             self.clock += 1;
-            if let Some(old) = self.stamps.insert(b, self.clock) {
-                self.order.remove(&old);
-            }
-            self.order.insert(self.clock, b);
+            let stamp = self.clock;
+            let was_new = match self.stamps.get_mut(&b) {
+                Some(e) => {
+                    self.order.remove(&e.stamp);
+                    e.stamp = stamp;
+                    if next_is_new {
+                        e.branches = e.branches.saturating_add(1);
+                    }
+                    false
+                }
+                None => {
+                    self.stamps.insert(b, Entry { stamp, branches: 0 });
+                    true
+                }
+            };
+            self.order.insert(stamp, b);
+            next_is_new = was_new;
         }
         while self.stamps.len() > self.capacity {
             let Some((_, b)) = self.order.pop_first() else {
@@ -132,6 +167,25 @@ impl PrefixIndex {
             }
         }
         lo
+    }
+
+    /// Of the first `cached` blocks of `blocks` (its [cached prefix](Self::cached_prefix)),
+    /// how many lead up to and include the deepest *shared* block: one after which the index
+    /// saw at least two new continuations besides the prompt that created it. That is a
+    /// prefix several prompts use (a system prompt, a few-shot preamble); the cached blocks
+    /// beyond it are private to one conversation (its history). Walks back from the end of
+    /// the cached prefix, so it costs about the length of the private part. Does not change
+    /// recency.
+    pub fn shared_prefix(&self, blocks: &[BlockHash], cached: usize) -> usize {
+        let cached = cached.min(blocks.len());
+        blocks[..cached]
+            .iter()
+            .rposition(|b| {
+                self.stamps
+                    .get(b)
+                    .is_some_and(|e| e.branches >= SHARED_AFTER_BRANCHES)
+            })
+            .map_or(0, |i| i + 1)
     }
 
     /// Blocks held.
@@ -226,6 +280,37 @@ mod tests {
         assert_eq!(idx.cached_prefix(&a), 1);
         assert_eq!(idx.cached_prefix(&b), 0);
         assert_eq!(idx.cached_prefix(&c), 2);
+    }
+
+    #[test]
+    fn a_prefix_continued_by_several_prompts_is_shared_and_a_history_is_not() {
+        let mut idx = PrefixIndex::new(1_000);
+        let system = [b's'; 32]; // 4 blocks of 8
+        let conv = |c: u8, turns: usize| {
+            let mut text = system.to_vec();
+            for t in 0..turns {
+                text.extend_from_slice(&[c + t as u8; 12]); // 1.5 blocks per turn
+            }
+            prompt_blocks(&text, 8)
+        };
+        // One conversation, two turns: its blocks were extended once, none is shared.
+        idx.insert(&conv(b'a', 1));
+        idx.insert(&conv(b'a', 2));
+        let second = conv(b'a', 2);
+        let cached = idx.cached_prefix(&second);
+        assert_eq!(cached, second.len());
+        assert_eq!(idx.shared_prefix(&second, cached), 0);
+        // Two more conversations continue the system prompt: its last block is shared, the
+        // first conversation's history beyond it stays private.
+        idx.insert(&conv(b'k', 1));
+        idx.insert(&conv(b'p', 1));
+        assert_eq!(idx.shared_prefix(&second, cached), 4);
+        let third = conv(b'a', 3);
+        assert_eq!(idx.shared_prefix(&third, idx.cached_prefix(&third)), 4);
+        // A prompt cached only up to the system prompt has no private part.
+        let new = conv(b'z', 1);
+        assert_eq!(idx.cached_prefix(&new), 4);
+        assert_eq!(idx.shared_prefix(&new, 4), 4);
     }
 
     #[test]

@@ -34,6 +34,14 @@ pub const DEFAULT_TTFT_ESTIMATE: Duration = Duration::from_millis(100);
 pub enum RouteReason {
     /// Lowest expected time to first token (`cost` policy).
     LowestCost,
+    /// The conversation's home: the backend holding its history (`cost` policy).
+    Home,
+    /// The conversation's home was over its load bound or cost ratio; this is the cheapest
+    /// backend within the home bound (`cost` policy).
+    LeftHome,
+    /// The cheapest backend was over the load bound; this is the cheapest within it (`cost`
+    /// policy).
+    LoadBound,
     /// The session's rendezvous backend (`spilled`: its home backend was over the load bound,
     /// this is the next one in rendezvous order).
     Session {
@@ -52,6 +60,9 @@ impl fmt::Display for RouteReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::LowestCost => f.write_str("cost"),
+            Self::Home => f.write_str("cost-home"),
+            Self::LeftHome => f.write_str("cost-left-home"),
+            Self::LoadBound => f.write_str("cost-load-bound"),
             Self::Session {
                 kind,
                 spilled: false,
@@ -276,17 +287,22 @@ impl Router {
                 trial = Some(BackendId(i));
                 continue;
             }
-            let cost = match self.policy {
-                Policy::CostAware => self.estimate(b, req, now).score,
-                Policy::P2cEwma => {
-                    b.ttft.secs_or(self.cfg.default_ttft) * (f64::from(b.inflight) + 1.0)
+            let (cost, cached_blocks) = match self.policy {
+                Policy::CostAware => {
+                    let est = self.estimate(b, req, now);
+                    (est.score, est.cached_blocks)
                 }
-                Policy::RoundRobin | Policy::LeastInflight => 0.0,
+                Policy::P2cEwma => (
+                    b.ttft.secs_or(self.cfg.default_ttft) * (f64::from(b.inflight) + 1.0),
+                    0,
+                ),
+                Policy::RoundRobin | Policy::LeastInflight => (0.0, 0),
             };
             cands.push(Candidate {
                 id: BackendId(i),
                 inflight: b.inflight,
                 cost,
+                cached_blocks,
             });
         }
         if cands.is_empty() && trial.is_none() {
@@ -308,9 +324,11 @@ impl Router {
             self.selector
                 .order(self.policy, &mut cands, self.backends.len());
             if self.policy == Policy::CostAware {
-                if let Some(pos) = self.load_bound_pick(&cands) {
+                let (pos, r) = self.cost_pick(req, &cands);
+                if let Some(pos) = pos {
                     cands[..=pos].rotate_right(1);
                 }
+                reason = r;
             }
             if let Some((pos, r)) = self.session_pick(req, &cands) {
                 cands[..=pos].rotate_right(1);
@@ -344,25 +362,84 @@ impl Router {
         })
     }
 
-    /// Under the `cost` policy, the position of the cheapest candidate within the load bound
-    /// (see [`crate::CostConfig::load_bound_epsilon`]) when the cheapest is over it; `None` when the
-    /// first candidate may stay first. The bound is the bounded-load rule of session affinity
-    /// ((1 + ε) × mean in flight, Mirrokni et al. 2018) applied to cost ranking: prefix
-    /// affinity is a strong pull (a cached conversation saves its whole prefill), and without
-    /// a bound every request that shares a cached prefix queues on the few backends holding it.
-    fn load_bound_pick(&self, cands: &[Candidate]) -> Option<usize> {
-        let eps = self.cfg.cost.load_bound_epsilon?;
-        let first = cands.first()?;
+    /// Under the `cost` policy, the position of the candidate that should go first when it is
+    /// not the cheapest (`None`: the cheapest stays first). Two rules, both the bounded-load
+    /// rule of session affinity ((1 + ε) × mean in flight, Mirrokni et al. 2018):
+    ///
+    /// - **Home.** The candidate holding the longest cached prefix of the prompt, when part of
+    ///   that prefix is private (beyond any prefix other prompts share, see
+    ///   [`crate::PrefixIndex::shared_prefix`]: this conversation's history), is the
+    ///   conversation's home. It goes first while its attempts in flight are below
+    ///   `max(load_bound_floor, ceil((1 + load_bound_home_epsilon) × mean))`, the mean being
+    ///   that of the *other* candidates with this request added (so a loaded home among few
+    ///   backends does not raise its own bound), even when the cost model ranks another backend
+    ///   slightly cheaper: moving costs the prefill of the whole history elsewhere, the learned
+    ///   rates of backends that are in fact alike differ by noise, and a conversation that
+    ///   wanders leaves dead copies of its history that push live ones out of the caches. It
+    ///   also has to stay within `home_max_cost_ratio` × the cheapest backend's expected TTFT,
+    ///   so a home with a long queue (by the model) is left even where the count bound is weak
+    ///   (few backends, one of them loaded).
+    /// - **Load bound.** Otherwise the cheapest goes first only while its attempts in flight
+    ///   are below the bound with slack `load_bound_epsilon`; else the cheapest within that bound.
+    ///   Prefix affinity is a strong pull (a cached system prompt saves its whole prefill), and
+    ///   without a bound every new conversation that shares a cached prefix queues on the few
+    ///   backends holding it; with it, a shared prefix is replicated to a few backends.
+    fn cost_pick(&self, req: &RouteRequest, cands: &[Candidate]) -> (Option<usize>, RouteReason) {
+        let cost = &self.cfg.cost;
+        let (Some(eps), Some(first)) = (cost.load_bound_epsilon, cands.first()) else {
+            return (None, RouteReason::LowestCost);
+        };
         let total: u64 = cands.iter().map(|c| u64::from(c.inflight)).sum();
         let mean_after = (total + 1) as f64 / cands.len() as f64;
-        let bound = ((1.0 + eps) * mean_after)
-            .ceil()
-            .max(f64::from(self.cfg.cost.load_bound_floor));
-        let within = |c: &Candidate| f64::from(c.inflight) < bound;
-        if within(first) {
-            return None;
+        let bound = |eps: f64| {
+            ((1.0 + eps) * mean_after)
+                .ceil()
+                .max(f64::from(cost.load_bound_floor))
+        };
+        let within = |c: &Candidate, bound: f64| f64::from(c.inflight) < bound;
+        if let Some((pos, home)) = cands
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.cached_blocks > 0)
+            .max_by_key(|(pos, c)| (c.cached_blocks, std::cmp::Reverse(*pos)))
+        {
+            let index = &self.backends[home.id.0].prefix;
+            if home.cached_blocks > index.shared_prefix(&req.blocks, home.cached_blocks) {
+                // Relative to the other backends' mean, so that with few backends a loaded
+                // home does not raise its own bound.
+                let others = (cands.len() - 1).max(1) as f64;
+                let others_mean = (total - u64::from(home.inflight) + 1) as f64 / others;
+                let home_bound = cost.load_bound_home_epsilon.map(|e| {
+                    ((1.0 + e.max(eps)) * others_mean)
+                        .ceil()
+                        .max(f64::from(cost.load_bound_floor))
+                });
+                let home_ok = home_bound.is_none_or(|b| within(home, b))
+                    && home.cost <= cost.home_max_cost_ratio * first.cost;
+                if home_ok {
+                    return ((pos > 0).then_some(pos), RouteReason::Home);
+                }
+                // Leave for the cheapest backend that is not overloaded itself: the home
+                // bound, not the tight one, so the history's system prompt is usually still
+                // cached there rather than prefilled on an idle stranger.
+                let limit = home_bound.unwrap_or(f64::INFINITY);
+                let alt = cands
+                    .iter()
+                    .enumerate()
+                    .position(|(i, c)| i != pos && within(c, limit));
+                if let Some(alt) = alt {
+                    return ((alt > 0).then_some(alt), RouteReason::LeftHome);
+                }
+            }
         }
-        cands.iter().position(within)
+        let tight = bound(eps);
+        if within(first, tight) {
+            return (None, RouteReason::LowestCost);
+        }
+        match cands.iter().position(|c| within(c, tight)) {
+            Some(p) if p > 0 => (Some(p), RouteReason::LoadBound),
+            _ => (None, RouteReason::LowestCost),
+        }
     }
 
     /// The position in `cands` of the session's rendezvous backend, and the reason.
@@ -847,32 +924,48 @@ mod tests {
         v.iter().map(|&i| BackendId(i)).collect()
     }
 
-    #[test]
-    fn a_cached_prefix_does_not_pin_a_backend_beyond_the_load_bound() {
-        let now = Instant::now();
-        let req = RouteRequest::new(M)
-            .with_blocks(crate::prompt_blocks(&[b'x'; 256 * 40], 256))
+    /// Conversation `i`'s first turn: a 30-block system prompt shared by every conversation,
+    /// then 10 blocks of its own.
+    fn first_turn(i: u8) -> RouteRequest {
+        let mut text = vec![b'x'; 256 * 30];
+        text.extend_from_slice(&[b'a'.wrapping_add(i); 256 * 10]);
+        RouteRequest::new(M)
+            .with_blocks(crate::prompt_blocks(&text, 256))
             .with_prompt_tokens(2_560)
-            .with_max_output_tokens(32);
+            .with_max_output_tokens(32)
+    }
+
+    /// Route three other conversations' first turns to `id`, so it holds the system prompt as
+    /// a shared prefix.
+    fn share_system_prompt(r: &mut Router, id: BackendId, now: Instant) {
+        for i in 100..103 {
+            let t = r.start_attempt(id, &first_turn(i), now);
+            r.end_attempt(t, Outcome::Success, now);
+        }
+    }
+
+    #[test]
+    fn a_shared_cached_prefix_does_not_pin_a_backend_beyond_the_load_bound() {
+        let now = Instant::now();
         for bounded in [true, false] {
             let mut r = router(Policy::CostAware, 4);
             if !bounded {
                 r.cfg.cost.load_bound_epsilon = None;
             }
-            // b2 holds the conversation's prefix.
-            let t = r.start_attempt(BackendId(2), &req, now);
-            r.end_attempt(t, Outcome::Success, now);
+            share_system_prompt(&mut r, BackendId(2), now);
             let mut open = Vec::new();
-            // Below the floor the cached backend goes first.
-            for _ in 0..2 {
+            // Below the floor the backend holding the system prompt goes first.
+            for i in 0..2 {
+                let req = first_turn(i);
                 let route = r.route(&req, now).expect("routable");
                 assert_eq!(route.backends[0], BackendId(2), "bounded {bounded}");
                 open.push(r.start_attempt(BackendId(2), &req, now));
             }
             // Two in flight on b2, none elsewhere: max(2, ceil(1.5 x 3 / 4)) = 2, so b2 is at
-            // the bound and the request spills; b2 stays in the retry order.
-            let route = r.route(&req, now).expect("routable");
+            // the bound and the new conversation goes elsewhere; b2 stays in the retry order.
+            let route = r.route(&first_turn(2), now).expect("routable");
             if bounded {
+                assert_eq!(route.reason, RouteReason::LoadBound);
                 assert_ne!(route.backends[0], BackendId(2));
                 assert!(route.backends.contains(&BackendId(2)));
             } else {
@@ -888,23 +981,96 @@ mod tests {
     fn the_load_bound_grows_with_the_clusters_load() {
         let now = Instant::now();
         let mut r = router(Policy::CostAware, 4);
-        let req = RouteRequest::new(M)
-            .with_blocks(crate::prompt_blocks(&[b'y'; 256 * 40], 256))
-            .with_prompt_tokens(2_560);
-        let t = r.start_attempt(BackendId(1), &req, now);
-        r.end_attempt(t, Outcome::Success, now);
+        share_system_prompt(&mut r, BackendId(1), now);
         // Eight other attempts in flight elsewhere and three on b1: mean after this one is
-        // (11 + 1) / 4 = 3, bound ceil(1.5 x 3) = 5 > 3, so b1 keeps its conversation.
+        // (11 + 1) / 4 = 3, bound ceil(1.5 x 3) = 5 > 3, so b1 takes the new conversation.
         let other = RouteRequest::new(M).with_prompt_tokens(10);
         let mut open = Vec::new();
         for i in [0, 0, 0, 2, 2, 2, 3, 3] {
             open.push(r.start_attempt(BackendId(i), &other, now));
         }
-        for _ in 0..3 {
-            open.push(r.start_attempt(BackendId(1), &req, now));
+        for i in 0..3 {
+            open.push(r.start_attempt(BackendId(1), &first_turn(i), now));
         }
-        let route = r.route(&req, now).expect("routable");
+        let route = r.route(&first_turn(3), now).expect("routable");
         assert_eq!(route.backends[0], BackendId(1));
+        for t in open {
+            r.end_attempt(t, Outcome::Success, now);
+        }
+    }
+
+    /// Conversation 0's second turn: its first turn, a reply and a new message.
+    fn second_turn() -> RouteRequest {
+        let mut text = vec![b'x'; 256 * 30];
+        text.extend_from_slice(&[b'a'; 256 * 10]);
+        text.extend_from_slice(&[b'r'; 256 * 5]);
+        RouteRequest::new(M)
+            .with_blocks(crate::prompt_blocks(&text, 256))
+            .with_prompt_tokens(2_880)
+            .with_max_output_tokens(32)
+    }
+
+    #[test]
+    fn a_conversation_stays_home_though_another_backend_looks_slightly_cheaper() {
+        let now = Instant::now();
+        let mut r = router(Policy::CostAware, 4);
+        // b0 and b3 hold the system prompt; conversation 0's first turn ran on b0.
+        share_system_prompt(&mut r, BackendId(0), now);
+        share_system_prompt(&mut r, BackendId(3), now);
+        let t = r.start_attempt(BackendId(0), &first_turn(0), now);
+        r.end_attempt(t, Outcome::Success, now);
+        // b0 is 100 ms away: by the model b3 (50 ms + 15 uncached blocks at 10,000 tokens/s,
+        // 146 ms) is cheaper than b0 (100 + 50 + 5 blocks, 182 ms), but within the home's cost
+        // ratio of 4, and the home holds the history and is idle.
+        r.on_rtt_sample(BackendId(0), ms(100), now);
+        let route = r.route(&second_turn(), now).expect("routable");
+        assert_eq!(route.backends[0], BackendId(0));
+        assert_eq!(route.backends[1], BackendId(3));
+        assert_eq!(route.reason, RouteReason::Home);
+        // 700 ms away the home costs more than four times as much: it is left.
+        for _ in 0..20 {
+            r.on_rtt_sample(BackendId(0), ms(700), now);
+        }
+        let route = r.route(&second_turn(), now).expect("routable");
+        assert_eq!(route.backends[0], BackendId(3));
+        assert_eq!(route.reason, RouteReason::LeftHome);
+        // Without the load bounds the plain cost order applies.
+        r.on_rtt_sample(BackendId(0), ms(100), now);
+        r.cfg.cost.load_bound_epsilon = None;
+        let route = r.route(&second_turn(), now).expect("routable");
+        assert_eq!(route.backends[0], BackendId(3));
+    }
+
+    #[test]
+    fn a_conversation_leaves_home_only_beyond_the_home_bound() {
+        let now = Instant::now();
+        let mut r = router(Policy::CostAware, 4);
+        share_system_prompt(&mut r, BackendId(0), now);
+        let t = r.start_attempt(BackendId(0), &first_turn(0), now);
+        r.end_attempt(t, Outcome::Success, now);
+        let other = RouteRequest::new(M).with_prompt_tokens(10);
+        let mut open = Vec::new();
+        // Six in flight at home, two on each other backend: the tight bound
+        // max(2, ceil(1.5 x 13 / 4)) = 5 is passed, the home bound, 3 x the others' mean with
+        // this request, ceil(3 x 7 / 3) = 7, is not.
+        for _ in 0..6 {
+            open.push(r.start_attempt(BackendId(0), &other, now));
+        }
+        for i in [1, 1, 2, 2, 3, 3] {
+            open.push(r.start_attempt(BackendId(i), &other, now));
+        }
+        let route = r.route(&second_turn(), now).expect("routable");
+        assert_eq!(route.backends[0], BackendId(0));
+        assert_eq!(route.reason, RouteReason::Home);
+        // One more at home reaches it.
+        open.push(r.start_attempt(BackendId(0), &other, now));
+        let route = r.route(&second_turn(), now).expect("routable");
+        assert_ne!(route.backends[0], BackendId(0));
+        assert_eq!(route.reason, RouteReason::LeftHome);
+        // With no home bound, home always goes first.
+        r.cfg.cost.load_bound_home_epsilon = None;
+        let route = r.route(&second_turn(), now).expect("routable");
+        assert_eq!(route.backends[0], BackendId(0));
         for t in open {
             r.end_attempt(t, Outcome::Success, now);
         }
