@@ -501,6 +501,10 @@ impl State {
             Received::LossReport(r) => peer.tx.on_loss_report(&r),
             Received::Repair | Received::Dropped(_) => {}
         }
+        // Answer in the version the peer speaks (an older build reads only version 1).
+        if peer.rx.peer_version() != peer.tx.version() {
+            peer.tx.set_version(peer.rx.peer_version());
+        }
         if let Some(d) = deliver {
             let buf = self.pooled(d);
             self.push_ready(Ready {

@@ -525,6 +525,37 @@ fn datagrams_under_the_wrong_key_are_dropped() {
 }
 
 #[test]
+fn a_version_1_peer_is_read_and_answered_in_version_1() {
+    let now = Instant::now();
+    for psk in [None, Some(&b"psk"[..])] {
+        let (mut tx, mut rx) = pair(fixed(4, 2), psk);
+        assert_eq!(tx.version(), tokenway_wire::packet::VERSION);
+        tx.set_version(tokenway_wire::packet::VERSION_1);
+        tx.set_version(77); // unknown: ignored
+        assert_eq!(tx.version(), tokenway_wire::packet::VERSION_1);
+        let packets: Vec<Vec<u8>> = (0..4).map(|i| quic_packet(i, 300)).collect();
+        let wire = send_block(&mut tx, now, &packets);
+        let mut delivered = Vec::new();
+        // Lose one source: the version-1 repair restores it.
+        for d in wire.iter().skip(1) {
+            receive(&mut rx, now, d, &mut delivered);
+        }
+        assert_eq!(sorted(delivered), sorted(packets), "psk {psk:?}");
+        assert_eq!(rx.peer_version(), tokenway_wire::packet::VERSION_1);
+        // Its loss reports go out in version 1 too.
+        rx.on_timeout(now + Duration::from_secs(2));
+        let mut report = Vec::new();
+        assert!(rx.poll_transmit(now + Duration::from_secs(2), &mut report));
+        let (_, mut peer_rx) = pair(fixed(4, 2), psk);
+        assert!(matches!(
+            peer_rx.on_datagram(now, &mut report),
+            Received::LossReport(_)
+        ));
+        assert_eq!(peer_rx.peer_version(), tokenway_wire::packet::VERSION_1);
+    }
+}
+
+#[test]
 fn obfuscated_bytes_have_a_flat_histogram() {
     // Highly structured input (zeros, FEC headers, padded repair shards) must come out
     // uniform: chi-square over 256 byte values, 255 degrees of freedom (mean 255, sd 22.6);
@@ -790,7 +821,7 @@ mod fuzz_corpus {
         let garbage: Vec<(u8, Vec<u8>)> = vec![
             (0, vec![]),
             (0, vec![1]),
-            (0, vec![2, 0, 1, 2, 3]),
+            (0, vec![9, 0, 1, 2, 3]),
             (0, vec![1, 9, 0, 0]),
             (0, vec![1, 1, 0, 0]),
             (0, vec![1, 2, 0, 0, 0, 1, 0, 0, 0]),
@@ -825,6 +856,16 @@ mod fuzz_corpus {
             assert!(by(&format!("loss-report-{tag}")).reports >= 1, "{tag}");
         }
         assert!(by("garbage-headers").dropped >= 8);
+    }
+
+    /// The `*-obfs-v1` files are seeds written by the version-1 build (BLAKE2b key stream):
+    /// a receiver still reads that version.
+    #[test]
+    fn version_1_obfuscated_streams_are_still_read() {
+        let file = |n: &str| std::fs::read(corpus_dir().join(n)).expect("committed seed");
+        let o = run(&file("fixed-4-2-two-lost-obfs-v1"));
+        assert!(o.recovered >= 2, "{o:?}");
+        assert!(run(&file("loss-report-obfs-v1")).reports >= 1);
     }
 
     /// Every committed corpus file (seeds and whatever the fuzzer added) runs through the same

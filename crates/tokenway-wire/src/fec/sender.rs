@@ -85,6 +85,8 @@ pub struct FecSender {
     pool: Vec<Vec<u8>>,
     adapt: Adaptation,
     credit: f64,
+    /// Layer version written and obfuscated with (the peer's, see [`Self::set_version`]).
+    version: u8,
     stats: SenderStats,
 }
 
@@ -123,6 +125,7 @@ impl FecSender {
             pool: Vec::new(),
             adapt: Adaptation::default(),
             credit: 0.0,
+            version: packet::VERSION,
             stats: SenderStats::default(),
         })
     }
@@ -148,6 +151,19 @@ impl FecSender {
             FecMode::Off => 0,
             FecMode::Fixed { r, .. } => usize::from(r),
             FecMode::Auto => self.adapt.repairs_for(k),
+        }
+    }
+
+    /// The layer version this sender writes ([`packet::VERSION`] unless told otherwise).
+    pub fn version(&self) -> u8 {
+        self.version
+    }
+
+    /// Writes packets of `version` from now on, if this build knows it (the socket adapter
+    /// answers a peer in the version it speaks, [`super::FecReceiver::peer_version`]).
+    pub fn set_version(&mut self, version: u8) {
+        if packet::is_known_version(version) {
+            self.version = version;
         }
     }
 
@@ -304,8 +320,12 @@ impl FecSender {
 
     /// Obfuscates `out` (salt room reserved by [`Self::reserve_salt`]) when configured.
     fn seal(&mut self, out: &mut [u8]) {
+        let at = self.obfs.as_ref().map_or(0, |_| SALT_LEN);
+        if let Some(v) = out.get_mut(at) {
+            *v = self.version;
+        }
         if let Some(o) = &self.obfs {
-            o.seal_in_place(&mut self.rng, out);
+            o.seal_in_place_as(self.version, &mut self.rng, out);
         }
     }
 
