@@ -218,6 +218,7 @@ fn add_sender(a: &mut SenderStats, b: &SenderStats) {
     a.repair_bytes += b.repair_bytes;
     a.blocks += b.blocks;
     a.blocks_flushed += b.blocks_flushed;
+    a.blocks_sparse += b.blocks_sparse;
     a.repairs_skipped_by_budget += b.repairs_skipped_by_budget;
     a.repairs_dropped_queue_full += b.repairs_dropped_queue_full;
     a.reports_applied += b.reports_applied;

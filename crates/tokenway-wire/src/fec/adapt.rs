@@ -92,13 +92,27 @@ impl Adaptation {
 
     /// Repair packets for a block of `k` source packets: the table, raised by the estimates.
     pub fn repairs_for(&self, k: usize) -> usize {
-        let k = k.max(1);
-        let kp = k as f64 * self.loss;
-        let needed = (kp + 2.0 * (kp * self.burst_estimate()).sqrt()).ceil() as usize;
-        table_repairs(k)
-            .max(needed)
-            .min(2 * k + 1)
+        table_repairs(k.max(1))
+            .max(self.needed(k))
+            .min(2 * k.max(1) + 1)
             .min(MAX_BLOCK_REPAIRS)
+    }
+
+    /// Repair packets for a *sparse* block of `k` packets (a few packets of a token stream,
+    /// grouped over a fraction of the RTT): one, raised by the estimates, without the table's
+    /// floor. The table gives small blocks a duplicate per packet; a token stream would then pay
+    /// 50–100 % overhead, and one repair per two or three tokens restores all single losses.
+    pub fn sparse_repairs_for(&self, k: usize) -> usize {
+        self.needed(k)
+            .max(1)
+            .min(2 * k.max(1) + 1)
+            .min(MAX_BLOCK_REPAIRS)
+    }
+
+    /// `⌈k·p + 2·√(k·p·b)⌉`: expected losses plus two standard deviations.
+    fn needed(&self, k: usize) -> usize {
+        let kp = k.max(1) as f64 * self.loss;
+        (kp + 2.0 * (kp * self.burst_estimate()).sqrt()).ceil() as usize
     }
 }
 
