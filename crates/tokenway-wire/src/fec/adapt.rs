@@ -99,11 +99,16 @@ impl Adaptation {
     }
 
     /// Repair packets for a *sparse* block of `k` packets (a few packets of a token stream,
-    /// grouped over a fraction of the RTT): one, raised by the estimates, without the table's
-    /// floor. The table gives small blocks a duplicate per packet; a token stream would then pay
-    /// 50–100 % overhead, and one repair per two or three tokens restores all single losses.
+    /// grouped over a fraction of the RTT): `⌈k·p + √(k·p·b)⌉`, at least one, without the
+    /// table's floor. The table gives small blocks a duplicate per packet; a token stream would
+    /// then pay 50–100 % overhead, and one repair per two or three tokens restores all single
+    /// losses. One standard deviation rather than two: with two, a loss estimate a little above
+    /// 5 % (and estimates from sparse reports are noisy and rise fast) already gives a block of 3
+    /// two repairs, which a token stream's budget cannot pay; with one, the second repair
+    /// comes at ~15 % loss, or ~10 % in bursts of 2.
     pub fn sparse_repairs_for(&self, k: usize) -> usize {
-        self.needed(k)
+        let kp = k.max(1) as f64 * self.loss;
+        ((kp + (kp * self.burst_estimate()).sqrt()).ceil() as usize)
             .max(1)
             .min(2 * k.max(1) + 1)
             .min(MAX_BLOCK_REPAIRS)

@@ -90,7 +90,7 @@ pub struct FecConfig {
     pub repair_spacing: Duration,
     /// Longest a *sparse* block stays open in `auto` mode (default 50 ms): a block opened by a
     /// packet that follows the previous one by more than the flush delay (a token stream) stays
-    /// open for `min(max_sparse_flush_delay, 0.45 · sRTT)` or until it holds
+    /// open for `min(max_sparse_flush_delay, 0.5 · sRTT)` or until it holds
     /// [`SPARSE_K_MAX`] packets, and gets one XOR repair instead of a duplicate per packet.
     /// Without a known sRTT there are no sparse blocks. Zero disables them.
     pub max_sparse_flush_delay: Duration,
@@ -99,9 +99,9 @@ pub struct FecConfig {
 /// Most packets in a sparse block (see [`FecConfig::max_sparse_flush_delay`]).
 pub const SPARSE_K_MAX: usize = 3;
 /// A sparse block's flush delay as a fraction of the sRTT: a packet lost at the start of the
-/// block is restored at most this long after it should have arrived, within half an RTT
-/// (QUIC itself needs at least one RTT).
-pub const SPARSE_FLUSH_RTT_FRACTION: f64 = 0.45;
+/// block is restored at most this long after it should have arrived, half an RTT (QUIC itself
+/// needs at least one RTT; the gap target is one token interval + half an RTT).
+pub const SPARSE_FLUSH_RTT_FRACTION: f64 = 0.5;
 
 impl Default for FecConfig {
     fn default() -> Self {
