@@ -640,6 +640,21 @@ impl State {
         for a in idle {
             self.retire(a);
         }
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            // The FEC senders' block counters are not metrics; this is how a run is diagnosed
+            // (`RUST_LOG=tokenway_transport::datagram=debug`).
+            let s = self.stats().sent;
+            tracing::debug!(
+                side = self.config.side,
+                blocks = s.blocks,
+                blocks_sparse = s.blocks_sparse,
+                blocks_flushed = s.blocks_flushed,
+                source_packets = s.source_packets,
+                repair_packets = s.repair_packets,
+                skipped_by_budget = s.repairs_skipped_by_budget,
+                "datagram layer: FEC sender counters"
+            );
+        }
         self.publish();
     }
 
