@@ -20,9 +20,17 @@
 use crate::error::WireError;
 use crate::loss_report::LossReport;
 
-/// The datagram-layer version this build speaks. A peer that sends another version is
-/// dropped and counted; bump it on any incompatible change to this module or to [`crate::obfs`].
-pub const VERSION: u8 = 1;
+/// The datagram-layer version this build sends: 2, the ChaCha20 key stream of
+/// [`crate::obfs`]. Bump it on any incompatible change to this module or to [`crate::obfs`].
+pub const VERSION: u8 = 2;
+/// The previous version (the BLAKE2b key stream; the framing is the same), still read so that
+/// ends can be upgraded one after the other. Any other version is dropped and counted.
+pub const VERSION_1: u8 = 1;
+
+/// Whether this build reads packets of version `v`.
+pub fn is_known_version(v: u8) -> bool {
+    v == VERSION || v == VERSION_1
+}
 
 /// The most source packets one FEC block can hold (block indices fit a `u64` bitmap).
 pub const MAX_BLOCK_SOURCES: usize = 64;
@@ -129,7 +137,7 @@ pub fn parse(buf: &[u8]) -> Result<Packet<'_>, WireError> {
         }
     };
     need(2)?;
-    if buf[0] != VERSION {
+    if !is_known_version(buf[0]) {
         return Err(WireError::UnknownVersion(buf[0]));
     }
     let ty = PacketType::from_byte(buf[1]).ok_or(WireError::UnknownType(buf[1]))?;

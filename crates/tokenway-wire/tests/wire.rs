@@ -525,6 +525,37 @@ fn datagrams_under_the_wrong_key_are_dropped() {
 }
 
 #[test]
+fn a_version_1_peer_is_read_and_answered_in_version_1() {
+    let now = Instant::now();
+    for psk in [None, Some(&b"psk"[..])] {
+        let (mut tx, mut rx) = pair(fixed(4, 2), psk);
+        assert_eq!(tx.version(), tokenway_wire::packet::VERSION);
+        tx.set_version(tokenway_wire::packet::VERSION_1);
+        tx.set_version(77); // unknown: ignored
+        assert_eq!(tx.version(), tokenway_wire::packet::VERSION_1);
+        let packets: Vec<Vec<u8>> = (0..4).map(|i| quic_packet(i, 300)).collect();
+        let wire = send_block(&mut tx, now, &packets);
+        let mut delivered = Vec::new();
+        // Lose one source: the version-1 repair restores it.
+        for d in wire.iter().skip(1) {
+            receive(&mut rx, now, d, &mut delivered);
+        }
+        assert_eq!(sorted(delivered), sorted(packets), "psk {psk:?}");
+        assert_eq!(rx.peer_version(), tokenway_wire::packet::VERSION_1);
+        // Its loss reports go out in version 1 too.
+        rx.on_timeout(now + Duration::from_secs(2));
+        let mut report = Vec::new();
+        assert!(rx.poll_transmit(now + Duration::from_secs(2), &mut report));
+        let (_, mut peer_rx) = pair(fixed(4, 2), psk);
+        assert!(matches!(
+            peer_rx.on_datagram(now, &mut report),
+            Received::LossReport(_)
+        ));
+        assert_eq!(peer_rx.peer_version(), tokenway_wire::packet::VERSION_1);
+    }
+}
+
+#[test]
 fn obfuscated_bytes_have_a_flat_histogram() {
     // Highly structured input (zeros, FEC headers, padded repair shards) must come out
     // uniform: chi-square over 256 byte values, 255 degrees of freedom (mean 255, sd 22.6);
@@ -790,7 +821,7 @@ mod fuzz_corpus {
         let garbage: Vec<(u8, Vec<u8>)> = vec![
             (0, vec![]),
             (0, vec![1]),
-            (0, vec![2, 0, 1, 2, 3]),
+            (0, vec![9, 0, 1, 2, 3]),
             (0, vec![1, 9, 0, 0]),
             (0, vec![1, 1, 0, 0]),
             (0, vec![1, 2, 0, 0, 0, 1, 0, 0, 0]),
@@ -827,6 +858,16 @@ mod fuzz_corpus {
         assert!(by("garbage-headers").dropped >= 8);
     }
 
+    /// The `*-obfs-v1` files are seeds written by the version-1 build (BLAKE2b key stream):
+    /// a receiver still reads that version.
+    #[test]
+    fn version_1_obfuscated_streams_are_still_read() {
+        let file = |n: &str| std::fs::read(corpus_dir().join(n)).expect("committed seed");
+        let o = run(&file("fixed-4-2-two-lost-obfs-v1"));
+        assert!(o.recovered >= 2, "{o:?}");
+        assert!(run(&file("loss-report-obfs-v1")).reports >= 1);
+    }
+
     /// Every committed corpus file (seeds and whatever the fuzzer added) runs through the same
     /// function as the fuzz target, without a panic.
     #[test]
@@ -855,4 +896,185 @@ mod fuzz_corpus {
         }
         let _ = LossReport::default();
     }
+}
+
+// ---- sparse token streams --------------------------------------------------------------
+
+/// What a simulated token stream saw through the layer.
+#[derive(Debug, Default)]
+struct StreamSim {
+    /// Repair bytes / source bytes.
+    overhead: f64,
+    /// Source packets the network dropped.
+    lost: usize,
+    /// Of those, restored by FEC.
+    recovered: usize,
+    /// Longest delay of a restored packet past the time it would have arrived.
+    worst_delay: Duration,
+    /// Streams with at least one packet FEC did not restore.
+    streams_with_residual: usize,
+    streams: usize,
+    blocks_sparse: u64,
+}
+
+/// `streams` token streams (a first packet, then `tokens` packets 20 ms apart, then a pause)
+/// through a sender with `config` and sRTT 100 ms, 50 ms one way, each datagram lost with
+/// probability `loss` (seeded), into a receiver.
+fn simulate_token_streams(
+    config: FecConfig,
+    streams: usize,
+    tokens: usize,
+    loss: f64,
+    seed: u64,
+) -> StreamSim {
+    use rand::{Rng, SeedableRng};
+    let mut net = rand::rngs::StdRng::seed_from_u64(seed);
+    let (mut tx, mut rx) = pair(config, None);
+    tx.set_srtt(Duration::from_millis(100));
+    let one_way = Duration::from_millis(50);
+    let t0 = Instant::now();
+    let mut sim = StreamSim {
+        streams,
+        ..StreamSim::default()
+    };
+    // Sent source packets by number: when they would have arrived, whether the network lost them.
+    let mut due: Vec<(Instant, bool)> = Vec::new();
+    let mut arrived: Vec<Option<Instant>> = Vec::new();
+    let mut out = Vec::new();
+    let mut transmit =
+        |at: Instant, d: &[u8], rx: &mut FecReceiver, arrived: &mut Vec<Option<Instant>>| {
+            if net.random::<f64>() < loss {
+                return false;
+            }
+            let mut delivered = Vec::new();
+            receive(rx, at + one_way, d, &mut delivered);
+            for p in delivered {
+                let n = usize::from(p[0]) << 8 | usize::from(p[1]);
+                arrived[n].get_or_insert(at + one_way);
+            }
+            true
+        };
+    let mut now = t0;
+    for s in 0..streams {
+        let first = due.len();
+        for i in 0..=tokens {
+            let at = now + Duration::from_millis(20 * i as u64);
+            // Timers that fire before this packet.
+            while let Some(d) = tx.next_deadline().filter(|d| *d <= at) {
+                tx.on_timeout(d);
+                while tx.poll_transmit(d, &mut out) {
+                    transmit(d, &out, &mut rx, &mut arrived);
+                }
+            }
+            let n = due.len();
+            arrived.push(None);
+            tx.send(
+                at,
+                &quic_packet(n, if i == 0 { 400 } else { 180 }),
+                &mut out,
+            )
+            .unwrap();
+            let ok = transmit(at, &out, &mut rx, &mut arrived);
+            due.push((at + one_way, !ok));
+            while tx.poll_transmit(at, &mut out) {
+                transmit(at, &out, &mut rx, &mut arrived);
+            }
+        }
+        now += Duration::from_millis(20 * tokens as u64 + 1000);
+        while let Some(d) = tx.next_deadline().filter(|d| *d <= now) {
+            tx.on_timeout(d);
+            while tx.poll_transmit(d, &mut out) {
+                transmit(d, &out, &mut rx, &mut arrived);
+            }
+        }
+        // The receiver's loss reports reach the sender (the adaptation sees the loss).
+        let mut report = Vec::new();
+        rx.on_timeout(now);
+        if rx.poll_transmit(now, &mut report) {
+            let mut peer_rx = FecReceiver::new(ReceiverConfig::default(), None, [3; 32]).unwrap();
+            if let Received::LossReport(r) = peer_rx.on_datagram(now, &mut report) {
+                tx.on_loss_report(&r);
+            }
+        }
+        let mut residual = false;
+        for n in first..due.len() {
+            let (when, lost) = due[n];
+            if !lost {
+                continue;
+            }
+            sim.lost += 1;
+            match arrived[n] {
+                Some(t) => {
+                    sim.recovered += 1;
+                    sim.worst_delay = sim.worst_delay.max(t.saturating_duration_since(when));
+                }
+                None => residual = true,
+            }
+        }
+        sim.streams_with_residual += usize::from(residual);
+        let _ = s;
+    }
+    let st = tx.stats();
+    sim.overhead = st.repair_bytes as f64 / st.source_bytes as f64;
+    sim.blocks_sparse = st.blocks_sparse;
+    sim
+}
+
+#[test]
+fn a_sparse_token_stream_gets_one_repair_per_three_tokens_and_recovers_within_half_an_rtt() {
+    let sim = simulate_token_streams(auto(0.5), 400, 33, 0.05, 7);
+    let before = simulate_token_streams(
+        FecConfig {
+            max_sparse_flush_delay: Duration::ZERO,
+            ..auto(0.5)
+        },
+        400,
+        33,
+        0.05,
+        7,
+    );
+    eprintln!("sparse blocks: {sim:?}\none-packet blocks: {before:?}");
+    // One XOR repair per three tokens plus the first packet's duplicate: ~0.4 of the source
+    // bytes, under 30 % of all bytes; before, a duplicate for every second token (0.5).
+    assert!(sim.overhead < 0.43, "{sim:?}");
+    assert!(sim.blocks_sparse >= 400 * 10, "{sim:?}");
+    // Single losses in a block of 3 + 1 are all restored: at 5 % loss about 85 % of the lost
+    // packets (the rest are blocks with two losses).
+    assert!(
+        sim.recovered as f64 >= 0.8 * sim.lost as f64,
+        "{} of {} restored",
+        sim.recovered,
+        sim.lost
+    );
+    // Within 0.5 sRTT of when it should have arrived (block deadline 50 ms).
+    assert!(sim.worst_delay <= Duration::from_millis(50), "{sim:?}");
+    // One-packet blocks with the same cap duplicate every second token: more overhead, fewer
+    // losses restored, more streams left to QUIC's loss recovery.
+    assert!(before.overhead > sim.overhead, "{before:?}");
+    assert!(before.recovered < sim.recovered, "{before:?}");
+    assert!(
+        before.streams_with_residual > 2 * sim.streams_with_residual,
+        "{before:?}"
+    );
+    assert_eq!(sim.streams, 400);
+}
+
+#[test]
+fn without_an_rtt_a_token_stream_keeps_one_packet_blocks() {
+    let (mut tx, _) = pair(auto(1.0), None);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    for i in 0..20u64 {
+        let at = t0 + Duration::from_millis(20 * i);
+        tx.on_timeout(at);
+        while tx.poll_transmit(at, &mut out) {}
+        tx.send(at, &quic_packet(i as usize, 150), &mut out)
+            .unwrap();
+    }
+    assert_eq!(tx.stats().blocks_sparse, 0);
+    assert_eq!(
+        tx.stats().blocks,
+        19,
+        "one block per token, the last still open"
+    );
 }

@@ -88,7 +88,20 @@ pub struct FecConfig {
     /// 1.5 packets, so one burst does not take the repairs too (default 1 ms; 0 sends them
     /// back to back).
     pub repair_spacing: Duration,
+    /// Longest a *sparse* block stays open in `auto` mode (default 50 ms): a block opened by a
+    /// packet that follows the previous one by more than the flush delay (a token stream) stays
+    /// open for `min(max_sparse_flush_delay, 0.5 · sRTT)` or until it holds
+    /// [`SPARSE_K_MAX`] packets, and gets one XOR repair instead of a duplicate per packet.
+    /// Without a known sRTT there are no sparse blocks. Zero disables them.
+    pub max_sparse_flush_delay: Duration,
 }
+
+/// Most packets in a sparse block (see [`FecConfig::max_sparse_flush_delay`]).
+pub const SPARSE_K_MAX: usize = 3;
+/// A sparse block's flush delay as a fraction of the sRTT: a packet lost at the start of the
+/// block is restored at most this long after it should have arrived, half an RTT (QUIC itself
+/// needs at least one RTT; the gap target is one token interval + half an RTT).
+pub const SPARSE_FLUSH_RTT_FRACTION: f64 = 0.5;
 
 impl Default for FecConfig {
     fn default() -> Self {
@@ -99,6 +112,7 @@ impl Default for FecConfig {
             max_flush_delay: Duration::from_millis(5),
             max_overhead: 0.5,
             repair_spacing: Duration::from_millis(1),
+            max_sparse_flush_delay: Duration::from_millis(50),
         }
     }
 }
@@ -137,6 +151,12 @@ impl FecConfig {
             return Err(WireError::InvalidConfig {
                 key: "fec.max_overhead",
                 reason: "must be in 0.0..=4.0 (repair bytes per source byte)",
+            });
+        }
+        if self.max_sparse_flush_delay > Duration::from_secs(1) {
+            return Err(WireError::InvalidConfig {
+                key: "fec.max_sparse_flush_delay",
+                reason: "must be at most 1 s",
             });
         }
         if self.repair_spacing > Duration::from_millis(100) {

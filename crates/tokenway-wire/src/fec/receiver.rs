@@ -262,6 +262,8 @@ pub struct FecReceiver {
     last_report: Option<Instant>,
     /// The latest `now` seen, so that a due-at-once report has a deadline to give.
     last_now: Option<Instant>,
+    /// Version of the last well-framed packet from the peer; our loss reports use it.
+    peer_version: u8,
     stats: ReceiverStats,
 }
 
@@ -290,6 +292,7 @@ impl FecReceiver {
             report_dirty: false,
             last_report: None,
             last_now: None,
+            peer_version: packet::VERSION,
             stats: ReceiverStats::default(),
         })
     }
@@ -297,6 +300,13 @@ impl FecReceiver {
     /// The counters.
     pub fn stats(&self) -> &ReceiverStats {
         &self.stats
+    }
+
+    /// The layer version the peer speaks (that of its last well-framed packet;
+    /// [`packet::VERSION`] until one arrived). The sender towards it should use the same
+    /// ([`super::FecSender::set_version`]).
+    pub fn peer_version(&self) -> u8 {
+        self.peer_version
     }
 
     /// Number of blocks currently open (for metrics and tests).
@@ -324,7 +334,7 @@ impl FecReceiver {
         let (offset, inner) = match &self.obfs {
             Some(o) => match o.open_in_place(datagram) {
                 Ok(inner) => (SALT_LEN, &*inner),
-                Err(_) => return Received::Dropped(DropReason::Truncated),
+                Err(e) => return Received::Dropped(drop_reason(&e)),
             },
             None => (0, &*datagram),
         };
@@ -332,6 +342,7 @@ impl FecReceiver {
             Ok(p) => p,
             Err(e) => return Received::Dropped(drop_reason(&e)),
         };
+        self.peer_version = inner[0];
         let end = offset + inner.len();
         match packet {
             Packet::Plain(p) if !p.is_empty() => {
@@ -646,9 +657,11 @@ impl FecReceiver {
         if self.obfs.is_some() {
             out.resize(SALT_LEN, 0);
         }
+        let at = out.len();
         packet::write_loss_report(out, &report);
+        out[at] = self.peer_version;
         if let Some(o) = &self.obfs {
-            o.seal_in_place(&mut self.rng, out);
+            o.seal_in_place_as(self.peer_version, &mut self.rng, out);
         }
         self.report_dirty = false;
         self.last_report = Some(now);

@@ -8,7 +8,10 @@ use rand::SeedableRng;
 
 use super::adapt::Adaptation;
 use super::codec::{shard_len_for, Encoder};
-use super::{datagram_overhead, FecConfig, FecMode, FecScope, MAX_DATAGRAM_LEN};
+use super::{
+    datagram_overhead, FecConfig, FecMode, FecScope, MAX_DATAGRAM_LEN, SPARSE_FLUSH_RTT_FRACTION,
+    SPARSE_K_MAX,
+};
 use crate::error::WireError;
 use crate::loss_report::LossReport;
 use crate::obfs::{Obfuscator, SALT_LEN};
@@ -37,6 +40,8 @@ pub struct SenderStats {
     pub blocks: u64,
     /// Blocks closed by the flush deadline rather than by filling up.
     pub blocks_flushed: u64,
+    /// Sparse blocks (a token stream's packets grouped over a fraction of the RTT).
+    pub blocks_sparse: u64,
     /// Repair packets the overhead budget did not allow.
     pub repairs_skipped_by_budget: u64,
     /// Repair packets dropped because the pending queue was full.
@@ -59,6 +64,9 @@ struct Pending {
 struct OpenBlock {
     id: BlockId,
     deadline: Instant,
+    /// Opened by a packet of a sparse stream: a longer deadline, at most [`SPARSE_K_MAX`]
+    /// packets, [`Adaptation::sparse_repairs_for`].
+    sparse: bool,
 }
 
 /// The sending half of the datagram layer (FEC and obfuscation) for one peer.
@@ -85,6 +93,10 @@ pub struct FecSender {
     pool: Vec<Vec<u8>>,
     adapt: Adaptation,
     credit: f64,
+    /// When the last source packet went out (sparse-stream detection).
+    last_source: Option<Instant>,
+    /// Layer version written and obfuscated with (the peer's, see [`Self::set_version`]).
+    version: u8,
     stats: SenderStats,
 }
 
@@ -123,6 +135,8 @@ impl FecSender {
             pool: Vec::new(),
             adapt: Adaptation::default(),
             credit: 0.0,
+            last_source: None,
+            version: packet::VERSION,
             stats: SenderStats::default(),
         })
     }
@@ -148,6 +162,19 @@ impl FecSender {
             FecMode::Off => 0,
             FecMode::Fixed { r, .. } => usize::from(r),
             FecMode::Auto => self.adapt.repairs_for(k),
+        }
+    }
+
+    /// The layer version this sender writes ([`packet::VERSION`] unless told otherwise).
+    pub fn version(&self) -> u8 {
+        self.version
+    }
+
+    /// Writes packets of `version` from now on, if this build knows it (the socket adapter
+    /// answers a peer in the version it speaks, [`super::FecReceiver::peer_version`]).
+    pub fn set_version(&mut self, version: u8) {
+        if packet::is_known_version(version) {
+            self.version = version;
         }
     }
 
@@ -198,6 +225,28 @@ impl FecSender {
         }
     }
 
+    /// The flush delay of a sparse block, if sparse blocks are on (auto mode, sRTT known).
+    fn sparse_flush_delay(&self) -> Option<Duration> {
+        if self.config.mode != FecMode::Auto || self.config.max_sparse_flush_delay.is_zero() {
+            return None;
+        }
+        let d = self
+            .config
+            .max_sparse_flush_delay
+            .min(self.srtt?.mul_f64(SPARSE_FLUSH_RTT_FRACTION));
+        (d > self.flush_delay()).then_some(d)
+    }
+
+    /// Whether a block opened at `now` is sparse: the previous source packet left more than a
+    /// flush delay ago (not a burst) but less than a sparse flush delay ago (not the first
+    /// packet after a pause, which opens an ordinary, better protected block: the request or
+    /// the first token, whose loss costs the time to first token).
+    fn opens_sparse(&self, now: Instant) -> Option<Duration> {
+        let d = self.sparse_flush_delay()?;
+        let gap = now.saturating_duration_since(self.last_source?);
+        (gap >= self.flush_delay() && gap < d).then_some(d)
+    }
+
     /// Frames one outgoing QUIC datagram and writes the UDP payload to send *now* into `out`
     /// (cleared first). The packet is never held back; if it fills its block, the block's
     /// repair packets become available from [`poll_transmit`](Self::poll_transmit).
@@ -221,9 +270,11 @@ impl FecSender {
         let block = match self.open {
             Some(b) => b,
             None => {
+                let sparse = self.opens_sparse(now);
                 let b = OpenBlock {
                     id: self.next_block,
-                    deadline: now + self.flush_delay(),
+                    deadline: now + sparse.unwrap_or_else(|| self.flush_delay()),
+                    sparse: sparse.is_some(),
                 };
                 self.next_block = self.next_block.next();
                 self.open = Some(b);
@@ -246,11 +297,12 @@ impl FecSender {
         slot.clear();
         slot.extend_from_slice(quic);
         self.count += 1;
+        self.last_source = Some(now);
         self.stats.source_packets += 1;
         self.stats.source_bytes += out.len() as u64;
         self.credit =
             (self.credit + self.config.max_overhead * out.len() as f64).min(MAX_CREDIT_BYTES);
-        if self.count >= self.k_max() {
+        if self.count >= self.k_max() || (block.sparse && self.count >= SPARSE_K_MAX) {
             self.close_block(now, false);
         }
         Ok(())
@@ -304,8 +356,12 @@ impl FecSender {
 
     /// Obfuscates `out` (salt room reserved by [`Self::reserve_salt`]) when configured.
     fn seal(&mut self, out: &mut [u8]) {
+        let at = self.obfs.as_ref().map_or(0, |_| SALT_LEN);
+        if let Some(v) = out.get_mut(at) {
+            *v = self.version;
+        }
         if let Some(o) = &self.obfs {
-            o.seal_in_place(&mut self.rng, out);
+            o.seal_in_place_as(self.version, &mut self.rng, out);
         }
     }
 
@@ -322,10 +378,17 @@ impl FecSender {
         if by_deadline {
             self.stats.blocks_flushed += 1;
         }
+        if block.sparse {
+            self.stats.blocks_sparse += 1;
+        }
         let max_len = self.sources[..k].iter().map(Vec::len).max().unwrap_or(0);
         let shard_len = shard_len_for(max_len);
         let wire_len = REPAIR_HEADER_LEN + shard_len + self.obfs.as_ref().map_or(0, |_| SALT_LEN);
-        let planned = self.planned_repairs(k);
+        let planned = if block.sparse {
+            self.adapt.sparse_repairs_for(k)
+        } else {
+            self.planned_repairs(k)
+        };
         let r = if self.config.mode == FecMode::Auto {
             let affordable = (self.credit / wire_len as f64).floor() as usize;
             let r = planned.min(affordable);
