@@ -131,11 +131,12 @@ fn lab_up(prefix: &str, profile: &Profile, seed: u64) -> Lab {
     Lab::up(LabConfig::from_profile(prefix, profile, seed)).expect("lab comes up")
 }
 
-/// `lossy`: 100 ms RTT, 5 % random loss both ways. 160 streams of 64 tokens at 10 ms (twenty
-/// at a time, eight rounds) with FEC on (defaults: `auto`, 0.5 overhead cap), then the same with
+/// `lossy`: 100 ms RTT, 5 % random loss both ways. 160 streams of 64 tokens at 10 ms (sixteen
+/// at a time, ten rounds) with FEC on (defaults: `auto`, 0.5 overhead cap), then the same with
 /// FEC off on a fresh lab with the same seed. A run carries about 10,000 token packets; the
 /// assertion asks for a difference of QUIC-detected losses beyond three standard deviations of
-/// the two (Poisson) counts.
+/// the two (Poisson) counts. (Eighty streams left too thin a margin: QUIC's losses with FEC
+/// come mostly early in a connection, before the layer knows the RTT its sparse blocks need.)
 #[test]
 fn fec_on_the_lossy_profile_recovers_packets_and_spares_quic_losses() {
     if !tokenway_netlab::is_root() {
@@ -156,7 +157,7 @@ fn fec_on_the_lossy_profile_recovers_packets_and_spares_quic_losses() {
             let url = format!("{}/v1/chat/completions", s.edge.url());
             async move { post(&url, &chat("warm", true, 1), None).await.status }
         });
-        let run = streaming_run(&lab, &s, 16, 5, 64);
+        let run = streaming_run(&lab, &s, 16, 10, 64);
         eprintln!("fec {fec}: {run:?} in {:?}", started.elapsed());
         drop(s);
         std::thread::sleep(Duration::from_millis(100));
