@@ -323,7 +323,15 @@ pub struct BackendConfig {
     /// Bearer key sent to the backend (the client's key is never forwarded).
     #[serde(default)]
     pub api_key: Option<String>,
+    /// Blocks of `routing.block_bytes` this backend's prefix index holds: its engine's KV-cache
+    /// capacity in prompt bytes / `routing.block_bytes`; absent means
+    /// `routing.prefix_capacity_blocks`.
+    #[serde(default)]
+    pub prefix_capacity_blocks: Option<usize>,
 }
+
+/// Largest prefix-index capacity in blocks (`routing.prefix_capacity_blocks` and per backend).
+const MAX_PREFIX_CAPACITY_BLOCKS: usize = 1 << 24;
 
 fn default_region() -> String {
     "local".to_string()
@@ -488,7 +496,7 @@ impl GatewayConfig {
                 r.load_signal_interval_ms,
             ));
         }
-        if r.prefix_capacity_blocks > 1 << 24 {
+        if r.prefix_capacity_blocks > MAX_PREFIX_CAPACITY_BLOCKS {
             return Err(bad(
                 "routing.prefix_capacity_blocks",
                 "in 0..=16777216 (0 turns prefix affinity off)",
@@ -638,6 +646,9 @@ pub struct DnsBackends {
     /// Bearer key sent to the backends.
     #[serde(default)]
     pub api_key: Option<String>,
+    /// Prefix-index capacity of each backend found, as `backends.prefix_capacity_blocks`.
+    #[serde(default)]
+    pub prefix_capacity_blocks: Option<usize>,
 }
 
 impl DiscoverySettings {
@@ -708,6 +719,16 @@ impl DiscoverySettings {
             if d.max_inflight == 0 {
                 return Err(bad(&key("max_inflight"), ">= 1", d.max_inflight));
             }
+            if let Some(n) = d
+                .prefix_capacity_blocks
+                .filter(|n| *n > MAX_PREFIX_CAPACITY_BLOCKS)
+            {
+                return Err(bad(
+                    &key("prefix_capacity_blocks"),
+                    &format!("in 0..={MAX_PREFIX_CAPACITY_BLOCKS}"),
+                    n,
+                ));
+            }
             if d.region.is_empty() {
                 return Err(bad(&key("region"), "a non-empty string", "\"\""));
             }
@@ -760,6 +781,16 @@ pub fn validate_backends(backends: &[BackendConfig], key: &str) -> Result<(), Ga
                 &format!("{key}[{i}].max_inflight"),
                 ">= 1",
                 b.max_inflight,
+            ));
+        }
+        if let Some(n) = b
+            .prefix_capacity_blocks
+            .filter(|n| *n > MAX_PREFIX_CAPACITY_BLOCKS)
+        {
+            return Err(bad(
+                &format!("{key}[{i}].prefix_capacity_blocks"),
+                &format!("in 0..={MAX_PREFIX_CAPACITY_BLOCKS}"),
+                n,
             ));
         }
         let name = b.display_name();
@@ -844,6 +875,32 @@ mod tests {
                 "discovery.refresh_ms",
             ),
             ("[[discovery.dns]]\nname = \"a\"\nrecord = \"mx\"\n", "mx"),
+        ] {
+            let e = GatewayConfig::from_toml_str(toml).unwrap_err();
+            assert!(e.to_string().contains(key), "{key}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_backend_may_size_its_own_prefix_index_and_a_bad_size_names_its_key() {
+        let c = GatewayConfig::from_toml_str(
+            "[[backends]]\nurl = \"http://127.0.0.1:8000\"\nprefix_capacity_blocks = 300\n\
+             [[backends]]\nurl = \"http://127.0.0.1:8001\"\n\
+             [[discovery.dns]]\nname = \"vllm.test\"\nport = 8000\nprefix_capacity_blocks = 9\n",
+        )
+        .expect("valid");
+        assert_eq!(c.backends[0].prefix_capacity_blocks, Some(300));
+        assert_eq!(c.backends[1].prefix_capacity_blocks, None);
+        assert_eq!(c.discovery.dns[0].prefix_capacity_blocks, Some(9));
+        for (toml, key) in [
+            (
+                "[[backends]]\nurl = \"http://127.0.0.1:8000\"\nprefix_capacity_blocks = 99999999\n",
+                "backends[0].prefix_capacity_blocks must be in 0..=16777216",
+            ),
+            (
+                "[[discovery.dns]]\nname = \"a\"\nport = 1\nprefix_capacity_blocks = 99999999\n",
+                "discovery.dns[0].prefix_capacity_blocks",
+            ),
         ] {
             let e = GatewayConfig::from_toml_str(toml).unwrap_err();
             assert!(e.to_string().contains(key), "{key}: {e}");

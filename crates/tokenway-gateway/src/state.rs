@@ -127,6 +127,7 @@ impl Upstream {
             region: b.region.clone(),
             models: b.models.clone(),
             max_inflight: b.max_inflight,
+            prefix_capacity_blocks: b.prefix_capacity_blocks,
         }
     }
 }

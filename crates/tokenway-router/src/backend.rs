@@ -39,6 +39,9 @@ pub struct BackendSpec {
     pub models: Vec<String>,
     /// Most concurrent attempts the router will send to it; 0 means no limit.
     pub max_inflight: u32,
+    /// Blocks its prefix index holds (sized like this engine's KV cache); `None` takes
+    /// [`RouterConfig::prefix_capacity_blocks`](crate::RouterConfig::prefix_capacity_blocks).
+    pub prefix_capacity_blocks: Option<usize>,
 }
 
 /// Smoothing of the RTT EWMA: weight of a new sample.

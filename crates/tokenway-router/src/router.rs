@@ -197,11 +197,11 @@ impl Router {
     /// Add a backend; it starts healthy and idle. Ids are dense and never reused: the n-th
     /// backend added gets `BackendId(n)`.
     pub fn add_backend(&mut self, spec: BackendSpec) -> BackendId {
-        self.backends.push(BackendState::new(
-            spec,
-            &self.cfg.cost,
-            self.cfg.prefix_capacity_blocks,
-        ));
+        let capacity = spec
+            .prefix_capacity_blocks
+            .unwrap_or(self.cfg.prefix_capacity_blocks);
+        self.backends
+            .push(BackendState::new(spec, &self.cfg.cost, capacity));
         BackendId(self.backends.len() - 1)
     }
 
@@ -903,12 +903,29 @@ mod tests {
         Duration::from_millis(n)
     }
 
+    #[test]
+    fn a_backend_s_own_prefix_capacity_overrides_the_routers_default() {
+        let cfg = RouterConfig {
+            prefix_capacity_blocks: 100,
+            ..RouterConfig::default()
+        };
+        let mut r = Router::with_config(Policy::CostAware, cfg, 1);
+        let a = r.add_backend(spec("a", &["m"], 0));
+        let b = r.add_backend(BackendSpec {
+            prefix_capacity_blocks: Some(7),
+            ..spec("b", &["m"], 0)
+        });
+        assert_eq!(r.backends[a.0].prefix.capacity(), 100);
+        assert_eq!(r.backends[b.0].prefix.capacity(), 7);
+    }
+
     fn spec(name: &str, models: &[&str], max_inflight: u32) -> BackendSpec {
         BackendSpec {
             name: name.to_owned(),
             region: "eu".to_owned(),
             models: models.iter().map(|m| (*m).to_owned()).collect(),
             max_inflight,
+            prefix_capacity_blocks: None,
         }
     }
 

@@ -220,6 +220,7 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
             region: "local".into(),
             models: vec![M.into()],
             max_inflight: 1024,
+            prefix_capacity_blocks: None,
         });
     }
     let mut engines: Vec<Engine> = (0..8)

@@ -23,6 +23,7 @@ fn spec(name: &str, region: &str, max_inflight: u32) -> BackendSpec {
         region: region.to_owned(),
         models: vec![M.to_owned()],
         max_inflight,
+        prefix_capacity_blocks: None,
     }
 }
 

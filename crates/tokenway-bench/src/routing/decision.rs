@@ -55,6 +55,7 @@ pub fn measure(backends: usize, calls: usize, shape: &workload::WorkloadShape) -
                 region: if i % 4 == 0 { "far" } else { "local" }.to_owned(),
                 models: vec!["sim-model".to_owned()],
                 max_inflight: 256,
+                prefix_capacity_blocks: None,
             })
         })
         .collect();

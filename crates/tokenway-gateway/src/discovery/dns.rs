@@ -209,6 +209,7 @@ fn backend(entry: &DnsBackends, url: String) -> BackendConfig {
         models: entry.models.clone(),
         max_inflight: entry.max_inflight,
         api_key: entry.api_key.clone(),
+        prefix_capacity_blocks: entry.prefix_capacity_blocks,
     }
 }
 
@@ -356,6 +357,7 @@ mod tests {
             models: vec!["m".to_owned()],
             max_inflight: 7,
             api_key: None,
+            prefix_capacity_blocks: None,
         }
     }
 

@@ -78,6 +78,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             models: vec!["sim-model".into()],
             max_inflight: 256,
             api_key: None,
+            prefix_capacity_blocks: None,
         });
         println!(
             "backend  {name:<9} http://{addr}  (base {base} ms, {tpot} ms/token, {slots} slots)"

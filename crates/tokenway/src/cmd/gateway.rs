@@ -75,6 +75,7 @@ pub fn load(args: &GatewayArgs) -> anyhow::Result<GatewayConfig> {
                 models: Vec::new(),
                 max_inflight: 256,
                 api_key: None,
+                prefix_capacity_blocks: None,
             })
             .collect();
     }
