@@ -7,14 +7,14 @@
 //! The sim answers instantly (no base latency, no per-token time, effectively infinite prefill)
 //! so that what is measured is the network path, not the simulated model.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::load::{self, LoadClient, Sample};
-use crate::process::{self, ChildProcess};
+use crate::process::{self, write_file, ChildProcess};
 use crate::report::{
     self, CpuUse, GatewayBenchReport, LoadResult, Machine, OpenStreamsResult, ScenarioResult,
     Settings, TargetKind, TargetResult,
@@ -172,13 +172,6 @@ fn sim_toml(tpot_ms: f64, slots: usize) -> String {
          max_queue = {slots}\n\
          prefix_cache_tokens = 0\n"
     )
-}
-
-fn write_file(path: &Path, text: &str) -> Result<(), BenchError> {
-    std::fs::write(path, text).map_err(|source| BenchError::Io {
-        context: format!("cannot write {}", path.display()),
-        source,
-    })
 }
 
 async fn start_sim(

@@ -297,6 +297,14 @@ fn parse_stat_cpu(stat: &str) -> Option<f64> {
     Some((utime + stime) as f64 / CLOCK_TICKS_PER_SECOND)
 }
 
+/// Writes a generated file (a config, a script) for a child process.
+pub fn write_file(path: &Path, text: &str) -> Result<(), BenchError> {
+    std::fs::write(path, text).map_err(|source| BenchError::Io {
+        context: format!("cannot write {}", path.display()),
+        source,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -38,7 +38,7 @@ use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
 
 use crate::plot::{self, Series};
-use crate::process::ChildProcess;
+use crate::process::{write_file, ChildProcess};
 use crate::stats::percentile;
 use crate::BenchError;
 use decision::DecisionResult;
@@ -432,13 +432,6 @@ fn git_commit() -> Option<String> {
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
         .filter(|s| !s.is_empty())
-}
-
-fn write_file(path: &Path, text: &str) -> Result<(), BenchError> {
-    std::fs::write(path, text).map_err(|source| BenchError::Io {
-        context: format!("cannot write {}", path.display()),
-        source,
-    })
 }
 
 async fn start_sim(
