@@ -22,6 +22,8 @@
 const BOM: &[u8; 3] = b"\xEF\xBB\xBF";
 /// The only field name the scanner cares about.
 const DATA: &[u8; 4] = b"data";
+/// How nearly every data line starts.
+const DATA_SPACE: &[u8; 6] = b"data: ";
 /// The OpenAI end-of-stream data value.
 const DONE: &[u8; 6] = b"[DONE]";
 
@@ -175,17 +177,24 @@ impl SseScanner {
                     self.end_line(out);
                     i += 1;
                 }
-                _ => {
-                    if let Line::Rest { .. } = self.line {
+                _ => match self.line {
+                    Line::Rest { .. } => {
                         // Payload bytes: jump straight to the next line terminator.
                         let skip =
                             memchr::memchr2(b'\n', b'\r', &bytes[i..]).unwrap_or(bytes.len() - i);
                         i += skip;
-                    } else {
-                        self.line = Self::advance(self.line, b);
+                    }
+                    // The common line start, whole in this chunk: the same state as byte by
+                    // byte, in one comparison.
+                    Line::Start if bytes[i..].starts_with(DATA_SPACE) => {
+                        self.line = Line::Value { matched: 0 };
+                        i += DATA_SPACE.len();
+                    }
+                    line => {
+                        self.line = Self::advance(line, b);
                         i += 1;
                     }
-                }
+                },
             }
         }
     }
