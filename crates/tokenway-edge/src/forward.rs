@@ -90,10 +90,7 @@ async fn carry(mut local: TcpStream, tunnel: &Tunnel, target: &str) -> Result<()
         .ok_or_else(|| "no gateway is reachable".to_string())?;
     let mut headers = HeaderMap::new();
     headers.insert(AUTH_HEADER, token);
-    headers.insert(
-        IDEMPOTENCY_HEADER,
-        http::HeaderValue::from_str(&idempotency_key()).expect("hex is a valid header value"),
-    );
+    headers.insert(IDEMPOTENCY_HEADER, idempotency_key());
     match conn {
         Conn::Quic(q) => {
             let (tx, rx) = mpsc::channel::<Bytes>(16);

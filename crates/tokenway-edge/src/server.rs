@@ -9,21 +9,21 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http::uri::PathAndQuery;
+use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokenway_telemetry::{RequestLabels, StreamLabels};
 use tokenway_transport::client::BoxError;
 use tokio::net::TcpListener;
 
 use crate::body::EdgeBody;
 use crate::metrics::EdgeMetrics;
 use crate::tunnel::{Outgoing, Tunnel};
-use tokenway_telemetry::stream_clock::{StreamClock, StreamHistograms};
+use tokenway_telemetry::stream_clock::StreamClock;
 
 /// The body of every local response.
 pub type LocalBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -38,17 +38,17 @@ const ROUTES: [&str; 5] = [
 ];
 
 /// Headers that belong to one hop (RFC 9110 §7.6.1) or that the tunnel sets itself.
-const HOP_BY_HOP: [&str; 10] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "transfer-encoding",
-    "te",
-    "upgrade",
-    "trailer",
-    "host",
-    crate::tunnel::AUTH_HEADER,
-    crate::tunnel::IDEMPOTENCY_HEADER,
+static HOP_BY_HOP: [HeaderName; 10] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TRANSFER_ENCODING,
+    header::TE,
+    header::UPGRADE,
+    header::TRAILER,
+    header::HOST,
+    HeaderName::from_static(crate::tunnel::AUTH_HEADER),
+    HeaderName::from_static(crate::tunnel::IDEMPOTENCY_HEADER),
 ];
 
 /// State shared by every local connection.
@@ -133,13 +133,28 @@ fn json_string(s: &str) -> String {
     out
 }
 
+/// Requests the edge answers itself instead of carrying them through the tunnel.
+enum Here {
+    Metrics,
+    Rebind,
+    Reconnect,
+}
+
 async fn handle(
     local: Arc<Local>,
     req: Request<Incoming>,
 ) -> Result<Response<LocalBody>, Infallible> {
-    let path = req.uri().path().to_string();
-    let response = match (req.method(), path.as_str()) {
-        (&Method::GET, "/metrics") => {
+    let here = match (req.method(), req.uri().path()) {
+        (&Method::GET, "/metrics") => Some(Here::Metrics),
+        (&Method::POST, "/admin/rebind") => Some(Here::Rebind),
+        (&Method::POST, "/admin/reconnect") => Some(Here::Reconnect),
+        _ => None,
+    };
+    let Some(here) = here else {
+        return Ok(forward(&local, req).await);
+    };
+    let response = match here {
+        Here::Metrics => {
             let mut r = Response::new(full(tokenway_telemetry::render(&local.metrics.registry)));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -147,7 +162,7 @@ async fn handle(
             );
             r
         }
-        (&Method::POST, "/admin/rebind") => match local.tunnel.rebind() {
+        Here::Rebind => match local.tunnel.rebind() {
             Ok(addr) => {
                 local.metrics.rebinds("admin").inc();
                 Response::new(full(format!("rebound to {addr}\n")))
@@ -158,28 +173,27 @@ async fn handle(
                 &e.to_string(),
             ),
         },
-        (&Method::POST, "/admin/reconnect") => {
+        Here::Reconnect => {
             local.tunnel.reconnect();
             Response::new(full("reconnecting\n"))
         }
-        _ => forward(&local, req).await,
     };
     Ok(response)
 }
 
-fn strip(headers: &HeaderMap) -> HeaderMap {
-    let mut out = headers.clone();
-    // Headers named in `Connection` are hop-by-hop too.
-    let named: Vec<String> = headers
+/// Drops the hop-by-hop headers, and those the `Connection` header names, in place.
+fn strip(headers: &mut HeaderMap) {
+    // Rare (clients send `Connection: keep-alive` or nothing), so only then a list is built.
+    let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(',').map(|s| s.trim().to_ascii_lowercase()))
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
         .collect();
-    for h in HOP_BY_HOP.iter().map(|s| s.to_string()).chain(named) {
-        out.remove(h.as_str());
+    for name in HOP_BY_HOP.iter().chain(&named) {
+        headers.remove(name);
     }
-    out
 }
 
 async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
@@ -189,7 +203,7 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
         .copied()
         .find(|r| *r == req.uri().path())
         .unwrap_or("other");
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let version = parts.version;
     let limit = local.max_body_bytes;
     let body = match Limited::new(body, limit).collect().await {
@@ -198,7 +212,7 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             return count(
                 local,
                 route,
-                "none",
+                &Arc::from("none"),
                 error(
                     StatusCode::PAYLOAD_TOO_LARGE,
                     "request_too_large",
@@ -210,7 +224,7 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             return count(
                 local,
                 route,
-                "none",
+                &Arc::from("none"),
                 error(
                     StatusCode::BAD_REQUEST,
                     "bad_request",
@@ -219,39 +233,31 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             )
         }
     };
+    let mut headers = std::mem::take(&mut parts.headers);
+    strip(&mut headers);
     let out = Outgoing {
-        method: parts.method.clone(),
+        method: parts.method,
         path: parts
             .uri
             .path_and_query()
-            .map(|p| p.as_str().to_string())
-            .unwrap_or_else(|| "/".into()),
-        headers: strip(&parts.headers),
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/")),
+        headers,
         body,
     };
     match local.tunnel.send(&out).await {
         Ok(answer) => {
-            let labels = StreamLabels {
-                route: route.to_string(),
-                backend: answer.gateway.clone(),
-                transport: answer.transport.to_string(),
-                client_region: "local".to_string(),
-                backend_region: "local".to_string(),
-            };
-            let m = &local.metrics.requests;
-            let histograms = StreamHistograms {
-                ttft: m.ttft.get_or_create(&labels).clone(),
-                gap: m.inter_token.get_or_create(&labels).clone(),
-                duration: m.duration.get_or_create(&labels).clone(),
-            };
+            let histograms =
+                local
+                    .metrics
+                    .stream_histograms(route, &answer.gateway, answer.transport);
             let (mut parts, body) = answer.response.into_parts();
             let sse = parts
                 .headers
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|v| v.starts_with("text/event-stream"));
-            let stripped = strip(&parts.headers);
-            parts.headers = stripped;
+            strip(&mut parts.headers);
             // The local connection's version, not the tunnel's (HTTP/3 or HTTP/2).
             parts.version = version;
             let resp = Response::from_parts(
@@ -263,22 +269,21 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
         Err(e) => count(
             local,
             route,
-            "none",
+            &Arc::from("none"),
             error(StatusCode::BAD_GATEWAY, "gateway_unreachable", &e.message),
         ),
     }
 }
 
-fn count(local: &Local, route: &str, gateway: &str, r: Response<LocalBody>) -> Response<LocalBody> {
+fn count(
+    local: &Local,
+    route: &'static str,
+    gateway: &Arc<str>,
+    r: Response<LocalBody>,
+) -> Response<LocalBody> {
     local
         .metrics
-        .requests
-        .requests
-        .get_or_create(&RequestLabels {
-            route: route.to_string(),
-            backend: gateway.to_string(),
-            status: r.status().as_u16(),
-        })
+        .requests_counter(route, gateway, r.status().as_u16())
         .inc();
     r
 }

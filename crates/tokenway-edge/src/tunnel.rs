@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri};
 use http_body_util::{BodyExt, Empty, Full};
 use tokenway_telemetry::quic::QuicMetrics;
@@ -36,12 +37,16 @@ const PROBE_EVERY: Duration = Duration::from_millis(500);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// A fresh idempotency key: 32 lowercase hex characters.
-pub fn idempotency_key() -> String {
-    hex::encode(rand::random::<[u8; 16]>())
+pub fn idempotency_key() -> HeaderValue {
+    let mut hex = [0u8; 32];
+    hex::encode_to_slice(rand::random::<[u8; 16]>(), &mut hex).expect("32 bytes hold 16 in hex");
+    HeaderValue::from_bytes(&hex).expect("hex is a valid header value")
 }
 
 struct Link {
     target: Target,
+    /// `target.name`, shared with every answer.
+    name: Arc<str>,
     conn: Mutex<Option<Conn>>,
     last_rtt: Mutex<Option<Duration>>,
     wake: Notify,
@@ -65,7 +70,7 @@ pub struct Outgoing {
     /// Method.
     pub method: Method,
     /// Path and query.
-    pub path: String,
+    pub path: PathAndQuery,
     /// Headers, without hop-by-hop ones and without the tunnel headers.
     pub headers: HeaderMap,
     /// The whole body.
@@ -77,7 +82,7 @@ pub struct Answer {
     /// The response; its body streams.
     pub response: Response<ClientBody>,
     /// The gateway's name.
-    pub gateway: String,
+    pub gateway: Arc<str>,
     /// `tunnel` or `tunnel-tcp`.
     pub transport: &'static str,
 }
@@ -165,6 +170,7 @@ impl Tunnel {
             .into_iter()
             .map(|target| {
                 Arc::new(Link {
+                    name: Arc::from(target.name.as_str()),
                     target,
                     conn: Mutex::new(None),
                     last_rtt: Mutex::new(None),
@@ -280,20 +286,13 @@ impl Tunnel {
     }
 
     fn request<B>(&self, out: &Outgoing, body: B) -> Result<Request<B>, RequestError> {
-        let uri: Uri = out.path.parse().map_err(|e| RequestError {
-            message: format!("bad path: {e}"),
-            retryable: false,
-        })?;
         let mut req = Request::new(body);
         *req.method_mut() = out.method.clone();
-        *req.uri_mut() = uri;
+        *req.uri_mut() = Uri::from(out.path.clone());
         *req.headers_mut() = out.headers.clone();
         let h = req.headers_mut();
         h.insert(AUTH_HEADER, self.token.clone());
-        h.insert(
-            IDEMPOTENCY_HEADER,
-            HeaderValue::from_str(&idempotency_key()).expect("hex is a valid header value"),
-        );
+        h.insert(IDEMPOTENCY_HEADER, idempotency_key());
         if let Some(rate) = &self.rx_rate {
             h.insert(tokenway_transport::cc::RX_RATE_HEADER, rate.clone());
         }
@@ -320,7 +319,7 @@ impl Tunnel {
                 Ok(response) => {
                     return Ok(Answer {
                         response,
-                        gateway: self.links[i].target.name.clone(),
+                        gateway: self.links[i].name.clone(),
                         transport: conn.transport_label(),
                     })
                 }

@@ -55,7 +55,8 @@ pub async fn forward(
         path: parts
             .uri
             .path_and_query()
-            .map_or_else(|| "/".to_string(), |p| p.as_str().to_string()),
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
         headers,
         body,
     };

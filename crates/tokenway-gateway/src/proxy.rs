@@ -408,7 +408,6 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// A backend name inside a quoted `server-timing` description: quotes and backslashes become `_`.
 /// Appends a duration as milliseconds with three decimals (`12.345`), from integers: the
 /// float formatting this replaced cost more than the rest of the response head.
 fn push_millis(out: &mut String, d: Duration) {
@@ -420,6 +419,7 @@ fn push_millis(out: &mut String, d: Duration) {
     out.push_str(&digits.format(1000 + micros % 1000)[1..]);
 }
 
+/// A backend name inside a quoted `server-timing` description: quotes and backslashes become `_`.
 struct QuotedSafe<'a>(&'a str);
 
 impl std::fmt::Display for QuotedSafe<'_> {
