@@ -215,7 +215,7 @@ async fn request(
             if !tunnel.is_authenticated(&parts.headers) {
                 tracing::debug!(%remote, "unauthenticated tunnel request: masquerade");
                 let req = Request::from_parts(parts, ());
-                let resp = tunnel.masquerade.respond(&req, &shared.client).await;
+                let resp = Box::pin(tunnel.masquerade.respond(&req, &shared.client)).await;
                 write_response(&mut send, resp, req.method() == Method::HEAD).await;
                 return;
             }
@@ -234,12 +234,14 @@ async fn request(
     let class = request_priority(&parts);
     if parts.method == Method::CONNECT {
         prio.set(Priority::Control);
-        forward(parts, send, recv, &shared, front).await;
+        Box::pin(forward(parts, send, recv, &shared, front)).await;
         return;
     }
     let head = parts.method == Method::HEAD;
     let req = Request::from_parts(parts, H3Body { recv });
-    let resp = service::handle_request(shared, req, transport, remote).await;
+    // Boxed, like the other large futures here: the task spawned per request stays small, so
+    // tokio does not copy kilobytes of future state into the task and out again.
+    let resp = Box::pin(service::handle_request(shared, req, transport, remote)).await;
     prio.set(class.unwrap_or_else(|| response_priority(&resp)));
     write_response(&mut send, resp, head).await;
 }
