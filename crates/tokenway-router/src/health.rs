@@ -13,7 +13,9 @@
 //!   `ttft_outlier_factor` × the backend's own recent p95 (and × the cost model's prediction for
 //!   that request, and above `ttft_outlier_floor`), judged only once `ttft_outlier_min_samples`
 //!   TTFTs are known; a TTFT within bounds resets it. This catches a backend that answers,
-//!   slowly, long before timeouts would.
+//!   slowly, long before timeouts would. The router judges outliers only while another
+//!   healthy backend serves the same model: a slow answer beats a 503, and when every backend
+//!   is slow at once the cause is elsewhere.
 //!
 //! Re-admission happens two ways, whichever comes first:
 //!

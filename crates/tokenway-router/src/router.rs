@@ -584,6 +584,7 @@ impl Router {
         }
         ticket.first_token = true;
         let cfg = self.cfg;
+        let alternative = self.may_judge_outlier(ticket.id, ttft);
         let b = self.backends.get_mut(ticket.id.0)?;
         b.work_tokens = b.work_tokens.saturating_sub(ticket.prefill_tokens);
         b.rates.observe(
@@ -592,7 +593,15 @@ impl Router {
             ticket.work_ahead,
             &cfg.cost,
         );
-        let transition = observe_ttft(b, ttft, ticket.predicted, ticket.trial, now, &cfg);
+        let transition = observe_ttft(
+            b,
+            ttft,
+            ticket.predicted,
+            ticket.trial,
+            alternative,
+            now,
+            &cfg,
+        );
         if ticket.trial && transition.is_some() {
             ticket.trial = false;
         }
@@ -668,10 +677,31 @@ impl Router {
     /// flight (use [`Router::first_token`] to see that transition).
     pub fn on_first_byte(&mut self, id: BackendId, ttft: Duration, now: Instant) {
         let cfg = self.cfg;
+        let alternative = self.may_judge_outlier(id, ttft);
         if let Some(b) = self.backends.get_mut(id.0) {
             let trial = b.health.trial_in_flight();
-            observe_ttft(b, ttft, 0.0, trial, now, &cfg);
+            observe_ttft(b, ttft, 0.0, trial, alternative, now, &cfg);
         }
+    }
+
+    /// Whether a first token after `ttft` on `id` may count as a TTFT outlier: only above the
+    /// outlier floor, and only while another healthy backend serves one of `id`'s models. A
+    /// slow first token is still a first token: ejecting the last backend that can answer
+    /// turns every slow answer into a 503, and when all of a model's backends slow down at
+    /// once (a burst of load, an overloaded gateway host) the cause is not the backend.
+    fn may_judge_outlier(&self, id: BackendId, ttft: Duration) -> bool {
+        if ttft <= self.cfg.outlier.ttft_outlier_floor {
+            return false;
+        }
+        let Some(b) = self.backends.get(id.0) else {
+            return false;
+        };
+        self.backends.iter().enumerate().any(|(i, other)| {
+            i != id.0
+                && !other.removed
+                && other.health.is_healthy()
+                && other.spec.models.iter().any(|m| b.spec.models.contains(m))
+        })
     }
 
     /// An attempt on `id` ended: one fewer in flight, and passive health sees the outcome (as
@@ -856,6 +886,7 @@ fn observe_ttft(
     ttft: Duration,
     predicted: f64,
     trial: bool,
+    may_be_outlier: bool,
     now: Instant,
     cfg: &RouterConfig,
 ) -> Option<HealthTransition> {
@@ -868,10 +899,11 @@ fn observe_ttft(
     if b.health.ttft_outlier_streak() == 0 {
         b.outlier_baseline = b.recent.p95(o.ttft_outlier_min_samples);
     }
-    let outlier = b.outlier_baseline.is_some_and(|p95| {
-        let base = p95.as_secs_f64().max(predicted);
-        ttft > o.ttft_outlier_floor && ttft.as_secs_f64() > o.ttft_outlier_factor * base
-    });
+    let outlier = may_be_outlier
+        && b.outlier_baseline.is_some_and(|p95| {
+            let base = p95.as_secs_f64().max(predicted);
+            ttft > o.ttft_outlier_floor && ttft.as_secs_f64() > o.ttft_outlier_factor * base
+        });
     b.recent.push(ttft);
     let t = if trial {
         b.health.end_trial(Some(true), now, &cfg.health)

@@ -400,6 +400,45 @@ fn sustained_ttft_outliers_against_the_backends_own_history_eject_it() {
 }
 
 #[test]
+fn the_last_healthy_backend_of_a_model_is_not_ejected_for_slow_first_tokens() {
+    // A burst that slows every first token (here: the only backend) must not turn slow answers
+    // into 503s; once another backend serves the model, the same streak ejects.
+    let t0 = Instant::now();
+    let mut r = cost_router(&["solo"]);
+    let id = BackendId(0);
+    let req = RouteRequest::new(M).with_prompt_tokens(10);
+    let attempt = |r: &mut Router, ttft: Duration, now: Instant| {
+        let mut t = r.start_attempt(id, &req, now);
+        let tr = r.first_token(&mut t, ttft, now + ttft);
+        let _ = r.end_attempt(t, Outcome::Success, now + ttft);
+        tr
+    };
+    let mut now = t0;
+    for i in 0..60 {
+        now += ms(100);
+        assert_eq!(attempt(&mut r, ms(80 + i % 20), now), None);
+    }
+    // Three in a row would eject it if another backend served the model.
+    for _ in 0..3 {
+        now += ms(100);
+        assert_eq!(attempt(&mut r, ms(2_000), now), None);
+    }
+    assert!(r.rank(M, now).is_ok());
+    r.add_backend(spec("other", "eu", 0));
+    let mut last = None;
+    for _ in 0..3 {
+        now += ms(100);
+        last = attempt(&mut r, ms(2_000), now);
+    }
+    assert_eq!(
+        last,
+        Some(HealthTransition::Ejected {
+            reason: EjectReason::TtftOutliers { consecutive: 3 }
+        })
+    );
+}
+
+#[test]
 fn hedge_delay_tracks_the_backends_recent_p95() {
     let t0 = Instant::now();
     let cfg = RouterConfig {
