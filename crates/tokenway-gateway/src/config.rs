@@ -154,7 +154,7 @@ impl Default for RoutingSettings {
             prefix_capacity_blocks: tokenway_router::DEFAULT_PREFIX_CAPACITY_BLOCKS,
             load_bound_epsilon: 0.5,
             load_bound_floor: 2,
-            load_bound_home_epsilon: 2.0,
+            load_bound_home_epsilon: 4.0,
             home_max_cost_ratio: 4.0,
         }
     }

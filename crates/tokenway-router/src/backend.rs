@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::affinity::backend_hash;
 use crate::cost::{CostConfig, RateModel, TimedSignal};
-use crate::ewma::PeakEwma;
+use crate::ewma::{DecayingCount, PeakEwma};
 use crate::health::HealthState;
 use crate::latency::RecentTtfts;
 use crate::prefix::PrefixIndex;
@@ -63,6 +63,9 @@ pub(crate) struct BackendState {
     /// EWMA of the token work of one attempt, to price requests other gateways sent.
     pub(crate) avg_attempt_work: f64,
     pub(crate) ttft: PeakEwma,
+    /// Attempts started recently (decaying over `cost.share_window`): the backend's share of
+    /// the traffic, which the `cost` policy balances when it places a new conversation.
+    pub(crate) starts: DecayingCount,
     pub(crate) recent: RecentTtfts,
     /// The p95 that TTFT outliers are judged against during a streak.
     pub(crate) outlier_baseline: Option<Duration>,
@@ -90,6 +93,7 @@ impl BackendState {
             work_tokens: 0,
             avg_attempt_work: f64::from(cost.default_output_tokens) + 512.0,
             ttft: PeakEwma::default(),
+            starts: DecayingCount::default(),
             recent: RecentTtfts::default(),
             outlier_baseline: None,
             rates: RateModel::new(cost),

@@ -75,7 +75,7 @@ pub struct CostConfig {
     pub load_bound_epsilon: Option<f64>,
     /// Slack of the load bound for a request whose cheapest backend also holds a private part
     /// of its prompt (its conversation's history, beyond any prefix other prompts share): the
-    /// conversation's home. Default 2.0; `None` never moves a conversation off its home for
+    /// conversation's home. Default 4.0; `None` never moves a conversation off its home for
     /// load. Values below `load_bound_epsilon` act as `load_bound_epsilon`.
     pub load_bound_home_epsilon: Option<f64>,
     /// A conversation's home goes first only while its expected TTFT is at most this many
@@ -85,6 +85,18 @@ pub struct CostConfig {
     /// Attempts in flight that never count as over the load bound (default 2), so that at low
     /// load a conversation is not moved off its cached backend for one concurrent request.
     pub load_bound_floor: u32,
+    /// Slack of the share bound (default 0.25; `None` places new conversations by the load
+    /// bound of `load_bound_epsilon` instead). A request without a home (a new conversation)
+    /// goes to the cheapest backend whose recent attempts (a count decaying over
+    /// `share_window`) are below `(1 + ε) × the mean` with this request added, and whose
+    /// attempts in flight are within the home bound. A conversation's later turns follow it to
+    /// its home, so the attempts in flight when it starts say little about the load it brings;
+    /// the recent share does, and balancing it replicates each shared system prompt to about
+    /// as many backends as its traffic needs rather than to every backend that is momentarily
+    /// idle.
+    pub share_epsilon: Option<f64>,
+    /// Time constant of each backend's decaying count of attempts started (default 10 s).
+    pub share_window: Duration,
 }
 
 impl Default for CostConfig {
@@ -104,9 +116,11 @@ impl Default for CostConfig {
             kv_high_water: 0.9,
             kv_full_penalty: Duration::from_secs(1),
             load_bound_epsilon: Some(0.5),
-            load_bound_home_epsilon: Some(2.0),
+            load_bound_home_epsilon: Some(4.0),
             home_max_cost_ratio: 4.0,
             load_bound_floor: 2,
+            share_epsilon: Some(0.25),
+            share_window: Duration::from_secs(10),
         }
     }
 }
@@ -171,6 +185,18 @@ impl CostConfig {
                     e,
                 ));
             }
+        }
+        if let Some(e) = self.share_epsilon {
+            if !(e.is_finite() && (0.0..=100.0).contains(&e)) {
+                return Err(InvalidSetting::new("cost.share_epsilon", "in [0, 100]", e));
+            }
+        }
+        if !(Duration::from_millis(100)..=Duration::from_secs(3600)).contains(&self.share_window) {
+            return Err(InvalidSetting::new(
+                "cost.share_window",
+                "in [0.1, 3600] seconds",
+                self.share_window.as_secs_f64(),
+            ));
         }
         if !(self.home_max_cost_ratio.is_finite() && self.home_max_cost_ratio >= 1.0) {
             return Err(InvalidSetting::new(

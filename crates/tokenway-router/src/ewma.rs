@@ -1,4 +1,5 @@
-//! Peak EWMA of time to first token, the latency signal of the `p2c_ewma` policy.
+//! Time-weighted averages: the peak EWMA of time to first token (the latency signal of the
+//! `p2c_ewma` policy) and a decaying event count (the `cost` policy's share of recent attempts).
 //!
 //! "Peak" EWMA (Finagle's `PeakEwma`, also used by linkerd2-proxy and tower's `p2c`): a sample
 //! above the current estimate replaces it at once, so a backend that turns slow is avoided
@@ -65,6 +66,42 @@ impl PeakEwma {
     }
 }
 
+/// An exponentially decaying count of events: each event adds one, and the count decays by
+/// `exp(-Δt/τ)` over time, so it approximates the events of the last `τ` (a rate × `τ`). Like
+/// the rest of the crate it never reads a clock.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct DecayingCount {
+    /// `(count, time of the last event)`; `None` before the first event.
+    state: Option<(f64, Instant)>,
+}
+
+impl DecayingCount {
+    /// The count at `now` with time constant `tau` (a `now` before the last event counts as no
+    /// elapsed time).
+    pub fn get(&self, now: Instant, tau: Duration) -> f64 {
+        match self.state {
+            None => 0.0,
+            Some((v, at)) => {
+                let tau = tau.as_secs_f64();
+                if tau <= 0.0 {
+                    return 0.0;
+                }
+                v * (-now.saturating_duration_since(at).as_secs_f64() / tau).exp()
+            }
+        }
+    }
+
+    /// One event at `now`.
+    pub fn add(&mut self, now: Instant, tau: Duration) {
+        let v = self.get(now, tau) + 1.0;
+        let at = match self.state {
+            Some((_, at)) if at > now => at,
+            _ => now,
+        };
+        self.state = Some((v, at));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,5 +144,23 @@ mod tests {
         e.observe(ms(50), t0 + Duration::from_secs(300));
         let got = e.get().expect("has samples");
         assert!(got < ms(51), "{got:?}");
+    }
+
+    #[test]
+    fn decaying_count_adds_one_per_event_and_decays_with_its_time_constant() {
+        let t0 = Instant::now();
+        let tau = Duration::from_secs(10);
+        let mut c = DecayingCount::default();
+        assert_eq!(c.get(t0, tau), 0.0);
+        c.add(t0, tau);
+        c.add(t0, tau);
+        assert!((c.get(t0, tau) - 2.0).abs() < 1e-9);
+        let later = t0 + Duration::from_secs(10);
+        assert!((c.get(later, tau) - 2.0 / std::f64::consts::E).abs() < 1e-9);
+        c.add(later, tau);
+        assert!((c.get(later, tau) - (1.0 + 2.0 / std::f64::consts::E)).abs() < 1e-9);
+        // An event stamped before the last one counts at the later time.
+        c.add(t0, tau);
+        assert!(c.get(later, tau) > 2.0);
     }
 }

@@ -91,6 +91,8 @@ pub(crate) struct Candidate {
     pub(crate) cost: f64,
     /// Leading prompt blocks its prefix index holds (`cost` only; 0 otherwise).
     pub(crate) cached_blocks: usize,
+    /// Recent attempts started (the `cost` policy's share; 0 under the baselines).
+    pub(crate) share: f64,
 }
 
 /// The mutable part of a policy decision: the rotation cursor and the seeded rng.

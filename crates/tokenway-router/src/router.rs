@@ -42,6 +42,9 @@ pub enum RouteReason {
     /// The cheapest backend was over the load bound; this is the cheapest within it (`cost`
     /// policy).
     LoadBound,
+    /// A request without a home (a new conversation) whose cheapest backend had more than its
+    /// share of recent attempts; this is the cheapest within the share bound (`cost` policy).
+    ShareBound,
     /// The session's rendezvous backend (`spilled`: its home backend was over the load bound,
     /// this is the next one in rendezvous order).
     Session {
@@ -63,6 +66,7 @@ impl fmt::Display for RouteReason {
             Self::Home => f.write_str("cost-home"),
             Self::LeftHome => f.write_str("cost-left-home"),
             Self::LoadBound => f.write_str("cost-load-bound"),
+            Self::ShareBound => f.write_str("cost-share-bound"),
             Self::Session {
                 kind,
                 spilled: false,
@@ -287,22 +291,25 @@ impl Router {
                 trial = Some(BackendId(i));
                 continue;
             }
-            let (cost, cached_blocks) = match self.policy {
+            let (cost, cached_blocks, share) = match self.policy {
                 Policy::CostAware => {
                     let est = self.estimate(b, req, now);
-                    (est.score, est.cached_blocks)
+                    let share = b.starts.get(now, self.cfg.cost.share_window);
+                    (est.score, est.cached_blocks, share)
                 }
                 Policy::P2cEwma => (
                     b.ttft.secs_or(self.cfg.default_ttft) * (f64::from(b.inflight) + 1.0),
                     0,
+                    0.0,
                 ),
-                Policy::RoundRobin | Policy::LeastInflight => (0.0, 0),
+                Policy::RoundRobin | Policy::LeastInflight => (0.0, 0, 0.0),
             };
             cands.push(Candidate {
                 id: BackendId(i),
                 inflight: b.inflight,
                 cost,
                 cached_blocks,
+                share,
             });
         }
         if cands.is_empty() && trial.is_none() {
@@ -379,8 +386,15 @@ impl Router {
     ///   also has to stay within `home_max_cost_ratio` × the cheapest backend's expected TTFT,
     ///   so a home with a long queue (by the model) is left even where the count bound is weak
     ///   (few backends, one of them loaded).
-    /// - **Load bound.** Otherwise the cheapest goes first only while its attempts in flight
-    ///   are below the bound with slack `load_bound_epsilon`; else the cheapest within that bound.
+    /// - **Share bound.** Otherwise (no home: a new conversation) the cheapest goes first only
+    ///   while its recent share of attempts (a count decaying over `share_window`) is below
+    ///   `(1 + share_epsilon) × the mean share` with this request added, and its attempts in
+    ///   flight are within the home bound; else the cheapest that is. A conversation's later
+    ///   turns follow it home, so the load it brings shows in the shares, not in the attempts
+    ///   in flight at the instant it starts.
+    /// - **Load bound.** Without a share bound, or when no backend is within it, the cheapest
+    ///   goes first only while its attempts in flight are below the bound with slack
+    ///   `load_bound_epsilon`; else the cheapest within that bound.
     ///   Prefix affinity is a strong pull (a cached system prompt saves its whole prefill), and
     ///   without a bound every new conversation that shares a cached prefix queues on the few
     ///   backends holding it; with it, a shared prefix is replicated to a few backends.
@@ -433,6 +447,23 @@ impl Router {
             }
         }
         let tight = bound(eps);
+        if let Some(se) = cost.share_epsilon {
+            // A new conversation brings its later turns with it: place it by the backends'
+            // recent shares of attempts rather than by the attempts in flight at this instant,
+            // within the loose bound so a burst cannot pile onto one backend.
+            let total: f64 = cands.iter().map(|c| c.share).sum();
+            let limit = (1.0 + se) * (total + 1.0) / cands.len() as f64;
+            let loose = cost
+                .load_bound_home_epsilon
+                .map_or(f64::INFINITY, |e| bound(e.max(eps)));
+            let ok = |c: &Candidate| c.share < limit && within(c, loose);
+            if ok(first) {
+                return (None, RouteReason::LowestCost);
+            }
+            if let Some(p) = cands.iter().position(ok) {
+                return (Some(p), RouteReason::ShareBound);
+            }
+        }
         if within(first, tight) {
             return (None, RouteReason::LowestCost);
         }
@@ -560,6 +591,7 @@ impl Router {
         let b = &mut self.backends[id.0];
         b.inflight = b.inflight.saturating_add(1);
         b.sized_inflight = b.sized_inflight.saturating_add(1);
+        b.starts.add(now, self.cfg.cost.share_window);
         let work = ticket.prefill_tokens + ticket.output_tokens;
         b.work_tokens = b.work_tokens.saturating_add(work);
         b.avg_attempt_work += 0.1 * (work as f64 - b.avg_attempt_work);
@@ -666,8 +698,10 @@ impl Router {
     /// [`Router::start_attempt`].
     pub fn on_attempt_start(&mut self, id: BackendId, now: Instant) {
         let ocfg = self.cfg.outlier;
+        let window = self.cfg.cost.share_window;
         if let Some(b) = self.backends.get_mut(id.0) {
             b.inflight = b.inflight.saturating_add(1);
+            b.starts.add(now, window);
             b.health.begin_trial(now, &ocfg);
         }
     }
@@ -998,6 +1032,8 @@ mod tests {
         let now = Instant::now();
         for bounded in [true, false] {
             let mut r = router(Policy::CostAware, 4);
+            // The in-flight bound for new conversations (the share bound off).
+            r.cfg.cost.share_epsilon = None;
             if !bounded {
                 r.cfg.cost.load_bound_epsilon = None;
             }
@@ -1030,6 +1066,7 @@ mod tests {
     fn the_load_bound_grows_with_the_clusters_load() {
         let now = Instant::now();
         let mut r = router(Policy::CostAware, 4);
+        r.cfg.cost.share_epsilon = None;
         share_system_prompt(&mut r, BackendId(1), now);
         // Eight other attempts in flight elsewhere and three on b1: mean after this one is
         // (11 + 1) / 4 = 3, bound ceil(1.5 x 3) = 5 > 3, so b1 takes the new conversation.
@@ -1046,6 +1083,31 @@ mod tests {
         for t in open {
             r.end_attempt(t, Outcome::Success, now);
         }
+    }
+
+    #[test]
+    fn a_new_conversation_goes_where_the_recent_share_is_below_the_bound() {
+        let now = Instant::now();
+        let mut r = router(Policy::CostAware, 4);
+        // b2 holds the system prompt and took the last three attempts, all ended: nothing is
+        // in flight, but its recent share, 3 of 3, is above 1.25 x (3 + 1) / 4.
+        share_system_prompt(&mut r, BackendId(2), now);
+        let route = r.route(&first_turn(0), now).expect("routable");
+        assert_eq!(route.reason, RouteReason::ShareBound);
+        assert_ne!(route.backends[0], BackendId(2));
+        assert!(route.backends.contains(&BackendId(2)));
+        // Thirty seconds (three share windows) later its share has decayed to ~0.15, below
+        // 1.25 x 1.15 / 4: the cached system prompt wins again.
+        let later = now + Duration::from_secs(30);
+        let route = r.route(&first_turn(0), later).expect("routable");
+        assert_eq!(route.backends[0], BackendId(2));
+        assert_eq!(route.reason, RouteReason::LowestCost);
+        // The share bound never moves a conversation off its home.
+        let t = r.start_attempt(BackendId(2), &first_turn(0), later);
+        r.end_attempt(t, Outcome::Success, later);
+        let route = r.route(&second_turn(), later).expect("routable");
+        assert_eq!(route.backends[0], BackendId(2));
+        assert_eq!(route.reason, RouteReason::Home);
     }
 
     /// Conversation 0's second turn: its first turn, a reply and a new message.
@@ -1094,6 +1156,7 @@ mod tests {
     fn a_conversation_leaves_home_only_beyond_the_home_bound() {
         let now = Instant::now();
         let mut r = router(Policy::CostAware, 4);
+        r.cfg.cost.load_bound_home_epsilon = Some(2.0);
         share_system_prompt(&mut r, BackendId(0), now);
         let t = r.start_attempt(BackendId(0), &first_turn(0), now);
         r.end_attempt(t, Outcome::Success, now);

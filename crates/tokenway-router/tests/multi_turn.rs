@@ -204,6 +204,8 @@ struct Outcomes {
     per_backend: Vec<usize>,
     /// Requests over 325 ms: (all, first turns, moved, queued for a slot).
     slow: (usize, usize, usize, usize),
+    /// The 13th slowest TTFT (the p99 of 1,200), ms.
+    thirteenth_ms: f64,
 }
 
 fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
@@ -334,7 +336,7 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
                 ttfts.push(ttft * 1e3);
                 if std::env::var_os("MT_SLOW").is_some() && ttft > 0.3 {
                     println!(
-                        "  slow {:.0} ms conv {} turn {} moved {} queued {} backend {}",
+                        "  slow {:.0} ms at {now:.2} conv {} turn {} moved {} queued {} backend {}",
                         ttft * 1e3,
                         q.conv,
                         q.turn,
@@ -405,6 +407,7 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
         moves,
         per_backend,
         slow,
+        thirteenth_ms: ttfts[ttfts.len().saturating_sub(13)],
     }
 }
 
@@ -485,4 +488,86 @@ fn the_cost_policy_keeps_conversations_home_and_beats_round_robin() {
         cost.per_backend.iter().all(|&n| (50..=300).contains(&n)),
         "{cost:?}"
     );
+}
+
+/// Sums over seeds of what decides the p99 of the 1,200 requests.
+#[derive(Debug, Default)]
+struct Totals {
+    mean_ms: f64,
+    thirteenth_ms: f64,
+    slow: usize,
+    first_turns: usize,
+    moved: usize,
+    queued: usize,
+    moves: usize,
+}
+
+fn totals(cfg: RouterConfig, seeds: u64) -> Totals {
+    let mut t = Totals::default();
+    for seed in 1..=seeds {
+        let o = run(Policy::CostAware, cfg, seed);
+        t.mean_ms += o.mean_ms / seeds as f64;
+        t.thirteenth_ms += o.thirteenth_ms / seeds as f64;
+        t.slow += o.slow.0;
+        t.first_turns += o.slow.1;
+        t.moved += o.slow.2;
+        t.queued += o.slow.3;
+        t.moves += o.moves;
+    }
+    t
+}
+
+#[test]
+#[ignore = "a report: cargo test -p tokenway-router --release --test multi_turn -- --ignored --nocapture report_new_conversation_placement"]
+fn report_new_conversation_placement() {
+    let seeds = 6;
+    let with = |f: &dyn Fn(&mut RouterConfig)| {
+        let mut c = bench_config();
+        f(&mut c);
+        c
+    };
+    for (name, cfg) in [
+        (
+            "in-flight bound, home eps 2 (before)",
+            with(&|c| {
+                c.cost.share_epsilon = None;
+                c.cost.load_bound_home_epsilon = Some(2.0);
+            }),
+        ),
+        (
+            "in-flight bound, home eps 4",
+            with(&|c| c.cost.share_epsilon = None),
+        ),
+        (
+            "share 0.25, home eps 2",
+            with(&|c| c.cost.load_bound_home_epsilon = Some(2.0)),
+        ),
+        ("share 0.25, home eps 4 (default)", bench_config()),
+        (
+            "share 0.25, no home bound",
+            with(&|c| c.cost.load_bound_home_epsilon = None),
+        ),
+        (
+            "share 0.1, home eps 4",
+            with(&|c| c.cost.share_epsilon = Some(0.1)),
+        ),
+        (
+            "share 0.5, home eps 4",
+            with(&|c| c.cost.share_epsilon = Some(0.5)),
+        ),
+        (
+            "share 0.25 over 5 s, home eps 4",
+            with(&|c| c.cost.share_window = Duration::from_secs(5)),
+        ),
+        (
+            "share 0.25 over 20 s, home eps 4",
+            with(&|c| c.cost.share_window = Duration::from_secs(20)),
+        ),
+    ] {
+        let t = totals(cfg, seeds);
+        println!(
+            "{name:36} mean {:6.1} 13th slowest {:6.1} | over 325 ms, {seeds} seeds: {:3} (first turns {:3}, moved {:3}, queued {:3}) | backend changes {:4}",
+            t.mean_ms, t.thirteenth_ms, t.slow, t.first_turns, t.moved, t.queued, t.moves
+        );
+    }
 }
