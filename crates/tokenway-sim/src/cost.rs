@@ -139,8 +139,9 @@ impl PrefixCache {
         self.stamps.is_empty()
     }
 
-    /// Fraction of capacity in use, 0.0 to 1.0 (0.0 when caching is disabled): vLLM's
-    /// `gpu_cache_usage_perc`.
+    /// Fraction of capacity filled with cached blocks, 0.0 to 1.0 (0.0 when caching is
+    /// disabled). Not vLLM's `gpu_cache_usage_perc`, which counts only blocks that running
+    /// requests hold (the server exports that).
     pub fn usage(&self) -> f64 {
         if self.capacity_blocks == 0 {
             0.0

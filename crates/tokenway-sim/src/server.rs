@@ -78,10 +78,38 @@ impl VllmGauges {
         );
         registry.register(
             "vllm:gpu_cache_usage_perc",
-            "Fraction of prefix-cache capacity in use, 0 to 1",
+            "Fraction of the KV cache held by running requests, 0 to 1",
             g.cache_usage.clone(),
         );
         Self { registry, ..g }
+    }
+}
+
+/// The KV-cache tokens one running request holds, returned however the request ends.
+struct KvHold {
+    shared: Arc<Shared>,
+    tokens: u64,
+}
+
+impl KvHold {
+    fn new(shared: Arc<Shared>, prompt_tokens: usize) -> Self {
+        let tokens = prompt_tokens as u64;
+        shared.kv_held_tokens.fetch_add(tokens, Ordering::Relaxed);
+        Self { shared, tokens }
+    }
+
+    /// One more generated token.
+    fn grow(&mut self) {
+        self.tokens += 1;
+        self.shared.kv_held_tokens.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Drop for KvHold {
+    fn drop(&mut self) {
+        self.shared
+            .kv_held_tokens
+            .fetch_sub(self.tokens, Ordering::Relaxed);
     }
 }
 
@@ -91,6 +119,8 @@ struct Shared {
     faults: Mutex<Faults>,
     slots: Arc<Semaphore>,
     waiting: AtomicUsize,
+    /// KV-cache tokens held by running requests (prompt and tokens generated so far).
+    kv_held_tokens: AtomicU64,
     cache: Mutex<PrefixCache>,
     rng: Mutex<SmallRng>,
     registry: Registry,
@@ -105,6 +135,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
+    /// vLLM's `gpu_cache_usage_perc`: the fraction of the KV cache that running requests hold.
+    /// Cached prefixes of finished requests do not count: the engine evicts them on demand.
+    fn kv_usage(&self) -> f64 {
+        let capacity = self.config.prefix_cache_tokens;
+        if capacity == 0 {
+            return 0.0;
+        }
+        let held = self.kv_held_tokens.load(Ordering::Relaxed) as f64;
+        (held / capacity as f64).min(1.0)
+    }
+
     fn running(&self) -> usize {
         self.config.max_concurrency - self.slots.available_permits()
     }
@@ -126,9 +167,7 @@ impl Shared {
         let v = &self.vllm;
         v.running.get_or_create(&v.labels).set(running);
         v.waiting.get_or_create(&v.labels).set(waiting);
-        v.cache_usage
-            .get_or_create(&v.labels)
-            .set(lock(&self.cache).usage());
+        v.cache_usage.get_or_create(&v.labels).set(self.kv_usage());
         let mut out = render(&self.registry);
         // Both renders end with the OpenMetrics `# EOF` line; keep only the last one.
         if let Some(stripped) = out.strip_suffix("# EOF\n") {
@@ -192,6 +231,7 @@ pub async fn serve(
         faults: Mutex::new(config.faults.clone()),
         slots: Arc::new(Semaphore::new(config.max_concurrency)),
         waiting: AtomicUsize::new(0),
+        kv_held_tokens: AtomicU64::new(0),
         cache: Mutex::new(PrefixCache::new(
             config.prefix_cache_tokens,
             config.block_tokens,
@@ -584,6 +624,7 @@ impl Generator {
             p = self.prefill() => p,
             () = tx.closed() => return,
         };
+        let mut kv = KvHold::new(self.shared.clone(), plan.prompt_tokens);
         let mut deadline = Instant::now();
         let mut last = deadline;
         for i in 0..plan.max_tokens {
@@ -611,10 +652,12 @@ impl Generator {
             if tx.send(event).await.is_err() {
                 return;
             }
+            kv.grow();
             let now = Instant::now();
             self.observe_token(i, now, last);
             last = now;
         }
+        drop(kv);
         drop(permit);
         let usage = Usage::new(plan.prompt_tokens, plan.cached_tokens, plan.max_tokens);
         let mut tail = vec![self.encoder.finish(plan.finish_reason)];
@@ -640,6 +683,7 @@ impl Generator {
             ));
         };
         let plan = self.prefill().await;
+        let mut kv = KvHold::new(self.shared.clone(), plan.prompt_tokens);
         let mut text = String::new();
         let mut deadline = Instant::now();
         let mut last = deadline;
@@ -658,10 +702,12 @@ impl Generator {
                 ));
             }
             text.push_str(plan.tokens.token(i));
+            kv.grow();
             let now = Instant::now();
             self.observe_token(i, now, last);
             last = now;
         }
+        drop(kv);
         drop(permit);
         let usage = Usage::new(plan.prompt_tokens, plan.cached_tokens, plan.max_tokens);
         let resp = json_response(
