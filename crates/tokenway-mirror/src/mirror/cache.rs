@@ -189,7 +189,7 @@ impl<K: Clone + Eq + Hash> LruIndex<K> {
     }
 }
 
-/// Opens `path` with `extra` open flags (`O_DIRECT`) when the filesystem allows it, else
+/// Opens `path` with `O_DIRECT` added to `options` when the filesystem allows it, else
 /// without; the flag says which.
 fn open_maybe_direct(
     options: &mut std::fs::OpenOptions,
@@ -204,15 +204,34 @@ fn open_maybe_direct(
 }
 
 /// Reads a whole cached piece into a pooled buffer ([`crate::piece_buffers`]), with
-/// `O_DIRECT` when it can (see the module docs): a fresh allocation per piece read would be
-/// mapped and faulted in page by page every time, and a mirror serving a crowd reads the
-/// same pieces many times over.
+/// `O_DIRECT` when it can (see the module docs and [`read_pooled_at`]).
 fn read_pooled(path: &Path) -> std::io::Result<Bytes> {
-    use std::io::Read as _;
+    let len = std::fs::metadata(path)?.len();
+    read_pooled_at(
+        path,
+        0,
+        usize::try_from(len).map_err(std::io::Error::other)?,
+    )
+}
+
+/// Reads `len` bytes at `offset` of `path` into a pooled buffer, with `O_DIRECT` when the
+/// offset is block aligned and the filesystem allows it (a fresh allocation per piece would
+/// be mapped and faulted in page by page every time, and a buffered read of a file written
+/// around the page cache fills the page cache with it, at the cost the module docs give).
+/// Used for the mirror's cache and for what a peer serves from its partial files.
+pub fn read_pooled_at(path: &Path, offset: u64, len: usize) -> std::io::Result<Bytes> {
     use std::os::unix::fs::FileExt as _;
+    let short = |got: usize| {
+        std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("{}: {got} of {len} bytes read at {offset}", path.display()),
+        )
+    };
     let (mut f, direct) = open_maybe_direct(std::fs::OpenOptions::new().read(true), path)?;
-    let len = usize::try_from(f.metadata()?.len()).map_err(std::io::Error::other)?;
-    if direct && len >= crate::piece_buffers::MIN_POOLED {
+    if direct
+        && len >= crate::piece_buffers::MIN_POOLED
+        && offset.is_multiple_of(DIRECT_ALIGN as u64)
+    {
         // Whole aligned blocks: the last read is short at the end of the file.
         let padded = len.next_multiple_of(DIRECT_ALIGN);
         let mut buf = crate::piece_buffers::take_for_read(padded);
@@ -221,7 +240,7 @@ fn read_pooled(path: &Path) -> std::io::Result<Bytes> {
             if got >= len || got % DIRECT_ALIGN != 0 {
                 break Ok(());
             }
-            match f.read_at(&mut buf[got..], got as u64) {
+            match f.read_at(&mut buf[got..], offset + got as u64) {
                 Ok(0) => break Ok(()),
                 Ok(n) => got += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -229,27 +248,25 @@ fn read_pooled(path: &Path) -> std::io::Result<Bytes> {
             }
         };
         match res {
-            Ok(()) if got == len => {
+            Ok(()) if got >= len => {
                 buf.truncate(len);
                 return Ok(crate::piece_buffers::into_shared(buf));
             }
-            Ok(()) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!("{}: {got} of {len} bytes read", path.display()),
-                ))
-            }
+            Ok(()) => return Err(short(got)),
             // Refused after all (alignment rules of this filesystem): buffered below.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                f = std::fs::File::open(path)?;
-            }
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
             Err(e) => return Err(e),
         }
-    } else if direct {
+    }
+    if direct {
         f = std::fs::File::open(path)?;
     }
     let mut buf = crate::piece_buffers::take_for_read(len);
-    f.read_exact(&mut buf)?;
+    f.read_exact_at(&mut buf, offset)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => short(0),
+            _ => e,
+        })?;
     Ok(crate::piece_buffers::into_shared(buf))
 }
 
@@ -548,6 +565,29 @@ mod tests {
             assert_eq!(on_disk, piece.len() as u64);
             assert_eq!(cache.read(&k).await.unwrap(), piece);
         }
+    }
+
+    #[test]
+    fn ranges_of_a_file_read_back_exactly_direct_or_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("partial");
+        let data: Vec<u8> = (0..3 * 65536 + 100u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        for (offset, len) in [
+            (65536, 65536),
+            (2 * 65536, 65536 + 100),
+            (3 * 65536, 100),
+            (1, 70_000),
+        ] {
+            let got = read_pooled_at(&path, offset as u64, len).unwrap();
+            assert_eq!(
+                &got[..],
+                &data[offset..offset + len],
+                "at {offset}, {len} bytes"
+            );
+        }
+        let past = read_pooled_at(&path, 2 * 65536, 65536 + 101).unwrap_err();
+        assert_eq!(past.kind(), std::io::ErrorKind::UnexpectedEof);
     }
 
     #[tokio::test]
