@@ -15,6 +15,12 @@
 //! by later runs with the same size and seed. Caches and pulled copies live under
 //! `<out>/work` and are deleted at the end. Everything shares one machine, so the crowd's
 //! times measure the machine's CPUs and disk as much as the mirror; the report says so.
+//!
+//! On one machine the crowd writes eight copies of the model to one disk, which a cluster
+//! (a disk per node) never does. `--tmpfs-per-puller` mounts a tmpfs for each pull (the
+//! lone ones too, so the comparison stays like for like) to take that disk out of the
+//! picture; the CPUs are still shared. It needs root and RAM for every puller's copy, is
+//! refused with a message when `MemAvailable` is short, and is labelled in the report.
 
 pub mod model;
 pub mod report;
@@ -59,6 +65,8 @@ pub struct WeightsBenchOptions {
     pub seed: u64,
     /// Keep `<out>/work` (mirror caches, pulled copies) after the run.
     pub keep_work: bool,
+    /// Each pull writes to a tmpfs of its own instead of the disk (see the module docs).
+    pub tmpfs_per_puller: bool,
     /// The command line, for the report.
     pub command_line: String,
 }
@@ -84,6 +92,9 @@ pub async fn run(opts: &WeightsBenchOptions) -> Result<WeightsBenchReport, Bench
         std::fs::create_dir_all(d).map_err(io(format!("cannot create {}", d.display())))?;
     }
     let mut notes = Vec::new();
+    if opts.tmpfs_per_puller {
+        check_tmpfs_room(opts)?;
+    }
 
     progress(&format!(
         "model of {} bytes under {}",
@@ -105,9 +116,11 @@ pub async fn run(opts: &WeightsBenchOptions) -> Result<WeightsBenchReport, Bench
     let mirror_url = format!("http://{mirror_addr}");
     progress("one pull alone through a cold mirror");
     let cpu0 = mirror.cpu_seconds();
+    let w0 = disk_write_bytes_of(mirror.pid());
     let alone = run_pulls(opts, &mirror_url, &work, &logs, "alone", 1, false, &model).await?;
     let mut alone_mirror = counters(mirror_addr).await?;
     alone_mirror.cpu_secs = cpu_delta(cpu0, mirror.cpu_seconds());
+    alone_mirror.disk_write_bytes = written_delta(w0, disk_write_bytes_of(mirror.pid()));
     let alone = alone.pulls.into_iter().next().expect("one pull was run");
     remove(&work.join("alone-1"));
 
@@ -188,6 +201,7 @@ pub async fn run(opts: &WeightsBenchOptions) -> Result<WeightsBenchReport, Bench
         opts.pullers
     ));
     let cpu0 = mirror.cpu_seconds();
+    let w0 = disk_write_bytes_of(mirror.pid());
     let mut crowd = run_pulls(
         opts,
         &mirror_url,
@@ -203,6 +217,7 @@ pub async fn run(opts: &WeightsBenchOptions) -> Result<WeightsBenchReport, Bench
     tokio::time::sleep(Duration::from_millis(400)).await;
     crowd.mirror = counters(mirror_addr).await?;
     crowd.mirror.cpu_secs = cpu_delta(cpu0, mirror.cpu_seconds());
+    crowd.mirror.disk_write_bytes = written_delta(w0, disk_write_bytes_of(mirror.pid()));
     drop(mirror);
 
     if !opts.keep_work {
@@ -241,6 +256,12 @@ pub async fn run(opts: &WeightsBenchOptions) -> Result<WeightsBenchReport, Bench
             parallel: opts.parallel,
             seed: opts.seed,
             data_dir: data,
+            puller_storage: if opts.tmpfs_per_puller {
+                "tmpfs"
+            } else {
+                "disk"
+            }
+            .to_owned(),
         },
         generate_secs: model.generate_secs,
         publish_secs,
@@ -298,6 +319,22 @@ fn two_words(line: String) -> String {
 
 fn cpu_delta(before: Option<f64>, after: Option<f64>) -> Option<f64> {
     Some(after? - before?)
+}
+
+fn written_delta(before: Option<u64>, after: Option<u64>) -> Option<u64> {
+    Some(after?.saturating_sub(before?))
+}
+
+/// `write_bytes` of `/proc/PID/io`: bytes the process caused to be sent to block storage
+/// (buffered writes when they are dirtied, `O_DIRECT` writes as they are issued).
+fn disk_write_bytes_of(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/io"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("write_bytes:"))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Publishes the model once per size, seed, piece size and manifest format; returns the origin directory
@@ -406,6 +443,8 @@ struct Puller {
     /// CPU seconds at the last look while it ran (a pull that exits is reaped by the look
     /// that notices, after which /proc has nothing).
     cpu_secs: Option<f64>,
+    /// Bytes written to block storage at the last look (like `cpu_secs`).
+    disk_write_bytes: Option<u64>,
     done: Option<PullRun>,
 }
 
@@ -431,6 +470,16 @@ async fn run_pulls(
 ) -> Result<CrowdRun, BenchError> {
     // A pull slower than 5 MiB/s is broken, not slow.
     let timeout = Duration::from_secs(120).max(Duration::from_secs(model.total_bytes / (5 << 20)));
+    // Declared before the pullers, so they are dropped (killed) before it is unmounted.
+    let mut mounts = Vec::new();
+    if opts.tmpfs_per_puller {
+        for i in 1..=n {
+            mounts.push(TmpfsMount::new(
+                &work.join(format!("{label}-{i}")),
+                tmpfs_bytes(model.total_bytes),
+            )?);
+        }
+    }
     let mut pullers = Vec::with_capacity(n);
     let first_start = Instant::now();
     for i in 1..=n {
@@ -450,6 +499,7 @@ async fn run_pulls(
             log,
             started: Instant::now(),
             cpu_secs: None,
+            disk_write_bytes: None,
             done: None,
         });
     }
@@ -461,6 +511,7 @@ async fn run_pulls(
             let exited = p.child.check_running().err();
             if exited.is_none() {
                 p.cpu_secs = crate::process::cpu_seconds_of(p.child.pid()).or(p.cpu_secs);
+                p.disk_write_bytes = disk_write_bytes_of(p.child.pid()).or(p.disk_write_bytes);
             }
             let text = std::fs::read_to_string(&p.log).unwrap_or_default();
             if let Some(line) = text.lines().rfind(|l| l.starts_with("pull summary:")) {
@@ -484,6 +535,7 @@ async fn run_pulls(
                     bytes_from_origin: f("bytes_from_origin"),
                     pieces_hedged: f("pieces_hedged"),
                     cpu_secs: p.cpu_secs,
+                    disk_write_bytes: p.disk_write_bytes,
                 });
                 continue;
             }
@@ -503,6 +555,103 @@ async fn run_pulls(
         pulls: pullers.into_iter().filter_map(|p| p.done).collect(),
         mirror: MirrorCounters::default(),
     })
+}
+
+/// Room given to one puller's tmpfs: the model, its progress files and some slack.
+fn tmpfs_bytes(model: u64) -> u64 {
+    model + model / 64 + (64 << 20)
+}
+
+/// RAM kept free for everything else on the machine while the pullers' tmpfs are full.
+const TMPFS_RESERVE: u64 = 4 << 30;
+
+/// Refuses `--tmpfs-per-puller` unless running as root with room in RAM for every puller's
+/// copy of the model plus [`TMPFS_RESERVE`].
+fn check_tmpfs_room(opts: &WeightsBenchOptions) -> Result<(), BenchError> {
+    let refuse = |message: String| BenchError::Child {
+        name: "--tmpfs-per-puller".into(),
+        message,
+    };
+    if !tokenway_netlab::is_root() {
+        return Err(refuse(
+            "mounting a tmpfs per puller needs root; run as root or without the flag".into(),
+        ));
+    }
+    let meminfo =
+        std::fs::read_to_string("/proc/meminfo").map_err(io("cannot read /proc/meminfo".into()))?;
+    let available = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| kib * 1024)
+        .ok_or_else(|| refuse("no MemAvailable in /proc/meminfo".into()))?;
+    // The crowd is the largest: every puller holds a whole copy at the end.
+    let need = tmpfs_bytes(opts.size) * opts.pullers as u64 + TMPFS_RESERVE;
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    if available < need {
+        return Err(refuse(format!(
+            "{} tmpfs of {:.1} GiB each plus {:.0} GiB for everything else need {:.1} GiB of \
+             RAM, and MemAvailable is {:.1} GiB (see `free -g`); use fewer --pullers, a \
+             smaller --size, or run without the flag",
+            opts.pullers,
+            gib(tmpfs_bytes(opts.size)),
+            gib(TMPFS_RESERVE),
+            gib(need),
+            gib(available)
+        )));
+    }
+    Ok(())
+}
+
+/// A tmpfs mounted on a directory for as long as this lives; unmounted (lazily if busy) and
+/// the directory removed on drop, which frees its RAM.
+struct TmpfsMount {
+    dir: PathBuf,
+}
+
+impl TmpfsMount {
+    fn new(dir: &Path, bytes: u64) -> Result<Self, BenchError> {
+        std::fs::create_dir_all(dir).map_err(io(format!("cannot create {}", dir.display())))?;
+        let out = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={bytes},mode=0755"),
+                "tmpfs",
+            ])
+            .arg(dir)
+            .output()
+            .map_err(io("cannot run mount".into()))?;
+        if !out.status.success() {
+            return Err(BenchError::Child {
+                name: "mount -t tmpfs".into(),
+                message: format!(
+                    "{} ({}): {}",
+                    dir.display(),
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        Ok(Self {
+            dir: dir.to_owned(),
+        })
+    }
+}
+
+impl Drop for TmpfsMount {
+    fn drop(&mut self) {
+        let ok = Command::new("umount")
+            .arg(&self.dir)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
 }
 
 /// Runs a download command to completion and checks the file it wrote.
@@ -575,6 +724,7 @@ async fn counters(addr: std::net::SocketAddr) -> Result<MirrorCounters, BenchErr
         bytes_from_peers: metric("tokenway_mirror_bytes_from_peers_total"),
         single_flight_joins: metric("tokenway_mirror_single_flight_joins_total"),
         cpu_secs: None,
+        disk_write_bytes: None,
     })
 }
 

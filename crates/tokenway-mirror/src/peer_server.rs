@@ -4,7 +4,6 @@
 //! when it was written, and the receiver verifies again: peers need not trust each other.
 
 use std::future::Future;
-use std::os::unix::fs::FileExt as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,16 +49,14 @@ impl PeerServer {
                 )));
             };
             let r = entry.piece_range(i);
+            // Pooled, and around the page cache: the pull wrote these pieces with O_DIRECT.
             let res = tokio::task::spawn_blocking(move || {
-                let f = std::fs::File::open(&path)?;
-                let mut buf = vec![0u8; (r.end - r.start) as usize];
-                f.read_exact_at(&mut buf, r.start)?;
-                Ok::<_, std::io::Error>(buf)
+                crate::mirror::cache::read_pooled_at(&path, r.start, (r.end - r.start) as usize)
             })
             .await
             .unwrap_or_else(|e| Err(std::io::Error::other(e)));
             match res {
-                Ok(b) => return Ok(self.faults.apply(Bytes::from(b))),
+                Ok(b) => return Ok(self.faults.apply(b)),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => {
                     return Err(ServeError::new(

@@ -121,6 +121,15 @@ pub fn into_shared(b: BytesMut) -> Bytes {
     Bytes::from_owner(Pooled(b))
 }
 
+/// A copy of `data` in a pooled, [`DIRECT_ALIGN`]-aligned buffer, as `Bytes` that go back to
+/// the pool when dropped (the mirror copies what the origin returned into one so that the
+/// cache can write it with `O_DIRECT` and the same bytes can be served).
+pub fn aligned_copy(data: &[u8]) -> Bytes {
+    let mut b = take(data.len());
+    b.extend_from_slice(data);
+    into_shared(b)
+}
+
 /// Returns a buffer whose contents are no longer needed. Kept only when nothing else still
 /// refers to it and the pool has room; dropped otherwise.
 pub fn give_back(bytes: Bytes) {

@@ -58,6 +58,9 @@ pub struct Settings {
     pub seed: u64,
     /// Where the model, the origin and the scratch data live.
     pub data_dir: PathBuf,
+    /// Where the pullers write: `disk` (under the output directory, this machine's one
+    /// disk) or `tmpfs` (one tmpfs per puller, in RAM, standing in for a disk per node).
+    pub puller_storage: String,
 }
 
 /// One `tokenway pull` process.
@@ -79,6 +82,9 @@ pub struct PullRun {
     pub pieces_hedged: u64,
     /// CPU time (user + system) of the process, seconds.
     pub cpu_secs: Option<f64>,
+    /// Bytes it caused to be written to block storage (`write_bytes` of `/proc/PID/io` at
+    /// the last look while it ran; writes to a tmpfs count nothing).
+    pub disk_write_bytes: Option<u64>,
 }
 
 /// A plain HTTP download of the largest blob from the warm mirror.
@@ -107,6 +113,8 @@ pub struct MirrorCounters {
     pub single_flight_joins: u64,
     /// CPU time of the mirror process during the scenario, seconds.
     pub cpu_secs: Option<f64>,
+    /// Bytes the mirror wrote to block storage during the scenario (its piece cache).
+    pub disk_write_bytes: Option<u64>,
 }
 
 /// Several pullers at once through one cold mirror, sharing as peers.
@@ -213,8 +221,13 @@ impl WeightsBenchReport {
             .map(|s| s / self.alone.wall_secs);
         v.push(Verdict {
             target: format!(
-                "all {} done in <= {TARGET_CROWD_FACTOR} x the time of one alone",
-                self.settings.pullers
+                "all {} done in <= {TARGET_CROWD_FACTOR} x the time of one alone{}",
+                self.settings.pullers,
+                if self.settings.puller_storage == "tmpfs" {
+                    " (pullers write to one tmpfs each, not to the disk)"
+                } else {
+                    ""
+                }
             ),
             measured: match (self.slowest(), factor) {
                 (Some(s), Some(f)) => format!(
@@ -319,7 +332,14 @@ impl WeightsBenchReport {
         let _ = writeln!(
             s,
             "- everything on loopback on this one machine: origin (file://), mirror, pullers, \
-             curl and aria2c share its CPUs and its disk\n"
+             curl and aria2c share its CPUs and its disk{}\n",
+            if st.puller_storage == "tmpfs" {
+                "; **except that every pull (alone, warm and in the crowd) writes to a tmpfs of \
+                 its own** (`--tmpfs-per-puller`: RAM standing in for a disk per node; the \
+                 mirror's cache stays on the disk)"
+            } else {
+                " (every pull writes to this disk)"
+            }
         );
 
         let _ = writeln!(
@@ -417,6 +437,37 @@ impl WeightsBenchReport {
             );
         }
 
+        // What the disk allows: every process here writes to the same one.
+        let written = |pulls: &mut dyn Iterator<Item = &PullRun>, mirror: &MirrorCounters| {
+            let mut total = mirror.disk_write_bytes?;
+            for p in pulls {
+                total += p.disk_write_bytes?;
+            }
+            Some(total)
+        };
+        let alone_w = written(&mut std::iter::once(&self.alone), &self.alone_mirror);
+        let crowd_w = written(&mut self.crowd.pulls.iter(), &self.crowd.mirror);
+        if let (Some(a), Some(c)) = (alone_w, crowd_w) {
+            let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+            let _ = writeln!(
+                s,
+                "\nBytes written to block storage by pullers plus mirror (`write_bytes` of \
+                 `/proc/PID/io`): {:.2} GiB for the lone pull, {:.2} GiB for the {} pullers \
+                 ({:.1}x).{}",
+                gib(a),
+                gib(c),
+                st.pullers,
+                c as f64 / a.max(1) as f64,
+                if st.puller_storage == "tmpfs" {
+                    " The pullers wrote to tmpfs, which counts nothing here: this is the \
+                     mirror's cache."
+                } else {
+                    " They share one disk: when it is the limit, the crowd takes at least that \
+                     multiple of the lone pull's time."
+                }
+            );
+        }
+
         if !self.notes.is_empty() {
             let _ = writeln!(s, "\n### Notes\n");
             for n in &self.notes {
@@ -482,6 +533,7 @@ mod tests {
                 parallel: 8,
                 seed: 1,
                 data_dir: PathBuf::from("/tmp/x"),
+                puller_storage: "disk".into(),
             },
             generate_secs: 0.0,
             publish_secs: 0.0,

@@ -3,6 +3,7 @@
 //! - [`server`]: the HTTP API (manifests, blob ranges, preheat, peers, metrics).
 //! - [`cache`]: verified pieces on disk, LRU by bytes, never evicting what is in use.
 //! - [`single_flight`]: one origin fetch per piece however many requests want it.
+//! - [`recent`]: the pieces fetched last, in memory, for requests just after their flight.
 //! - [`manifests`]: manifests and tags, kept so they are served with the origin down.
 //! - [`peers`]: which pullers of a region hold which pieces.
 //! - [`preheat`]: pulling a whole model into the cache before anyone asks.
@@ -17,6 +18,7 @@ pub mod manifests;
 pub mod metrics;
 pub mod peers;
 pub mod preheat;
+pub mod recent;
 pub mod server;
 pub mod single_flight;
 
@@ -37,6 +39,7 @@ use cache::{PieceCache, PieceKey};
 use manifests::{ManifestCache, ORIGIN_TIMEOUT};
 use metrics::MirrorMetrics;
 use peers::PeerDirectory;
+use recent::{RecentPieces, RECENT_BYTES};
 use single_flight::{FlightError, Role, SingleFlight};
 
 /// Origin fetches in flight at once (distinct pieces); more requests get 503.
@@ -98,6 +101,7 @@ pub struct Mirror {
     origin: Arc<dyn ObjectStore>,
     cache: PieceCache,
     flights: Arc<SingleFlight<PieceKey, PieceResult>>,
+    recent: Mutex<RecentPieces>,
     manifests: ManifestCache,
     peers: Mutex<PeerDirectory>,
     metrics: MirrorMetrics,
@@ -139,6 +143,7 @@ impl Mirror {
             origin,
             cache,
             flights: SingleFlight::new(MAX_FLIGHTS),
+            recent: Mutex::new(RecentPieces::new(RECENT_BYTES)),
             manifests: ManifestCache::new(&config.cache_dir),
             peers: Mutex::new(PeerDirectory::new(&config.region, MAX_PEERS, PEER_TTL)),
             metrics,
@@ -185,6 +190,11 @@ impl Mirror {
             piece_size: entry.piece_size,
             index: i,
         };
+        if let Some(b) = self.recent_piece(&key) {
+            self.metrics.cache_hits.inc();
+            self.metrics.bytes_from_cache.inc_by(b.len() as u64);
+            return Ok(b);
+        }
         if let Some(b) = self.cache.read(&key).await {
             self.metrics.cache_hits.inc();
             self.metrics.bytes_from_cache.inc_by(b.len() as u64);
@@ -209,6 +219,13 @@ impl Mirror {
             return Ok(true);
         }
         self.piece_from_origin(entry, i).await.map(|_| false)
+    }
+
+    fn recent_piece(&self, key: &PieceKey) -> Option<Bytes> {
+        self.recent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(key)
     }
 
     async fn piece_from_origin(
@@ -251,6 +268,9 @@ impl Mirror {
             piece_size: entry.piece_size,
             index: i,
         };
+        if let Some(b) = self.recent_piece(&key) {
+            return Ok(b);
+        }
         if let Some(b) = self.cache.read(&key).await {
             return Ok(b);
         }
@@ -285,19 +305,29 @@ impl Mirror {
                     continue;
                 }
             };
-            let (b2, e2) = (bytes.clone(), Arc::clone(entry));
-            let ok = tokio::task::spawn_blocking(move || e2.piece_matches(i, &b2))
-                .await
-                .unwrap_or(false);
-            if !ok {
+            // Verified, then copied into an aligned pooled buffer: the cache writes it from
+            // there with O_DIRECT and the same bytes are served (see `cache`).
+            let e2 = Arc::clone(entry);
+            let checked = tokio::task::spawn_blocking(move || {
+                e2.piece_matches(i, &bytes)
+                    .then(|| crate::piece_buffers::aligned_copy(&bytes))
+            })
+            .await
+            .ok()
+            .flatten();
+            let Some(bytes) = checked else {
                 self.metrics.origin_corrupt.inc();
                 last = format!(
                     "the origin served corrupt data for blob {} piece {i} (bytes {}..{}): BLAKE3 mismatch",
                     entry.hash, range.start, range.end
                 );
                 continue;
-            }
+            };
             self.metrics.bytes_from_origin.inc_by(bytes.len() as u64);
+            self.recent
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(key, bytes.clone());
             match self.cache.store(key, &bytes).await {
                 Ok(s) => {
                     self.metrics.cache_evictions.inc_by(s.evicted);

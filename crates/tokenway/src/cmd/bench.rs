@@ -87,6 +87,10 @@ pub struct WeightsBenchArgs {
     /// Keep the mirror caches and pulled copies under <out>/work.
     #[arg(long)]
     pub keep_work: bool,
+    /// Every pull writes to a tmpfs of its own (root; RAM for each puller's copy) instead
+    /// of this machine's one disk, standing in for a disk per node; labelled in the report.
+    #[arg(long)]
+    pub tmpfs_per_puller: bool,
 }
 
 /// Flags of `tokenway bench gateway`.
@@ -387,6 +391,7 @@ async fn weights(args: WeightsBenchArgs) -> anyhow::Result<()> {
         piece_size_kib: args.piece_size_kib,
         seed: args.seed,
         keep_work: args.keep_work,
+        tmpfs_per_puller: args.tmpfs_per_puller,
         command_line: command_line(),
     };
     let report = tokenway_bench::weights::run(&options).await?;
