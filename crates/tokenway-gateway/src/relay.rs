@@ -163,10 +163,15 @@ impl Body for RelayBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         if let Some(frame) = this.first.take() {
-            if let Some(data) = frame.data_ref() {
-                this.clock.observe(data);
-            }
-            return Poll::Ready(Some(Ok(frame)));
+            return match frame.into_data() {
+                Ok(data) => {
+                    // What arrived behind the first frame leaves with it (and the head).
+                    let data = this.coalesce(cx, data);
+                    this.clock.observe(&data);
+                    Poll::Ready(Some(Ok(Frame::data(data))))
+                }
+                Err(frame) => Poll::Ready(Some(Ok(frame))),
+            };
         }
         match std::mem::replace(&mut this.tail, Tail::Open) {
             Tail::Open => {}

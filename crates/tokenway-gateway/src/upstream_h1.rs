@@ -29,9 +29,10 @@ const MAX_HEAD_BYTES: usize = 64 * 1024;
 const MAX_HEADERS: usize = 128;
 /// Largest chunk-size or trailer line.
 const MAX_LINE_BYTES: usize = 4 * 1024;
-/// Read buffer growth step: a few KiB hold a burst of token events; large bodies simply take
+/// Read buffer growth step: 8 KiB hold a burst of token events or a short JSON answer, head
+/// included, in one read (with 4 KiB, a 16-token answer took two); large bodies simply take
 /// more reads. Kept small because every open stream holds one.
-const READ_BYTES: usize = 4 * 1024;
+const READ_BYTES: usize = 8 * 1024;
 /// Below this much free space the read buffer grows by [`READ_BYTES`] before a read.
 const MIN_READ_BYTES: usize = 1024;
 /// Idle connections kept per backend.
