@@ -14,7 +14,10 @@
 //! length because losses arrive in bursts of `b` (a compound-Poisson approximation). The
 //! estimates rise fast and decay slowly: a report showing more loss than the estimate moves it
 //! half-way to the sample, one showing less moves it an eighth of the way, so the redundancy
-//! reacts within one report interval and relaxes over about a second of clean reports. The
+//! reacts within one report interval and relaxes over about a second of clean reports. Both
+//! steps are scaled by `n / (n + 16)` for a report covering `n` packets, so that a token
+//! stream's small reports (one loss in five packets is not a 20 % loss rate) do not whip the
+//! estimate to two or three times the true rate. The
 //! result is capped at `2k + 1` and [`MAX_BLOCK_REPAIRS`]; the sender's overhead budget caps the
 //! bytes on top of that.
 
@@ -25,6 +28,11 @@ use crate::packet::MAX_BLOCK_REPAIRS;
 const RISE: f64 = 0.5;
 /// Weight of a sample below the estimate.
 const DECAY: f64 = 0.125;
+/// A report covering this many packets moves the estimate half as far as a large one: a token
+/// stream's reports cover a handful of packets each, and one loss in five is not a 20 % loss
+/// rate. The weight of a sample of `n` packets is `n / (n + REPORT_HALF_WEIGHT)` times
+/// [`RISE`] or [`DECAY`].
+const REPORT_HALF_WEIGHT: f64 = 16.0;
 /// Loss rates below this are treated as no loss (keeps the decay from lingering forever).
 const LOSS_FLOOR: f64 = 1e-4;
 
@@ -70,12 +78,14 @@ impl Adaptation {
         self.last = Some(*report);
         let sample = report.since(&prev);
         if let Some(p) = sample.loss_rate() {
-            self.loss = blend(self.loss, p);
+            let n = f64::from(sample.received) + f64::from(sample.lost);
+            let weight = n / (n + REPORT_HALF_WEIGHT);
+            self.loss = blend(self.loss, p, weight);
             if self.loss < LOSS_FLOOR {
                 self.loss = 0.0;
             }
             let b = sample.mean_burst().unwrap_or(1.0);
-            self.burst = blend(self.burst.max(1.0), b);
+            self.burst = blend(self.burst.max(1.0), b, weight);
         }
         true
     }
@@ -102,11 +112,10 @@ impl Adaptation {
     /// grouped over a fraction of the RTT): `1 + ⌊k·p·b⌋`, one XOR parity until a block expects
     /// a whole lost packet of its own, without the table's floor. The table gives small blocks a
     /// duplicate per packet; a token stream would then pay 50–100 % overhead, and one repair per
-    /// two or three tokens restores all single losses. Not the `2·√` margin of ordinary blocks:
-    /// a token stream's loss reports cover a handful of packets each, so the fast-rising estimate
-    /// hovers at two to three times the true rate (0.10–0.15 at 5 % loss); with the margin a
-    /// block of 3 gets a second repair once it passes 0.057 (two standard deviations) or 0.127
-    /// (one), and netlab runs with either measured repair bytes pinned at the 0.5 cap.
+    /// few tokens restores all single losses. Not the `2·√` margin of ordinary blocks: with it a
+    /// block of 3 gets a second repair once the estimate passes 0.057, and netlab runs measured
+    /// repair bytes pinned at the 0.5 cap (docs/datagram-layer.md, "Token streams: the
+    /// arithmetic", for why one repair per block is what a 30 % overhead target allows).
     pub fn sparse_repairs_for(&self, k: usize) -> usize {
         let expected = k.max(1) as f64 * self.loss * self.burst_estimate();
         (1 + expected.floor() as usize)
@@ -121,9 +130,9 @@ impl Adaptation {
     }
 }
 
-fn blend(estimate: f64, sample: f64) -> f64 {
+fn blend(estimate: f64, sample: f64, weight: f64) -> f64 {
     let w = if sample > estimate { RISE } else { DECAY };
-    estimate + w * (sample - estimate)
+    estimate + weight * w * (sample - estimate)
 }
 
 #[cfg(test)]
@@ -156,7 +165,8 @@ mod tests {
         // A noisy estimate at 15 %: still one repair for a block of 3.
         a.on_report(&report(1, 0, 0, 0));
         a.on_report(&report(2, 85, 15, 15));
-        assert!((a.loss_estimate() - 0.075).abs() < 1e-9);
+        // Half-way, weighted by the 100 packets the report covers.
+        assert!((a.loss_estimate() - 0.15 * 0.5 * 100.0 / 116.0).abs() < 1e-9);
         a.on_report(&report(3, 170, 45, 45));
         assert!(a.loss_estimate() > 0.14, "{}", a.loss_estimate());
         assert_eq!(a.sparse_repairs_for(3), 1);
@@ -164,6 +174,20 @@ mod tests {
         // Heavy loss: two.
         a.on_report(&report(4, 220, 195, 195));
         assert_eq!(a.sparse_repairs_for(3), 2, "{}", a.loss_estimate());
+    }
+
+    #[test]
+    fn a_report_of_a_few_packets_moves_the_estimate_less_than_a_large_one() {
+        // One loss in five packets (a token stream's report) against 200 in 1000.
+        let mut small = Adaptation::default();
+        small.on_report(&report(1, 0, 0, 0));
+        small.on_report(&report(2, 4, 1, 1));
+        let mut large = Adaptation::default();
+        large.on_report(&report(1, 0, 0, 0));
+        large.on_report(&report(2, 800, 200, 200));
+        assert!((small.loss_estimate() - 0.2 * 0.5 * 5.0 / 21.0).abs() < 1e-9);
+        assert!(large.loss_estimate() > 0.09, "{}", large.loss_estimate());
+        assert!(small.loss_estimate() < 0.3 * large.loss_estimate());
     }
 
     #[test]

@@ -92,15 +92,32 @@ pub struct FecConfig {
     /// packet that follows the previous one by more than the flush delay (a token stream) stays
     /// open for `min(max_sparse_flush_delay, 0.5 · sRTT)` or until it holds
     /// [`SPARSE_K_MAX`] packets, and gets one XOR repair instead of a duplicate per packet.
-    /// Without a known sRTT there are no sparse blocks. Zero disables them.
+    /// Without a known sRTT there are no sparse blocks. The same delay (or this maximum while
+    /// the sRTT is unknown) is the pause after which a packet opens a *head* block
+    /// ([`HEAD_EXTRA_MAX_K`]). Zero disables both.
     pub max_sparse_flush_delay: Duration,
 }
+
+/// QUIC datagrams of at most this many bytes get no repairs in `auto` mode. In practice these
+/// are ACK-only packets (a short header, an ACK frame and the AEAD tag: ~40 bytes with
+/// quinn's 8-byte connection ids; a token is ~280). ACKs are cumulative, so the next one
+/// supersedes a lost one; protecting them cost the edge half its bytes again. They do not end
+/// a pause either: the packet after an ACK still opens a head block.
+pub const SMALL_PACKET_MAX_LEN: usize = 64;
+
+/// A head block (opened by the first packet after a pause: a request, an answer's headers and
+/// first token) of at most this many packets gets one repair beyond the table and beyond the
+/// overhead budget: a 1-packet head is sent three times (residual loss p³ instead of p²), a
+/// 2-packet head gets 3 repairs.
+pub const HEAD_EXTRA_MAX_K: usize = 4;
 
 /// Most packets in a sparse block (see [`FecConfig::max_sparse_flush_delay`]).
 pub const SPARSE_K_MAX: usize = 3;
 /// A sparse block's flush delay as a fraction of the sRTT: a packet lost at the start of the
-/// block is restored at most this long after it should have arrived, half an RTT (QUIC itself
-/// needs at least one RTT; the gap target is one token interval + half an RTT).
+/// block is restored at most this long after it should have arrived (QUIC itself needs
+/// 9/8 RTT to declare it lost and half an RTT more to deliver the retransmission).
+/// docs/datagram-layer.md ("Token streams: the arithmetic") weighs blocks of 3 against
+/// longer ones.
 pub const SPARSE_FLUSH_RTT_FRACTION: f64 = 0.5;
 
 impl Default for FecConfig {

@@ -9,8 +9,8 @@ use rand::SeedableRng;
 use super::adapt::Adaptation;
 use super::codec::{shard_len_for, Encoder};
 use super::{
-    datagram_overhead, FecConfig, FecMode, FecScope, MAX_DATAGRAM_LEN, SPARSE_FLUSH_RTT_FRACTION,
-    SPARSE_K_MAX,
+    datagram_overhead, FecConfig, FecMode, FecScope, HEAD_EXTRA_MAX_K, MAX_DATAGRAM_LEN,
+    SMALL_PACKET_MAX_LEN, SPARSE_FLUSH_RTT_FRACTION, SPARSE_K_MAX,
 };
 use crate::error::WireError;
 use crate::loss_report::LossReport;
@@ -42,6 +42,12 @@ pub struct SenderStats {
     pub blocks_flushed: u64,
     /// Sparse blocks (a token stream's packets grouped over a fraction of the RTT).
     pub blocks_sparse: u64,
+    /// Head blocks (the first packets after a pause), which get one repair beyond the budget.
+    pub blocks_head: u64,
+    /// Blocks of small packets only (in practice QUIC ACK-only packets), sent without repairs.
+    pub blocks_small: u64,
+    /// Repair bytes of head blocks' extra repairs, outside the overhead budget.
+    pub head_extra_bytes: u64,
     /// Repair packets the overhead budget did not allow.
     pub repairs_skipped_by_budget: u64,
     /// Repair packets dropped because the pending queue was full.
@@ -59,14 +65,29 @@ struct Pending {
     bytes: Vec<u8>,
 }
 
+/// What a block carries, decided by the packet that opens it (`auto` mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockKind {
+    /// A burst: the flush delay, the table's redundancy raised by the loss estimate.
+    Ordinary,
+    /// A packet of a sparse stream (a token stream): a longer deadline, at most
+    /// [`SPARSE_K_MAX`] packets, [`Adaptation::sparse_repairs_for`].
+    Sparse,
+    /// The first packet after a pause (a request, an answer's headers and first token): an
+    /// ordinary block plus one repair outside the budget while it holds at most
+    /// [`HEAD_EXTRA_MAX_K`] packets.
+    Head,
+    /// Opened by a small packet (an ACK) with no block open: no repairs. A larger packet
+    /// closes it and opens a block of its own.
+    Small,
+}
+
 /// The block being filled.
 #[derive(Debug, Clone, Copy)]
 struct OpenBlock {
     id: BlockId,
     deadline: Instant,
-    /// Opened by a packet of a sparse stream: a longer deadline, at most [`SPARSE_K_MAX`]
-    /// packets, [`Adaptation::sparse_repairs_for`].
-    sparse: bool,
+    kind: BlockKind,
 }
 
 /// The sending half of the datagram layer (FEC and obfuscation) for one peer.
@@ -93,7 +114,8 @@ pub struct FecSender {
     pool: Vec<Vec<u8>>,
     adapt: Adaptation,
     credit: f64,
-    /// When the last source packet went out (sparse-stream detection).
+    /// When the last source packet larger than [`SMALL_PACKET_MAX_LEN`] went out (sparse
+    /// streams and pauses are told from these; ACKs do not count).
     last_source: Option<Instant>,
     /// Layer version written and obfuscated with (the peer's, see [`Self::set_version`]).
     version: u8,
@@ -247,6 +269,29 @@ impl FecSender {
         (gap >= self.flush_delay() && gap < d).then_some(d)
     }
 
+    /// The pause after which a packet opens a head block: the sparse flush delay, or
+    /// `max_sparse_flush_delay` while the sRTT is unknown or tiny. `None` outside `auto` mode
+    /// or with sparse blocks disabled.
+    fn head_pause(&self) -> Option<Duration> {
+        if self.config.mode != FecMode::Auto || self.config.max_sparse_flush_delay.is_zero() {
+            return None;
+        }
+        Some(
+            self.sparse_flush_delay()
+                .unwrap_or(self.config.max_sparse_flush_delay),
+        )
+    }
+
+    /// Whether a block opened at `now` by a packet that is not small is a head block: no such
+    /// packet went out for a pause (or ever).
+    fn opens_head(&self, now: Instant) -> bool {
+        let Some(pause) = self.head_pause() else {
+            return false;
+        };
+        self.last_source
+            .is_none_or(|t| now.saturating_duration_since(t) >= pause)
+    }
+
     /// Frames one outgoing QUIC datagram and writes the UDP payload to send *now* into `out`
     /// (cleared first). The packet is never held back; if it fills its block, the block's
     /// repair packets become available from [`poll_transmit`](Self::poll_transmit).
@@ -267,14 +312,26 @@ impl FecSender {
             self.stats.plain_packets += 1;
             return Ok(());
         }
+        let small = self.config.mode == FecMode::Auto && quic.len() <= SMALL_PACKET_MAX_LEN;
+        if !small && self.open.is_some_and(|b| b.kind == BlockKind::Small) {
+            self.close_block(now, false);
+        }
         let block = match self.open {
             Some(b) => b,
             None => {
-                let sparse = self.opens_sparse(now);
+                let (kind, delay) = if small {
+                    (BlockKind::Small, self.flush_delay())
+                } else if self.opens_head(now) {
+                    (BlockKind::Head, self.flush_delay())
+                } else if let Some(d) = self.opens_sparse(now) {
+                    (BlockKind::Sparse, d)
+                } else {
+                    (BlockKind::Ordinary, self.flush_delay())
+                };
                 let b = OpenBlock {
                     id: self.next_block,
-                    deadline: now + sparse.unwrap_or_else(|| self.flush_delay()),
-                    sparse: sparse.is_some(),
+                    deadline: now + delay,
+                    kind,
                 };
                 self.next_block = self.next_block.next();
                 self.open = Some(b);
@@ -297,12 +354,16 @@ impl FecSender {
         slot.clear();
         slot.extend_from_slice(quic);
         self.count += 1;
-        self.last_source = Some(now);
+        if !small {
+            self.last_source = Some(now);
+        }
         self.stats.source_packets += 1;
         self.stats.source_bytes += out.len() as u64;
         self.credit =
             (self.credit + self.config.max_overhead * out.len() as f64).min(MAX_CREDIT_BYTES);
-        if self.count >= self.k_max() || (block.sparse && self.count >= SPARSE_K_MAX) {
+        if self.count >= self.k_max()
+            || (block.kind == BlockKind::Sparse && self.count >= SPARSE_K_MAX)
+        {
             self.close_block(now, false);
         }
         Ok(())
@@ -378,13 +439,19 @@ impl FecSender {
         if by_deadline {
             self.stats.blocks_flushed += 1;
         }
-        if block.sparse {
-            self.stats.blocks_sparse += 1;
+        match block.kind {
+            BlockKind::Sparse => self.stats.blocks_sparse += 1,
+            BlockKind::Head => self.stats.blocks_head += 1,
+            BlockKind::Small => {
+                self.stats.blocks_small += 1;
+                return;
+            }
+            BlockKind::Ordinary => {}
         }
         let max_len = self.sources[..k].iter().map(Vec::len).max().unwrap_or(0);
         let shard_len = shard_len_for(max_len);
         let wire_len = REPAIR_HEADER_LEN + shard_len + self.obfs.as_ref().map_or(0, |_| SALT_LEN);
-        let planned = if block.sparse {
+        let planned = if block.kind == BlockKind::Sparse {
             self.adapt.sparse_repairs_for(k)
         } else {
             self.planned_repairs(k)
@@ -398,6 +465,15 @@ impl FecSender {
             planned
         };
         self.stats.repairs_skipped_by_budget += (planned - r) as u64;
+        // A head block's loss costs the time to first token (and, as the last packet before a
+        // pause, QUIC's probe timeout): one more repair, outside the budget. At most one per
+        // pause, so bounded by the pauses, not by the bytes.
+        let r = if block.kind == BlockKind::Head && k <= HEAD_EXTRA_MAX_K {
+            self.stats.head_extra_bytes += wire_len as u64;
+            (r + 1).min(crate::packet::MAX_BLOCK_REPAIRS)
+        } else {
+            r
+        };
         if r == 0 {
             return;
         }
