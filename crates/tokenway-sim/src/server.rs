@@ -319,6 +319,16 @@ fn text_response(
     resp
 }
 
+/// Waits for `deadline` unless it has passed. A timer always waits for the runtime's next
+/// millisecond tick, so a zero-cost setting (`base_latency_ms = 0`, `time_per_output_token_ms =
+/// 0`) would otherwise still cost up to a millisecond per step, and the benches that use such a
+/// sim would measure the timer instead of the network path.
+async fn wait_until(deadline: Instant) {
+    if deadline > Instant::now() {
+        sleep_until(deadline).await;
+    }
+}
+
 fn error_response(err: &ApiError) -> Response<SimBody> {
     json_response(err.status, err.body())
 }
@@ -571,7 +581,7 @@ impl Generator {
             + cost::ms(c.base_latency_ms)
             + cost::prefill_time(prompt_tokens - cached_tokens, c.prefill_tokens_per_second)
             + cost::ms(self.faults.slow_start_ms);
-        sleep_until(first_token_at).await;
+        wait_until(first_token_at).await;
         // The KV blocks exist once prefill is done; a concurrent identical prompt hits them.
         lock(&self.shared.cache).insert(&blocks);
         Plan {
@@ -630,7 +640,7 @@ impl Generator {
         for i in 0..plan.max_tokens {
             if i > 0 {
                 deadline = self.next_deadline(deadline);
-                sleep_until(deadline).await;
+                wait_until(deadline).await;
             }
             if self.faults.stall_after_tokens == Some(i) {
                 // Keep the connection (and the slot) until the client leaves or we shut down.
@@ -690,7 +700,7 @@ impl Generator {
         for i in 0..plan.max_tokens {
             if i > 0 {
                 deadline = self.next_deadline(deadline);
-                sleep_until(deadline).await;
+                wait_until(deadline).await;
             }
             if self.faults.stall_after_tokens == Some(i) {
                 let mut stop = self.shared.shutdown.clone();
