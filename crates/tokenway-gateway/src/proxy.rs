@@ -302,25 +302,21 @@ fn respond(
     // server-timing (W3C): time in the gateway before the backend answered, the backend's time
     // to first byte, the backend chosen, and why.
     let gateway = req.start.elapsed().saturating_sub(ttfb);
-    let reason: &dyn std::fmt::Display = if upstream_is_first(routed, id) {
-        &routed.reason
-    } else {
-        &"retry"
-    };
-    let mut timing = String::with_capacity(160 + upstream.name.len());
+    let mut timing = String::with_capacity(160 + upstream.timing_desc.len());
     timing.push_str("gateway;dur=");
     push_millis(&mut timing, gateway);
     timing.push_str(", ttfb;dur=");
     push_millis(&mut timing, ttfb);
     timing.push_str(", expected;dur=");
     push_millis(&mut timing, routed.expected_ttft);
-    let _ = std::fmt::Write::write_fmt(
-        &mut timing,
-        format_args!(
-            ", backend;desc=\"{}\", route;desc=\"{reason}\"",
-            QuotedSafe(&upstream.name)
-        ),
-    );
+    timing.push_str(&upstream.timing_desc);
+    timing.push_str(", route;desc=\"");
+    if upstream_is_first(routed, id) {
+        push_reason(&mut timing, &routed.reason);
+    } else {
+        timing.push_str("retry");
+    }
+    timing.push('"');
     if let Ok(v) = http::HeaderValue::try_from(timing) {
         h.append(header::HeaderName::from_static("server-timing"), v);
     }
@@ -392,7 +388,7 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 
 /// Drops the hop-by-hop headers from `headers`.
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    for name in [
+    const HOP_BY_HOP: [HeaderName; 7] = [
         header::CONNECTION,
         header::PROXY_AUTHENTICATE,
         header::PROXY_AUTHORIZATION,
@@ -400,11 +396,18 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
         header::TRAILER,
         header::TRANSFER_ENCODING,
         header::UPGRADE,
-    ] {
-        headers.remove(name);
+    ];
+    // A scan of the few headers a response has, then removals of only what is there: a
+    // removal hashes its name, and nine of them per response cost more than the scan.
+    for name in &HOP_BY_HOP {
+        if headers.keys().any(|k| k == name) {
+            headers.remove(name);
+        }
     }
     for name in ["keep-alive", "proxy-connection"] {
-        headers.remove(name);
+        if headers.keys().any(|k| k.as_str() == name) {
+            headers.remove(name);
+        }
     }
 }
 
@@ -419,22 +422,10 @@ fn push_millis(out: &mut String, d: Duration) {
     out.push_str(&digits.format(1000 + micros % 1000)[1..]);
 }
 
-/// A backend name inside a quoted `server-timing` description: quotes and backslashes become `_`.
-struct QuotedSafe<'a>(&'a str);
-
-impl std::fmt::Display for QuotedSafe<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for part in self.0.split_inclusive(['"', '\\']) {
-            match part.strip_suffix(['"', '\\']) {
-                Some(rest) => {
-                    f.write_str(rest)?;
-                    f.write_str("_")?;
-                }
-                None => f.write_str(part)?,
-            }
-        }
-        Ok(())
-    }
+/// Appends the route reason of the `server-timing` header.
+fn push_reason(out: &mut String, reason: &tokenway_router::RouteReason) {
+    use std::fmt::Write;
+    let _ = write!(out, "{reason}");
 }
 
 pub(crate) fn copy_end_to_end_headers(from: &HeaderMap, to: &mut HeaderMap) {
@@ -470,6 +461,40 @@ fn upstream_headers<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_are_dropped_and_the_rest_kept_in_order() {
+        let mut h = HeaderMap::new();
+        for (n, v) in [
+            ("content-type", "text/event-stream"),
+            ("transfer-encoding", "chunked"),
+            ("connection", "keep-alive"),
+            ("keep-alive", "timeout=5"),
+            ("x-request-id", "a"),
+            ("x-request-id", "b"),
+            ("proxy-connection", "close"),
+            ("te", "trailers"),
+            ("upgrade", "h2c"),
+        ] {
+            h.append(
+                HeaderName::from_static(n),
+                http::HeaderValue::from_static(v),
+            );
+        }
+        strip_hop_by_hop(&mut h);
+        let left: Vec<(&str, &str)> = h
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.to_str().expect("ascii")))
+            .collect();
+        assert_eq!(
+            left,
+            [
+                ("content-type", "text/event-stream"),
+                ("x-request-id", "a"),
+                ("x-request-id", "b")
+            ]
+        );
+    }
 
     #[test]
     fn millis_have_three_zero_padded_decimals() {

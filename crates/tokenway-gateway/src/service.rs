@@ -12,7 +12,6 @@ use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use tokenway_router::{prompt_blocks, RouteError, RouteRequest, SessionKind};
-use tokenway_telemetry::RequestLabels;
 
 use crate::error::{full, ApiError, ResponseBody};
 use crate::proxy::{self, ProxyRequest};
@@ -156,15 +155,7 @@ where
             None,
         ),
     };
-    shared
-        .metrics
-        .requests
-        .get_or_create(&RequestLabels {
-            route: route_label.to_string(),
-            backend: backend.unwrap_or_else(|| "none".to_string()),
-            status: response.status().as_u16(),
-        })
-        .inc();
+    shared.count_request(route_label, backend, response.status().as_u16());
     response
 }
 

@@ -21,7 +21,8 @@ use tokenway_router::{
 };
 use tokenway_telemetry::quic::QuicMetrics;
 use tokenway_telemetry::{
-    BackendLabels, BackendMetrics, Histogram, Registry, RequestMetrics, StreamLabels,
+    BackendLabels, BackendMetrics, Counter, Gauge, Histogram, Registry, RequestLabels,
+    RequestMetrics, StreamLabels,
 };
 
 use crate::config::{BackendConfig, GatewayConfig};
@@ -34,6 +35,9 @@ pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
 
 /// (backend index, route, transport, client region index) of a set of latency histograms.
 type StreamKey = (usize, &'static str, &'static str, usize);
+
+/// (route, backend name, status) of a request counter.
+type RequestKey = (&'static str, Option<String>, u16);
 
 /// One backend as the proxy sees it.
 pub struct Upstream {
@@ -61,6 +65,12 @@ pub struct Upstream {
     pub source: Source,
     /// Set when discovery removed it: its probe task stops, the router no longer ranks it.
     pub removed: AtomicBool,
+    /// `, backend;desc="<name>"` of the `server-timing` header (quotes and backslashes in the
+    /// name become `_`), formatted once.
+    pub timing_desc: String,
+    /// Its `tokenway_backend_inflight` gauge, resolved at the first use (a family lookup hashes
+    /// the label strings every time).
+    inflight_gauge: std::sync::OnceLock<Gauge>,
 }
 
 /// Where a backend was configured.
@@ -70,6 +80,15 @@ pub enum Source {
     Static,
     /// The watched `backends_file`.
     File,
+}
+
+/// `, backend;desc="<name>"` with quotes and backslashes of `name` replaced by `_`.
+fn timing_desc(name: &str) -> String {
+    let quoted: String = name
+        .chars()
+        .map(|c| if c == '"' || c == '\\' { '_' } else { c })
+        .collect();
+    format!(", backend;desc=\"{quoted}\"")
 }
 
 impl Upstream {
@@ -107,6 +126,7 @@ impl Upstream {
                 region: b.region.clone(),
             },
             name_header: HeaderValue::from_str(&name).ok(),
+            timing_desc: timing_desc(&name),
             name,
             authority: Arc::from(base.authority().map_or("", |a| a.as_str())),
             base,
@@ -117,6 +137,7 @@ impl Upstream {
             url: b.url.clone(),
             source,
             removed: AtomicBool::new(false),
+            inflight_gauge: std::sync::OnceLock::new(),
         })
     }
 
@@ -156,6 +177,10 @@ pub struct Shared {
     /// Latency histogram handles by (backend, route, transport), resolved once: looking them up
     /// in the metric families per request would allocate label strings every time.
     stream_histograms: std::sync::RwLock<HashMap<StreamKey, [Histogram; 3]>>,
+    /// `tokenway_requests_total` handles by (route, backend, status), for the same reason.
+    /// Bounded by the label set itself: routes and backends are configured, statuses are three
+    /// digits.
+    request_counters: std::sync::RwLock<HashMap<RequestKey, Counter>>,
     /// Known regions; the last entry is `other`.
     regions: Vec<String>,
     /// The tunnel port's gatekeeping, when the tunnel is configured.
@@ -230,6 +255,7 @@ impl Shared {
             quic_metrics,
             registry,
             stream_histograms: std::sync::RwLock::new(HashMap::new()),
+            request_counters: std::sync::RwLock::new(HashMap::new()),
             regions,
             alt_svc: std::sync::OnceLock::new(),
             overflow: std::sync::OnceLock::new(),
@@ -355,10 +381,43 @@ impl Shared {
 
     /// Sets the in-flight gauge of `id`.
     pub fn set_inflight_gauge(&self, id: BackendId, inflight: u32) {
-        self.backend_metrics
-            .inflight
-            .get_or_create(&self.upstream(id).labels)
+        let u = self.upstream(id);
+        u.inflight_gauge
+            .get_or_init(|| {
+                self.backend_metrics
+                    .inflight
+                    .get_or_create(&u.labels)
+                    .clone()
+            })
             .set(i64::from(inflight));
+    }
+
+    /// Counts a finished request in `tokenway_requests_total` (`backend` `None`: `none`).
+    pub fn count_request(&self, route: &'static str, backend: Option<String>, status: u16) {
+        let key = (route, backend, status);
+        if let Some(c) = self
+            .request_counters
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            c.inc();
+            return;
+        }
+        let counter = self
+            .metrics
+            .requests
+            .get_or_create(&RequestLabels {
+                route: route.to_string(),
+                backend: key.1.clone().unwrap_or_else(|| "none".to_string()),
+                status,
+            })
+            .clone();
+        counter.inc();
+        self.request_counters
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, counter);
     }
 
     /// Whether every backend has reported (or been configured with) its models.

@@ -27,6 +27,8 @@ use tokio::net::TcpStream;
 const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// Most headers in a response head.
 const MAX_HEADERS: usize = 128;
+/// Header spans kept on the stack; more spill to the heap.
+const INLINE_SPANS: usize = 24;
 /// Largest chunk-size or trailer line.
 const MAX_LINE_BYTES: usize = 4 * 1024;
 /// Read buffer growth step: 8 KiB hold a burst of token events or a short JSON answer, head
@@ -270,9 +272,16 @@ pub fn encode_head<'h>(
 /// Parses a complete response head off the front of `buf`, or `None` when more bytes are needed.
 /// Header values share the head's bytes instead of being copied one by one.
 fn parse_head(buf: &mut BytesMut) -> Result<Option<http::response::Parts>, H1Error> {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut resp = httparse::Response::new(&mut headers);
-    let consumed = match resp.parse(buf) {
+    // Uninitialised header slots and a small span array: a response head has a handful of
+    // headers, and initialising room for MAX_HEADERS of each cost more than parsing them.
+    let mut headers =
+        [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut []);
+    let consumed = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut resp,
+        buf,
+        &mut headers,
+    ) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(e) => return Err(H1Error::Protocol(e.to_string())),
@@ -289,8 +298,15 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<http::response::Parts>, H1Err
     let mut map = HeaderMap::with_capacity(resp.headers.len());
     // Where each name and value lies in `buf`; the values become slices of the frozen head.
     let base = buf.as_ptr() as usize;
-    let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
     let count = resp.headers.len();
+    let mut inline = [(0usize, 0usize, 0usize, 0usize); INLINE_SPANS];
+    let mut spilled = Vec::new();
+    let spans = if count <= INLINE_SPANS {
+        &mut inline[..count]
+    } else {
+        spilled.resize(count, (0, 0, 0, 0));
+        &mut spilled[..]
+    };
     for (h, span) in resp.headers.iter().zip(spans.iter_mut()) {
         *span = (
             h.name.as_ptr() as usize - base,
@@ -300,7 +316,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<http::response::Parts>, H1Err
         );
     }
     let head = buf.split_to(consumed).freeze();
-    for &(name_at, name_len, at, len) in &spans[..count] {
+    for &(name_at, name_len, at, len) in spans.iter() {
         let raw_name = &head[name_at..name_at + name_len];
         let name = HeaderName::from_bytes(raw_name).map_err(|_| {
             H1Error::Protocol(format!(
@@ -654,5 +670,29 @@ mod tests {
         assert!(parse_head(&mut partial).expect("valid so far").is_none());
         let mut garbage = BytesMut::from(&b"SSH-2.0-OpenSSH\r\n\r\n"[..]);
         assert!(parse_head(&mut garbage).is_err());
+    }
+
+    #[test]
+    fn heads_with_more_headers_than_the_inline_spans_keep_every_one() {
+        let mut raw = String::from("HTTP/1.1 200 OK\r\n");
+        for i in 0..INLINE_SPANS + 10 {
+            raw.push_str(&format!("x-h{i}: v{i}\r\n"));
+        }
+        raw.push_str("content-length: 0\r\n\r\n");
+        let mut buf = BytesMut::from(raw.as_bytes());
+        let head = parse_head(&mut buf).expect("valid").expect("complete");
+        assert_eq!(head.headers.len(), INLINE_SPANS + 11);
+        assert_eq!(head.headers["x-h0"], "v0");
+        let last = format!("x-h{}", INLINE_SPANS + 9);
+        assert_eq!(
+            head.headers[last.as_str()],
+            format!("v{}", INLINE_SPANS + 9).as_str()
+        );
+        let mut too_many = String::from("HTTP/1.1 200 OK\r\n");
+        for i in 0..MAX_HEADERS + 1 {
+            too_many.push_str(&format!("x-h{i}: v\r\n"));
+        }
+        too_many.push_str("\r\n");
+        assert!(parse_head(&mut BytesMut::from(too_many.as_bytes())).is_err());
     }
 }
