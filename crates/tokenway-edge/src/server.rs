@@ -290,7 +290,6 @@ fn count(
 
 /// Binds the local endpoint.
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, crate::EdgeError> {
-    TcpListener::bind(addr)
-        .await
+    tokenway_transport::socket::listen_tcp(addr)
         .map_err(|source| crate::EdgeError::Bind { addr, source })
 }

@@ -111,8 +111,7 @@ pub async fn bind(config: GatewayConfig) -> Result<BoundGateway, GatewayError> {
 }
 
 async fn listen(addr: SocketAddr) -> Result<TcpListener, GatewayError> {
-    TcpListener::bind(addr)
-        .await
+    tokenway_transport::socket::listen_tcp(addr)
         .map_err(|source| GatewayError::Bind { addr, source })
 }
 

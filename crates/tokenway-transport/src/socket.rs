@@ -1,4 +1,4 @@
-//! UDP sockets for QUIC endpoints, and the plug point of the datagram layer.
+//! UDP sockets for QUIC endpoints, the plug point of the datagram layer, and TCP listeners.
 //!
 //! Endpoints are built on a `quinn::AsyncUdpSocket`: quinn's own tokio socket over a UDP socket
 //! with large kernel buffers, wrapped by the datagram layer ([`crate::datagram`]: FEC and
@@ -13,6 +13,25 @@ use socket2::{Domain, Protocol, Socket, Type};
 use crate::datagram::{DatagramHandle, DatagramSocket, LayerConfig};
 use crate::error::TransportError;
 use crate::settings::QuicSettings;
+
+/// Accept queue of every TCP listener (the kernel clamps it to `net.core.somaxconn`). The
+/// default of `TcpListener::bind`, 1024, overflowed when a thousand streams opened at once on a
+/// busy machine: the dropped SYNs came back after a second and connects timed out. nginx's
+/// `backlog` and vLLM's uvicorn (2048) are set deep for the same reason.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a TCP listener on `addr` with a [`LISTEN_BACKLOG`]-deep accept queue. Must be called
+/// inside a tokio runtime.
+pub fn listen_tcp(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
 
 /// Binds a non-blocking UDP socket with `buffer` bytes of kernel send and receive buffer (the
 /// kernel may clamp it to `net.core.{r,w}mem_max`; that is logged, not fatal).

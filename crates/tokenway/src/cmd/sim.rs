@@ -80,8 +80,7 @@ impl SimArgs {
 /// Runs `tokenway sim`.
 pub async fn run(args: SimArgs) -> anyhow::Result<()> {
     let config = args.config()?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
+    let listener = tokenway_transport::socket::listen_tcp(args.listen)
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
     println!("tokenway sim listening on http://{addr}");
