@@ -13,6 +13,7 @@ use crate::cost::{CostConfig, RateModel, TimedSignal};
 use crate::ewma::{DecayingCount, PeakEwma};
 use crate::health::HealthState;
 use crate::latency::RecentTtfts;
+use crate::pending::PendingPrefills;
 use crate::prefix::PrefixIndex;
 
 /// Index of a backend inside one [`Router`](crate::Router), as returned by
@@ -74,6 +75,8 @@ pub(crate) struct BackendState {
     pub(crate) rtt: Option<(f64, Instant)>,
     pub(crate) load: Option<TimedSignal>,
     pub(crate) prefix: PrefixIndex,
+    /// Blocks of the prefix index still being prefilled by attempts in flight.
+    pub(crate) pending: PendingPrefills,
     pub(crate) cache_lookup_blocks: u64,
     pub(crate) cache_hit_blocks: u64,
     pub(crate) hedges_won: u64,
@@ -100,6 +103,7 @@ impl BackendState {
             rtt: None,
             load: None,
             prefix: PrefixIndex::new(prefix_capacity),
+            pending: PendingPrefills::default(),
             cache_lookup_blocks: 0,
             cache_hit_blocks: 0,
             hedges_won: 0,

@@ -97,6 +97,12 @@ pub struct CostConfig {
     pub share_epsilon: Option<f64>,
     /// Time constant of each backend's decaying count of attempts started (default 10 s).
     pub share_window: Duration,
+    /// Longest a request may be held for a prefill in flight (default 500 ms; zero never
+    /// holds). When the longest cached prefix of a prompt is still being prefilled on a
+    /// backend by another attempt, and waiting for it is expected to be shorter than
+    /// prefilling that part again anywhere, the router answers "hold" and the gateway routes
+    /// the request again when the prefill should be done, at most this long in all.
+    pub prefill_hold_max: Duration,
 }
 
 impl Default for CostConfig {
@@ -121,6 +127,7 @@ impl Default for CostConfig {
             load_bound_floor: 2,
             share_epsilon: Some(0.25),
             share_window: Duration::from_secs(10),
+            prefill_hold_max: Duration::from_millis(500),
         }
     }
 }
@@ -196,6 +203,13 @@ impl CostConfig {
                 "cost.share_window",
                 "in [0.1, 3600] seconds",
                 self.share_window.as_secs_f64(),
+            ));
+        }
+        if self.prefill_hold_max > Duration::from_secs(10) {
+            return Err(InvalidSetting::new(
+                "cost.prefill_hold_max",
+                "in [0, 10] seconds",
+                self.prefill_hold_max.as_secs_f64(),
             ));
         }
         if !(self.home_max_cost_ratio.is_finite() && self.home_max_cost_ratio >= 1.0) {

@@ -33,6 +33,7 @@ pub mod hash;
 pub mod health;
 pub mod hedge;
 mod latency;
+mod pending;
 pub mod policy;
 pub mod prefix;
 pub mod request;
@@ -52,6 +53,6 @@ pub use health::{
 pub use hedge::{HedgeConfig, HedgeWinner};
 pub use policy::Policy;
 pub use prefix::{prompt_blocks, BlockHash, PrefixIndex};
-pub use request::{RouteRequest, SessionKey, SessionKind};
+pub use request::{Held, RouteRequest, SessionKey, SessionKind};
 pub use router::{AttemptTicket, Route, RouteReason, Router, DEFAULT_TTFT_ESTIMATE};
 pub use snapshot::{BackendSnapshot, RouterSnapshot};

@@ -29,6 +29,10 @@ use crate::snapshot::{BackendSnapshot, RouterSnapshot};
 /// samples) without being preferred over every measured one.
 pub const DEFAULT_TTFT_ESTIMATE: Duration = Duration::from_millis(100);
 
+/// Shortest hold the router asks for: when a prefill in flight is already later than
+/// predicted, the gateway looks again after this long (until `cost.prefill_hold_max`).
+pub const HOLD_POLL: Duration = Duration::from_millis(10);
+
 /// Why the first backend of a [`Route`] was chosen (for logs and the `server-timing` header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RouteReason {
@@ -45,6 +49,11 @@ pub enum RouteReason {
     /// A request without a home (a new conversation) whose cheapest backend had more than its
     /// share of recent attempts; this is the cheapest within the share bound (`cost` policy).
     ShareBound,
+    /// The first backend is prefilling this prompt's longest cached prefix for another
+    /// attempt right now: hold the request until it is done ([`Route::hold`] is set), or,
+    /// routed again after a hold, that prefill is done and the backend goes first (`cost`
+    /// policy).
+    PrefillHold,
     /// The session's rendezvous backend (`spilled`: its home backend was over the load bound,
     /// this is the next one in rendezvous order).
     Session {
@@ -67,6 +76,7 @@ impl fmt::Display for RouteReason {
             Self::LeftHome => f.write_str("cost-left-home"),
             Self::LoadBound => f.write_str("cost-load-bound"),
             Self::ShareBound => f.write_str("cost-share-bound"),
+            Self::PrefillHold => f.write_str("cost-prefill-hold"),
             Self::Session {
                 kind,
                 spilled: false,
@@ -94,6 +104,12 @@ pub struct Route {
     pub expected_ttft: Duration,
     /// Leading prompt blocks the first backend is estimated to hold.
     pub cached_blocks: usize,
+    /// `Some(d)`: do not send the request yet. The first backend is prefilling the prompt's
+    /// longest cached prefix for another attempt and should be done in about `d`; route the
+    /// request again after `d` with [`RouteRequest::with_held`] (the first backend and the
+    /// total time held), which goes there once the prefill is done. Only the `cost` policy
+    /// holds, never longer than `cost.prefill_hold_max` in all.
+    pub hold: Option<Duration>,
 }
 
 /// One attempt in flight, from [`Router::start_attempt`] to [`Router::end_attempt`]. It
@@ -109,6 +125,9 @@ pub struct AttemptTicket {
     trial: bool,
     first_token: bool,
     stalled: bool,
+    /// Blocks this attempt prefills that no attempt had cached or started before it; pending
+    /// on its backend until its first token (see [`crate::pending`]).
+    pending: Vec<BlockHash>,
 }
 
 impl AttemptTicket {
@@ -217,6 +236,7 @@ impl Router {
             Some(b) if !b.removed => {
                 b.removed = true;
                 b.prefix.clear();
+                b.pending.clear();
                 true
             }
             _ => false,
@@ -291,18 +311,20 @@ impl Router {
                 trial = Some(BackendId(i));
                 continue;
             }
-            let (cost, cached_blocks, share) = match self.policy {
+            let (cost, cached_blocks, share, (done_blocks, ready_at)) = match self.policy {
                 Policy::CostAware => {
                     let est = self.estimate(b, req, now);
                     let share = b.starts.get(now, self.cfg.cost.share_window);
-                    (est.score, est.cached_blocks, share)
+                    let done = b.pending.done_prefix(&req.blocks, est.cached_blocks);
+                    (est.score, est.cached_blocks, share, done)
                 }
                 Policy::P2cEwma => (
                     b.ttft.secs_or(self.cfg.default_ttft) * (f64::from(b.inflight) + 1.0),
                     0,
                     0.0,
+                    (0, None),
                 ),
-                Policy::RoundRobin | Policy::LeastInflight => (0.0, 0, 0.0),
+                Policy::RoundRobin | Policy::LeastInflight => (0.0, 0, 0.0, (0, None)),
             };
             cands.push(Candidate {
                 id: BackendId(i),
@@ -310,6 +332,8 @@ impl Router {
                 cost,
                 cached_blocks,
                 share,
+                done_blocks,
+                ready_at,
             });
         }
         if cands.is_empty() && trial.is_none() {
@@ -327,6 +351,7 @@ impl Router {
             Policy::CostAware => RouteReason::LowestCost,
             p => RouteReason::Policy(p),
         };
+        let mut hold = None;
         if !cands.is_empty() {
             self.selector
                 .order(self.policy, &mut cands, self.backends.len());
@@ -340,6 +365,12 @@ impl Router {
             if let Some((pos, r)) = self.session_pick(req, &cands) {
                 cands[..=pos].rotate_right(1);
                 reason = r;
+            } else if self.policy == Policy::CostAware && trial.is_none() {
+                if let Some((pos, h)) = self.hold_pick(req, &cands, now) {
+                    cands[..=pos].rotate_right(1);
+                    reason = RouteReason::PrefillHold;
+                    hold = h;
+                }
             }
         }
         let mut ranked: Vec<BackendId> = Vec::with_capacity(cands.len() + 1);
@@ -366,7 +397,88 @@ impl Router {
             reason,
             expected_ttft: Duration::try_from_secs_f64(est.ttft).unwrap_or(Duration::MAX),
             cached_blocks: est.cached_blocks,
+            hold: hold.filter(|_| reason == RouteReason::PrefillHold),
         })
+    }
+
+    /// Under the `cost` policy, whether to hold the request for a prefill in flight: the
+    /// position of the backend to wait for (or, after a hold, to go to) and the hold
+    /// (`None`: go now). See [`crate::pending`].
+    ///
+    /// A backend *B* whose cached prefix of the prompt is longer than any backend has
+    /// finished prefilling, but partly still in prefill for another attempt, saves this
+    /// request the prefill of that part if it waits. It waits when that prefill (at *B*'s
+    /// learned rate) would take longer than *B*'s remaining time, *B* is within the loose
+    /// (home) load bound, and the request has been held less than `prefill_hold_max`. Routed
+    /// again with [`RouteRequest::with_held`], the request goes to *B* once its prefill is
+    /// done, whatever the share bound says (waiting was for that); if *B* lost the prefix or
+    /// went over the bound, it is ranked as usual.
+    fn hold_pick(
+        &self,
+        req: &RouteRequest,
+        cands: &[Candidate],
+        now: Instant,
+    ) -> Option<(usize, Option<Duration>)> {
+        let cost = &self.cfg.cost;
+        let max = cost.prefill_hold_max;
+        if max.is_zero() || req.blocks.is_empty() {
+            return None;
+        }
+        let waited = req.held.map_or(Duration::ZERO, |h| h.waited);
+        let total: u64 = cands.iter().map(|c| u64::from(c.inflight)).sum();
+        let mean_after = (total + 1) as f64 / cands.len() as f64;
+        let eps = cost.load_bound_epsilon.unwrap_or(0.0);
+        let loose = cost.load_bound_home_epsilon.map_or(f64::INFINITY, |e| {
+            ((1.0 + e.max(eps)) * mean_after)
+                .ceil()
+                .max(f64::from(cost.load_bound_floor))
+        });
+        let within = |c: &Candidate| f64::from(c.inflight) < loose;
+        let step = |ready: Option<Instant>| {
+            let left = max.saturating_sub(waited);
+            ready
+                .map_or(HOLD_POLL, |r| r.saturating_duration_since(now))
+                .clamp(HOLD_POLL.min(left), left)
+        };
+        if let Some(h) = req.held {
+            if let Some(pos) = cands.iter().position(|c| c.id == h.backend) {
+                let c = &cands[pos];
+                if c.cached_blocks > 0 && within(c) {
+                    if c.done_blocks == c.cached_blocks {
+                        return Some((pos, None));
+                    }
+                    if waited < max {
+                        return Some((pos, Some(step(c.ready_at))));
+                    }
+                }
+            }
+            return None;
+        }
+        // The pick itself may be prefilling the prompt's prefix (the load rules chose it over
+        // a backend that has it done); otherwise a backend with a longer prefix in prefill
+        // than any backend has done.
+        let first = cands.first()?;
+        let (pos, b, done) = if first.done_blocks < first.cached_blocks {
+            (0, first, first.done_blocks)
+        } else {
+            let best_done = cands.iter().map(|c| c.done_blocks).max().unwrap_or(0);
+            let (pos, b) = cands
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.cached_blocks > best_done && c.done_blocks < c.cached_blocks)
+                .max_by_key(|(pos, c)| (c.cached_blocks, std::cmp::Reverse(*pos)))?;
+            (pos, b, best_done)
+        };
+        if !within(b) {
+            return None;
+        }
+        let saved_tokens = f64::from(req.prompt_tokens) * (b.cached_blocks - done) as f64
+            / req.blocks.len() as f64;
+        let saved = saved_tokens * self.backends[b.id.0].rates.secs_per_prefill_token();
+        let remaining = b
+            .ready_at
+            .map_or(0.0, |r| r.saturating_duration_since(now).as_secs_f64());
+        (saved > remaining).then(|| (pos, Some(step(b.ready_at))))
     }
 
     /// Under the `cost` policy, the position of the candidate that should go first when it is
@@ -579,6 +691,7 @@ impl Router {
             trial: false,
             first_token: false,
             stalled: false,
+            pending: Vec::new(),
         };
         let Some(b) = self.backends.get(id.0) else {
             return ticket;
@@ -598,6 +711,13 @@ impl Router {
         b.cache_lookup_blocks += req.blocks.len() as u64;
         b.cache_hit_blocks += est.cached_blocks as u64;
         b.prefix.insert(&req.blocks);
+        let new = &req.blocks[est.cached_blocks.min(req.blocks.len())..];
+        if !self.cfg.cost.prefill_hold_max.is_zero() && !new.is_empty() {
+            let ready_at = now + ticket.expected_ttft().min(Duration::from_secs(3600));
+            if b.pending.add(new, ready_at) {
+                ticket.pending = new.to_vec();
+            }
+        }
         ticket.trial = b.health.begin_trial(now, &outlier_cfg);
         ticket
     }
@@ -619,6 +739,7 @@ impl Router {
         let alternative = self.may_judge_outlier(ticket.id, ttft);
         let b = self.backends.get_mut(ticket.id.0)?;
         b.work_tokens = b.work_tokens.saturating_sub(ticket.prefill_tokens);
+        b.pending.remove(&std::mem::take(&mut ticket.pending));
         b.rates.observe(
             ttft.as_secs_f64() - b.rtt_secs(),
             ticket.prefill_tokens as f64,
@@ -678,6 +799,7 @@ impl Router {
         if !ticket.first_token {
             work += ticket.prefill_tokens;
         }
+        b.pending.remove(&ticket.pending);
         b.work_tokens = b.work_tokens.saturating_sub(work);
         let t = if ticket.trial {
             let verdict = match outcome {
@@ -952,6 +1074,7 @@ fn after_transition(b: &mut BackendState, t: Option<HealthTransition>) -> Option
     if let Some(HealthTransition::Ejected { reason }) = t {
         if reason.suggests_restart() {
             b.prefix.clear();
+            b.pending.clear();
         }
     }
     t
@@ -1025,6 +1148,77 @@ mod tests {
             let t = r.start_attempt(id, &first_turn(i), now);
             r.end_attempt(t, Outcome::Success, now);
         }
+    }
+
+    #[test]
+    fn a_new_conversation_waits_for_its_system_prompt_in_prefill_instead_of_prefilling_it_again() {
+        let t0 = Instant::now();
+        let mut r = router(Policy::CostAware, 4);
+        // Conversation 0 starts: b? prefills the system prompt cold.
+        let first = first_turn(0);
+        let route = r.route(&first, t0).expect("routable");
+        assert_eq!(route.hold, None);
+        let b = route.backends[0];
+        let mut ticket = r.start_attempt(b, &first, t0);
+        // 150 ms later conversation 1 arrives: its system prompt is still in prefill on b
+        // (expected done at 306 ms: 50 ms + 2,560 tokens at the prior 10,000 tokens/s), and
+        // nobody has it done; waiting (156 ms) beats prefilling those 30 blocks again
+        // (192 ms), so it is held for b.
+        let t1 = t0 + ms(150);
+        let second = first_turn(1);
+        let route = r.route(&second, t1).expect("routable");
+        assert_eq!(route.reason, RouteReason::PrefillHold);
+        assert_eq!(route.backends[0], b);
+        let hold = route.hold.expect("held");
+        assert!(
+            hold >= HOLD_POLL && hold <= r.cfg.cost.prefill_hold_max,
+            "{hold:?}"
+        );
+        // Early in the prefill (10 ms in: 296 ms left against 192 ms) it goes at once.
+        assert_eq!(r.route(&second, t0 + ms(10)).expect("routable").hold, None);
+        assert!(r
+            .route(&second, t0 + ms(140))
+            .expect("routable")
+            .hold
+            .is_some());
+        // Routed again before the prefill is done: held again, never past the maximum.
+        let again = second.clone().with_held(b, hold);
+        let route = r.route(&again, t1 + hold).expect("routable");
+        assert_eq!(
+            (route.backends[0], route.reason),
+            (b, RouteReason::PrefillHold)
+        );
+        assert!(route.hold.is_some());
+        let spent = second.clone().with_held(b, r.cfg.cost.prefill_hold_max);
+        assert_eq!(r.route(&spent, t1 + hold).expect("routable").hold, None);
+        // The first token arrives: the prefix is done and the held request goes to b now.
+        let t2 = t0 + ms(400);
+        r.first_token(&mut ticket, ms(400), t2);
+        let route = r.route(&again, t2).expect("routable");
+        assert_eq!(route.backends[0], b);
+        assert_eq!(route.hold, None);
+        r.end_attempt(ticket, Outcome::Success, t2);
+        // With holding off, the second start is sent at once.
+        let mut r = router(Policy::CostAware, 4);
+        r.cfg.cost.prefill_hold_max = Duration::ZERO;
+        let b = r.route(&first, t0).expect("routable").backends[0];
+        let t = r.start_attempt(b, &first, t0);
+        assert_eq!(r.route(&second, t1).expect("routable").hold, None);
+        r.end_attempt(t, Outcome::Success, t1);
+    }
+
+    #[test]
+    fn a_failed_prefill_leaves_nothing_pending() {
+        let t0 = Instant::now();
+        let mut r = router(Policy::CostAware, 2);
+        let first = first_turn(0);
+        let b = r.route(&first, t0).expect("routable").backends[0];
+        let t = r.start_attempt(b, &first, t0);
+        r.end_attempt(t, Outcome::ServerError, t0 + ms(10));
+        assert_eq!(
+            r.route(&first_turn(1), t0 + ms(20)).expect("routable").hold,
+            None
+        );
     }
 
     #[test]
