@@ -137,6 +137,10 @@ pub struct RoutingSettings {
     /// A conversation leaves its home when the home's expected TTFT exceeds this many times
     /// the cheapest backend's.
     pub home_max_cost_ratio: f64,
+    /// Longest a request waits, in all, for a backend that is prefilling the request's
+    /// prompt prefix for another request right now (`cost` policy), milliseconds; 0 never
+    /// waits.
+    pub prefill_hold_max_ms: u64,
 }
 
 impl Default for RoutingSettings {
@@ -156,6 +160,7 @@ impl Default for RoutingSettings {
             load_bound_floor: 2,
             load_bound_home_epsilon: 4.0,
             home_max_cost_ratio: 4.0,
+            prefill_hold_max_ms: 500,
         }
     }
 }
@@ -523,6 +528,13 @@ impl GatewayConfig {
                 "routing.home_max_cost_ratio",
                 "a number in [1, 1000]",
                 r.home_max_cost_ratio,
+            ));
+        }
+        if r.prefill_hold_max_ms > 10_000 {
+            return Err(bad(
+                "routing.prefill_hold_max_ms",
+                "in 0..=10000 (0 never holds)",
+                r.prefill_hold_max_ms,
             ));
         }
         if self.region.is_empty() {
@@ -912,7 +924,8 @@ mod tests {
         const B: &str = "[[backends]]\nurl = \"http://127.0.0.1:8000\"\n";
         let c = GatewayConfig::from_toml_str(&format!(
             "[routing]\nprefix_capacity_blocks = 512\nload_bound_epsilon = 1.0\n\
-             load_bound_floor = 3\nload_bound_home_epsilon = 4\nhome_max_cost_ratio = 1.5\n{B}"
+             load_bound_floor = 3\nload_bound_home_epsilon = 4\nhome_max_cost_ratio = 1.5\n\
+             prefill_hold_max_ms = 250\n{B}"
         ))
         .expect("valid");
         let r = &c.routing;
@@ -921,7 +934,9 @@ mod tests {
         assert_eq!(r.load_bound_floor, 3);
         assert_eq!(r.load_bound_home_epsilon, 4.0);
         assert_eq!(r.home_max_cost_ratio, 1.5);
+        assert_eq!(r.prefill_hold_max_ms, 250);
         let d = RoutingSettings::default();
+        assert_eq!(d.prefill_hold_max_ms, 500);
         assert_eq!(
             d.prefix_capacity_blocks,
             tokenway_router::DEFAULT_PREFIX_CAPACITY_BLOCKS
@@ -945,6 +960,10 @@ mod tests {
                 "routing.home_max_cost_ratio must be a number in [1, 1000]",
             ),
             ("load_bound_epsilon = \"wide\"", "load_bound_epsilon"),
+            (
+                "prefill_hold_max_ms = 10001",
+                "routing.prefill_hold_max_ms must be in 0..=10000",
+            ),
         ] {
             let e = GatewayConfig::from_toml_str(&format!("[routing]\n{line}\n{B}")).unwrap_err();
             assert!(e.to_string().contains(key), "{key}: {e}");
