@@ -74,6 +74,10 @@ pub(crate) struct BackendState {
     /// RTT EWMA in seconds and the time of the last sample.
     pub(crate) rtt: Option<(f64, Instant)>,
     pub(crate) load: Option<TimedSignal>,
+    /// Requests the engine runs at once (its batch limit, the knee of its TTFT curve): the
+    /// most it reported running while others waited in its queue. `None` until a load signal
+    /// showed a queue.
+    pub(crate) batch_slots: Option<u32>,
     pub(crate) prefix: PrefixIndex,
     /// Blocks of the prefix index still being prefilled by attempts in flight.
     pub(crate) pending: PendingPrefills,
@@ -102,6 +106,7 @@ impl BackendState {
             rates: RateModel::new(cost),
             rtt: None,
             load: None,
+            batch_slots: None,
             prefix: PrefixIndex::new(prefix_capacity),
             pending: PendingPrefills::default(),
             cache_lookup_blocks: 0,
@@ -143,10 +148,8 @@ impl BackendState {
     pub(crate) fn effective_work(&self, now: Instant, cfg: &CostConfig) -> f64 {
         let unsized_attempts = self.inflight.saturating_sub(self.sized_inflight);
         let mut w = self.work_tokens as f64 + f64::from(unsized_attempts) * self.avg_attempt_work;
-        if let Some(sig) = self.load.as_ref().and_then(|l| l.fresh(now, cfg)) {
-            let external = u64::from(sig.waiting) + u64::from(sig.running);
-            let extra = external.saturating_sub(u64::from(self.inflight));
-            w += extra as f64 * self.avg_attempt_work;
+        if let Some(l) = self.load.as_ref().filter(|l| l.fresh(now, cfg).is_some()) {
+            w += f64::from(l.others()) * self.avg_attempt_work;
         }
         w
     }

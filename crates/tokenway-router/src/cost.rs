@@ -400,9 +400,22 @@ fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
 pub(crate) struct TimedSignal {
     pub(crate) signal: LoadSignal,
     pub(crate) at: Instant,
+    /// This router's attempts in flight on the backend when the signal arrived.
+    pub(crate) inflight_then: u32,
 }
 
 impl TimedSignal {
+    /// Requests the engine reported (running and waiting) beyond this router's own attempts
+    /// at the time: other gateways' load, which lasts while the signal is fresh. Comparing
+    /// the report with the attempts in flight *now* would count this router's own requests
+    /// that have ended since the scrape as someone else's.
+    pub(crate) fn others(&self) -> u32 {
+        self.signal
+            .waiting
+            .saturating_add(self.signal.running)
+            .saturating_sub(self.inflight_then)
+    }
+
     pub(crate) fn fresh(&self, now: Instant, cfg: &CostConfig) -> Option<&LoadSignal> {
         (now.saturating_duration_since(self.at) <= cfg.load_signal_max_age).then_some(&self.signal)
     }

@@ -356,7 +356,7 @@ impl Router {
             self.selector
                 .order(self.policy, &mut cands, self.backends.len());
             if self.policy == Policy::CostAware {
-                let (pos, r) = self.cost_pick(req, &cands);
+                let (pos, r) = self.cost_pick(req, &cands, now);
                 if let Some(pos) = pos {
                     cands[..=pos].rotate_right(1);
                 }
@@ -510,7 +510,12 @@ impl Router {
     ///   Prefix affinity is a strong pull (a cached system prompt saves its whole prefill), and
     ///   without a bound every new conversation that shares a cached prefix queues on the few
     ///   backends holding it; with it, a shared prefix is replicated to a few backends.
-    fn cost_pick(&self, req: &RouteRequest, cands: &[Candidate]) -> (Option<usize>, RouteReason) {
+    fn cost_pick(
+        &self,
+        req: &RouteRequest,
+        cands: &[Candidate],
+        now: Instant,
+    ) -> (Option<usize>, RouteReason) {
         let cost = &self.cfg.cost;
         let (Some(eps), Some(first)) = (cost.load_bound_epsilon, cands.first()) else {
             return (None, RouteReason::LowestCost);
@@ -540,7 +545,8 @@ impl Router {
                         .ceil()
                         .max(f64::from(cost.load_bound_floor))
                 });
-                let home_ok = home_bound.is_none_or(|b| within(home, b))
+                let home_ok = (home_bound.is_none_or(|b| within(home, b))
+                    || self.has_free_slot(home.id, now))
                     && home.cost <= cost.home_max_cost_ratio * first.cost;
                 if home_ok {
                     return ((pos > 0).then_some(pos), RouteReason::Home);
@@ -583,6 +589,24 @@ impl Router {
             Some(p) if p > 0 => (Some(p), RouteReason::LoadBound),
             _ => (None, RouteReason::LowestCost),
         }
+    }
+
+    /// Whether `id` runs fewer requests than its learned batch limit: a request sent there now
+    /// starts at once, so however loaded it is relative to the others, nothing queues (an
+    /// engine's TTFT is flat until its batch is full, then jumps by a whole service time).
+    /// The count is this router's attempts in flight plus, from a fresh engine report, the
+    /// requests other gateways had there.
+    fn has_free_slot(&self, id: BackendId, now: Instant) -> bool {
+        let b = &self.backends[id.0];
+        let Some(slots) = b.batch_slots else {
+            return false;
+        };
+        let others = b
+            .load
+            .as_ref()
+            .filter(|l| l.fresh(now, &self.cfg.cost).is_some())
+            .map_or(0, TimedSignal::others);
+        b.inflight.saturating_add(others) < slots
     }
 
     /// The position in `cands` of the session's rendezvous backend, and the reason.
@@ -918,7 +942,14 @@ impl Router {
     /// fresh (`cost.load_signal_max_age`).
     pub fn on_load_signal(&mut self, id: BackendId, signal: LoadSignal, now: Instant) {
         if let Some(b) = self.backends.get_mut(id.0) {
-            b.load = Some(TimedSignal { signal, at: now });
+            b.load = Some(TimedSignal {
+                signal,
+                at: now,
+                inflight_then: b.inflight,
+            });
+            if signal.waiting > 0 && signal.running > 0 {
+                b.batch_slots = Some(b.batch_slots.unwrap_or(0).max(signal.running));
+            }
         }
     }
 
@@ -1380,6 +1411,80 @@ mod tests {
         for t in open {
             r.end_attempt(t, Outcome::Success, now);
         }
+    }
+
+    #[test]
+    fn a_home_with_a_free_batch_slot_keeps_its_conversation_at_any_relative_load() {
+        let now = Instant::now();
+        let mut r = router(Policy::CostAware, 4);
+        share_system_prompt(&mut r, BackendId(0), now);
+        let t = r.start_attempt(BackendId(0), &first_turn(0), now);
+        r.end_attempt(t, Outcome::Success, now);
+        let other = RouteRequest::new(M).with_prompt_tokens(10);
+        // Low load: two at home, nothing elsewhere; the home bound (floor 2) is reached.
+        let mut open = vec![
+            r.start_attempt(BackendId(0), &other, now),
+            r.start_attempt(BackendId(0), &other, now),
+        ];
+        assert_eq!(
+            r.route(&second_turn(), now).expect("routable").reason,
+            RouteReason::LeftHome
+        );
+        // The engine once reported 4 running with a queue: it runs 4 at once, so with 2 in
+        // flight a turn sent home starts at once.
+        let signal = LoadSignal {
+            waiting: 1,
+            running: 4,
+            kv_cache_usage: None,
+        };
+        r.on_load_signal(BackendId(0), signal, now);
+        assert_eq!(r.backends[0].batch_slots, Some(4));
+        let full = r.start_attempt(BackendId(0), &other, now);
+        let t1 = now + Duration::from_secs(6);
+        let route = r.route(&second_turn(), t1).expect("routable");
+        assert_eq!(
+            (route.backends[0], route.reason),
+            (BackendId(0), RouteReason::Home)
+        );
+        // Full (4 in flight): the relative bound decides again.
+        open.push(full);
+        open.push(r.start_attempt(BackendId(0), &other, t1));
+        assert_eq!(
+            r.route(&second_turn(), t1).expect("routable").reason,
+            RouteReason::LeftHome
+        );
+        for t in open {
+            r.end_attempt(t, Outcome::Success, t1);
+        }
+    }
+
+    #[test]
+    fn an_engine_report_counts_only_other_gateways_requests() {
+        let now = Instant::now();
+        let mut r = router(Policy::CostAware, 2);
+        let req = RouteRequest::new(M).with_prompt_tokens(100);
+        let mine: Vec<_> = (0..3)
+            .map(|_| r.start_attempt(BackendId(0), &req, now))
+            .collect();
+        // The engine runs our three and two from another gateway.
+        let signal = LoadSignal {
+            waiting: 0,
+            running: 5,
+            kv_cache_usage: None,
+        };
+        r.on_load_signal(BackendId(0), signal, now);
+        for t in mine {
+            r.end_attempt(t, Outcome::Success, now);
+        }
+        // Ours ended since the scrape; the other gateway's two still count while the report
+        // is fresh, ours do not.
+        let b = &r.backends[0];
+        let work = b.effective_work(now, &r.cfg.cost);
+        assert!(
+            (work - 2.0 * b.avg_attempt_work).abs() < 1e-9,
+            "{work} vs {}",
+            b.avg_attempt_work
+        );
     }
 
     #[test]

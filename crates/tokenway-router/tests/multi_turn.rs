@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokenway_router::{
-    prompt_blocks, AttemptTicket, BackendId, BackendSpec, Outcome, Policy, RouteReason,
+    prompt_blocks, AttemptTicket, BackendId, BackendSpec, LoadSignal, Outcome, Policy, RouteReason,
     RouteRequest, Router, RouterConfig,
 };
 
@@ -182,6 +182,8 @@ enum Event {
     /// Request slot index.
     FirstToken(usize),
     End(usize),
+    /// The gateway scrapes every engine's `/metrics` (running and waiting requests).
+    Scrape,
 }
 
 struct InFlight {
@@ -260,6 +262,14 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
     };
     for (c, conv) in convs.iter().enumerate() {
         push(&mut heap, conv.start, Event::Arrive(c, 0));
+    }
+    let scrape = std::env::var("MT_SCRAPE_MS")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .unwrap_or(2000.0)
+        / 1e3;
+    if scrape > 0.0 {
+        push(&mut heap, scrape, Event::Scrape);
     }
     let mut reqs: Vec<InFlight> = Vec::new();
     let mut ttfts = Vec::new();
@@ -442,6 +452,19 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
                     * TPOT_SECS
                     * (1.0 + BATCH_PENALTY * (e.running.max(1) - 1) as f64);
                 push(&mut heap, now + decode, Event::End(r));
+            }
+            Event::Scrape => {
+                for (i, e) in engines.iter().enumerate() {
+                    let signal = LoadSignal {
+                        waiting: e.queue.len() as u32,
+                        running: e.running as u32,
+                        kv_cache_usage: None,
+                    };
+                    router.on_load_signal(BackendId(i), signal, at(now));
+                }
+                if !heap.is_empty() {
+                    push(&mut heap, now + scrape, Event::Scrape);
+                }
             }
             Event::End(r) => {
                 let (conv, turn, b) = (reqs[r].conv, reqs[r].turn, reqs[r].backend);
