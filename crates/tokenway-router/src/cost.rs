@@ -329,11 +329,30 @@ impl RateModel {
         let x = [1.0, uncached_tokens / 1000.0, work_ahead / 1000.0];
         let y = ttft_minus_rtt.max(0.0);
         let g = cfg.forgetting;
+        // Directional forgetting (Kulhavý 1987): discount the old information only along the
+        // direction the new sample measures. Most first tokens look alike (a short uncached
+        // tail, little work ahead); uniform forgetting let those wash out the rare samples
+        // that tell the prefill rate from the overhead (a cold system prompt), and the fit
+        // sat at its priors. Along `v = R x` a fraction `1 − g` of the information `R`
+        // goes, and `r` is discounted consistently (`r' = R' θ` for the old least-squares
+        // `θ`), so the step alone does not move the fit.
+        let v: [f64; 3] = std::array::from_fn(|i| (0..3).map(|j| self.xx[i][j] * x[j]).sum());
+        let s: f64 = (0..3).map(|i| x[i] * v[i]).sum();
+        let xr: f64 = (0..3).map(|i| x[i] * self.xy[i]).sum();
+        if s > 1e-12 && s.is_finite() {
+            let k = (1.0 - g) / s;
+            for i in 0..3 {
+                for j in 0..3 {
+                    self.xx[i][j] -= k * v[i] * v[j];
+                }
+                self.xy[i] -= k * v[i] * xr;
+            }
+        }
         for i in 0..3 {
             for j in 0..3 {
-                self.xx[i][j] = g * self.xx[i][j] + x[i] * x[j];
+                self.xx[i][j] += x[i] * x[j];
             }
-            self.xy[i] = g * self.xy[i] + x[i] * y;
+            self.xy[i] += x[i] * y;
         }
         self.samples += 1;
         self.refit(cfg);
@@ -455,6 +474,27 @@ mod tests {
         let rate = m.prefill_rate();
         assert!((3600.0..4400.0).contains(&rate), "{rate}");
         assert!((0.0..0.05).contains(&m.overhead()), "{}", m.overhead());
+    }
+
+    #[test]
+    fn rate_model_keeps_the_rare_long_prefills_that_separate_rate_from_overhead() {
+        let cfg = CostConfig::default();
+        let mut m = RateModel::new(&cfg);
+        // True engine: 20 ms + tokens / 5000 tok/s. Nearly every request prefills ~360
+        // tokens (a conversation's new turn); one in 40 prefills a 2,200-token system prompt.
+        for i in 0..2000u32 {
+            let tokens = if i % 40 == 0 {
+                2200.0
+            } else {
+                f64::from(340 + (i * 7) % 40)
+            };
+            m.observe(0.02 + tokens / 5000.0, tokens, 0.0, &cfg);
+        }
+        // Uniform forgetting (0.97 per sample) forgot each long prefill within ~30 samples,
+        // and the fit sat near its priors (10,000 tokens/s, 50 ms).
+        let rate = m.prefill_rate();
+        assert!((4500.0..5600.0).contains(&rate), "{rate}");
+        assert!((0.01..0.03).contains(&m.overhead()), "{}", m.overhead());
     }
 
     #[test]
