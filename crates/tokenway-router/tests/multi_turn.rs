@@ -11,8 +11,9 @@
 //! they also list each slow request, each backend change (with both backends' learned rates),
 //! the final rates, the number of holds, and every first turn of the first 3 s with where each
 //! backend stands. `report_tail` lists the 20 slowest requests per seed (`MT_SEEDS`, and
-//! `MT_CAP` / `MT_HOLD_MS` / `MT_SHARE_EPS` to vary the index size, the hold and the share
-//! slack).
+//! `MT_CAP` / `MT_HOLD_MS` / `MT_SHARE_EPS` / `MT_SCRAPE_MS` / `MT_KNEE` to vary the index
+//! size, the hold, the share slack, the load-report interval (0: none) and whether the
+//! engines' batch limit is known from the start).
 //!
 //! A request the router holds ([`tokenway_router::Route::hold`]) is routed again after the
 //! hold, as the gateway does; its TTFT counts from its first arrival.
@@ -262,6 +263,19 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
     };
     for (c, conv) in convs.iter().enumerate() {
         push(&mut heap, conv.start, Event::Arrive(c, 0));
+    }
+    // With `MT_KNEE`, every backend's batch limit is known from the start (an old report of
+    // a full batch), as if the operator had configured it.
+    if std::env::var_os("MT_KNEE").is_some() {
+        for i in 0..8 {
+            let full = LoadSignal {
+                waiting: 1,
+                running: SLOTS as u32,
+                kv_cache_usage: None,
+            };
+            let long_ago = at(0.0).checked_sub(Duration::from_secs(60)).unwrap_or(t0);
+            router.on_load_signal(BackendId(i), full, long_ago);
+        }
     }
     let scrape = std::env::var("MT_SCRAPE_MS")
         .ok()
