@@ -141,6 +141,9 @@ pub struct RoutingSettings {
     /// prompt prefix for another request right now (`cost` policy), milliseconds; 0 never
     /// waits.
     pub prefill_hold_max_ms: u64,
+    /// Requests each backend engine runs at once (vLLM `--max-num-seqs`, SGLang
+    /// `--max-running-requests`); 0 learns it per backend from its load reports.
+    pub batch_slots: u32,
 }
 
 impl Default for RoutingSettings {
@@ -161,6 +164,7 @@ impl Default for RoutingSettings {
             load_bound_home_epsilon: 4.0,
             home_max_cost_ratio: 4.0,
             prefill_hold_max_ms: 500,
+            batch_slots: 0,
         }
     }
 }
@@ -528,6 +532,13 @@ impl GatewayConfig {
                 "routing.home_max_cost_ratio",
                 "a number in [1, 1000]",
                 r.home_max_cost_ratio,
+            ));
+        }
+        if r.batch_slots > 1_000_000 {
+            return Err(bad(
+                "routing.batch_slots",
+                "in 0..=1000000 (0 learns it from the engines' load reports)",
+                r.batch_slots,
             ));
         }
         if r.prefill_hold_max_ms > 10_000 {
@@ -925,7 +936,7 @@ mod tests {
         let c = GatewayConfig::from_toml_str(&format!(
             "[routing]\nprefix_capacity_blocks = 512\nload_bound_epsilon = 1.0\n\
              load_bound_floor = 3\nload_bound_home_epsilon = 4\nhome_max_cost_ratio = 1.5\n\
-             prefill_hold_max_ms = 250\n{B}"
+             prefill_hold_max_ms = 250\nbatch_slots = 8\n{B}"
         ))
         .expect("valid");
         let r = &c.routing;
@@ -935,6 +946,7 @@ mod tests {
         assert_eq!(r.load_bound_home_epsilon, 4.0);
         assert_eq!(r.home_max_cost_ratio, 1.5);
         assert_eq!(r.prefill_hold_max_ms, 250);
+        assert_eq!(r.batch_slots, 8);
         let d = RoutingSettings::default();
         assert_eq!(d.prefill_hold_max_ms, 500);
         assert_eq!(
@@ -960,6 +972,10 @@ mod tests {
                 "routing.home_max_cost_ratio must be a number in [1, 1000]",
             ),
             ("load_bound_epsilon = \"wide\"", "load_bound_epsilon"),
+            (
+                "batch_slots = 1000001",
+                "routing.batch_slots must be in 0..=1000000",
+            ),
             (
                 "prefill_hold_max_ms = 10001",
                 "routing.prefill_hold_max_ms must be in 0..=10000",

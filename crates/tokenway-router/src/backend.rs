@@ -45,6 +45,9 @@ pub struct BackendSpec {
     pub prefix_capacity_blocks: Option<usize>,
 }
 
+/// Most attempts whose expected end one backend tracks.
+pub(crate) const MAX_TRACKED_ENDS: usize = 4096;
+
 /// Smoothing of the RTT EWMA: weight of a new sample.
 const RTT_ALPHA: f64 = 0.3;
 
@@ -78,6 +81,12 @@ pub(crate) struct BackendState {
     /// most it reported running while others waited in its queue. `None` until a load signal
     /// showed a queue.
     pub(crate) batch_slots: Option<u32>,
+    /// Expected end of each sized attempt in flight, by ticket serial (at most
+    /// [`MAX_TRACKED_ENDS`]): when the batch is full, a new request starts when the earliest
+    /// of them ends.
+    pub(crate) ends: Vec<(u64, Instant)>,
+    /// EWMA of seconds per output token from first token to end (`None` before a sample).
+    pub(crate) decode_secs_per_token: Option<f64>,
     pub(crate) prefix: PrefixIndex,
     /// Blocks of the prefix index still being prefilled by attempts in flight.
     pub(crate) pending: PendingPrefills,
@@ -107,6 +116,8 @@ impl BackendState {
             rtt: None,
             load: None,
             batch_slots: None,
+            ends: Vec::new(),
+            decode_secs_per_token: None,
             prefix: PrefixIndex::new(prefix_capacity),
             pending: PendingPrefills::default(),
             cache_lookup_blocks: 0,

@@ -103,6 +103,13 @@ pub struct CostConfig {
     /// prefilling that part again anywhere, the router answers "hold" and the gateway routes
     /// the request again when the prefill should be done, at most this long in all.
     pub prefill_hold_max: Duration,
+    /// Requests each engine runs at once, when the operator knows it (vLLM
+    /// `--max-num-seqs`, SGLang `--max-running-requests`); `None` (default) learns each
+    /// backend's from its load reports (the most it reported running while others waited),
+    /// which takes a report that caught the engine full. The `cost` policy keeps a
+    /// conversation home while home has a free slot, and when home is full compares the wait
+    /// for its first slot with another backend that has one.
+    pub batch_slots: Option<u32>,
 }
 
 impl Default for CostConfig {
@@ -128,6 +135,7 @@ impl Default for CostConfig {
             share_epsilon: Some(0.25),
             share_window: Duration::from_secs(10),
             prefill_hold_max: Duration::from_millis(500),
+            batch_slots: None,
         }
     }
 }
@@ -204,6 +212,15 @@ impl CostConfig {
                 "in [0.1, 3600] seconds",
                 self.share_window.as_secs_f64(),
             ));
+        }
+        if let Some(n) = self.batch_slots {
+            if !(1..=1_000_000).contains(&n) {
+                return Err(InvalidSetting::new(
+                    "cost.batch_slots",
+                    "in [1, 1000000]",
+                    f64::from(n),
+                ));
+            }
         }
         if self.prefill_hold_max > Duration::from_secs(10) {
             return Err(InvalidSetting::new(

@@ -14,7 +14,9 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use crate::affinity::{self, Slot};
-use crate::backend::{normalize, BackendId, BackendSpec, BackendState, BackendView};
+use crate::backend::{
+    normalize, BackendId, BackendSpec, BackendState, BackendView, MAX_TRACKED_ENDS,
+};
 use crate::config::RouterConfig;
 use crate::cost::{kv_penalty, LoadSignal, TimedSignal};
 use crate::error::RouteError;
@@ -128,6 +130,9 @@ pub struct AttemptTicket {
     /// Blocks this attempt prefills that no attempt had cached or started before it; pending
     /// on its backend until its first token (see [`crate::pending`]).
     pending: Vec<BlockHash>,
+    /// Identifies its expected end in its backend's `ends`.
+    serial: u64,
+    first_token_at: Option<Instant>,
 }
 
 impl AttemptTicket {
@@ -173,6 +178,8 @@ pub struct Router {
     selector: Selector,
     hedge_budget: HedgeBudget,
     hedges_sent: u64,
+    /// Serial of the next attempt ticket.
+    next_serial: u64,
 }
 
 impl Router {
@@ -192,6 +199,7 @@ impl Router {
             backends: Vec::new(),
             selector: Selector::new(seed),
             hedges_sent: 0,
+            next_serial: 0,
         }
     }
 
@@ -548,13 +556,29 @@ impl Router {
                 let home_ok = (home_bound.is_none_or(|b| within(home, b))
                     || self.has_free_slot(home.id, now))
                     && home.cost <= cost.home_max_cost_ratio * first.cost;
+                let limit = home_bound.unwrap_or(f64::INFINITY);
                 if home_ok {
+                    // A full home: the turn waits for the earliest of its batch to end. A
+                    // backend with a free slot may be sooner even with the history to prefill.
+                    if let Some(wait) = self.queue_wait(home.id, now).filter(|w| *w > 0.0) {
+                        let alt = cands
+                            .iter()
+                            .enumerate()
+                            .filter(|(i, c)| {
+                                *i != pos && within(c, limit) && self.has_free_slot(c.id, now)
+                            })
+                            .min_by(|a, b| a.1.cost.total_cmp(&b.1.cost));
+                        if let Some((alt, c)) = alt {
+                            if c.cost < home.cost + wait {
+                                return ((alt > 0).then_some(alt), RouteReason::LeftHome);
+                            }
+                        }
+                    }
                     return ((pos > 0).then_some(pos), RouteReason::Home);
                 }
                 // Leave for the cheapest backend that is not overloaded itself: the home
                 // bound, not the tight one, so the history's system prompt is usually still
                 // cached there rather than prefilled on an idle stranger.
-                let limit = home_bound.unwrap_or(f64::INFINITY);
                 let alt = cands
                     .iter()
                     .enumerate()
@@ -598,7 +622,7 @@ impl Router {
     /// requests other gateways had there.
     fn has_free_slot(&self, id: BackendId, now: Instant) -> bool {
         let b = &self.backends[id.0];
-        let Some(slots) = b.batch_slots else {
+        let Some(slots) = self.cfg.cost.batch_slots.or(b.batch_slots) else {
             return false;
         };
         let others = b
@@ -607,6 +631,39 @@ impl Router {
             .filter(|l| l.fresh(now, &self.cfg.cost).is_some())
             .map_or(0, TimedSignal::others);
         b.inflight.saturating_add(others) < slots
+    }
+
+    /// Expected seconds a request sent to `id` now waits for a batch slot: 0 with a free
+    /// slot; when the batch is full (this gateway's attempts in flight plus other gateways'
+    /// from a fresh report, at or over the learned batch limit), the time until as many
+    /// attempts have ended as it takes to free one, from each attempt's expected end (its
+    /// expected first token, then its output tokens at the learned decode time). `None`
+    /// without a learned batch limit or decode time, or when attempts of unknown end are
+    /// among those it waits for.
+    fn queue_wait(&self, id: BackendId, now: Instant) -> Option<f64> {
+        let b = &self.backends[id.0];
+        let slots = self.cfg.cost.batch_slots.or(b.batch_slots)?;
+        b.decode_secs_per_token?;
+        let others = b
+            .load
+            .as_ref()
+            .filter(|l| l.fresh(now, &self.cfg.cost).is_some())
+            .map_or(0, TimedSignal::others);
+        let n = b.inflight.saturating_add(others);
+        if n < slots {
+            return Some(0.0);
+        }
+        let k = (n - slots) as usize;
+        if k >= b.ends.len() {
+            return None;
+        }
+        let mut left: Vec<f64> = b
+            .ends
+            .iter()
+            .map(|e| e.1.saturating_duration_since(now).as_secs_f64())
+            .collect();
+        let (_, kth, _) = left.select_nth_unstable_by(k, f64::total_cmp);
+        Some(*kth)
     }
 
     /// The position in `cands` of the session's rendezvous backend, and the reason.
@@ -716,7 +773,10 @@ impl Router {
             first_token: false,
             stalled: false,
             pending: Vec::new(),
+            serial: self.next_serial,
+            first_token_at: None,
         };
+        self.next_serial = self.next_serial.wrapping_add(1);
         let Some(b) = self.backends.get(id.0) else {
             return ticket;
         };
@@ -735,6 +795,12 @@ impl Router {
         b.cache_lookup_blocks += req.blocks.len() as u64;
         b.cache_hit_blocks += est.cached_blocks as u64;
         b.prefix.insert(&req.blocks);
+        if b.ends.len() < MAX_TRACKED_ENDS {
+            let decode = b.decode_secs_per_token.unwrap_or(0.0) * output_tokens as f64;
+            let end = Duration::try_from_secs_f64(est.ttft + decode).unwrap_or(Duration::MAX);
+            b.ends
+                .push((ticket.serial, now + end.min(Duration::from_secs(3600))));
+        }
         let new = &req.blocks[est.cached_blocks.min(req.blocks.len())..];
         if !self.cfg.cost.prefill_hold_max.is_zero() && !new.is_empty() {
             let ready_at = now + ticket.expected_ttft().min(Duration::from_secs(3600));
@@ -764,6 +830,12 @@ impl Router {
         let b = self.backends.get_mut(ticket.id.0)?;
         b.work_tokens = b.work_tokens.saturating_sub(ticket.prefill_tokens);
         b.pending.remove(&std::mem::take(&mut ticket.pending));
+        ticket.first_token_at = Some(now);
+        if let Some(e) = b.ends.iter_mut().find(|e| e.0 == ticket.serial) {
+            let decode = b.decode_secs_per_token.unwrap_or(0.0) * ticket.output_tokens as f64;
+            let left = Duration::try_from_secs_f64(decode).unwrap_or(Duration::MAX);
+            e.1 = now + left.min(Duration::from_secs(3600));
+        }
         b.rates.observe(
             ttft.as_secs_f64() - b.rtt_secs(),
             ticket.prefill_tokens as f64,
@@ -824,6 +896,19 @@ impl Router {
             work += ticket.prefill_tokens;
         }
         b.pending.remove(&ticket.pending);
+        if let Some(i) = b.ends.iter().position(|e| e.0 == ticket.serial) {
+            b.ends.swap_remove(i);
+        }
+        if let (Outcome::Success, Some(first), true) =
+            (outcome, ticket.first_token_at, ticket.output_tokens > 0)
+        {
+            let per_token =
+                now.saturating_duration_since(first).as_secs_f64() / ticket.output_tokens as f64;
+            b.decode_secs_per_token = Some(match b.decode_secs_per_token {
+                None => per_token,
+                Some(v) => v + 0.2 * (per_token - v),
+            });
+        }
         b.work_tokens = b.work_tokens.saturating_sub(work);
         let t = if ticket.trial {
             let verdict = match outcome {
@@ -1455,6 +1540,61 @@ mod tests {
         );
         for t in open {
             r.end_attempt(t, Outcome::Success, t1);
+        }
+    }
+
+    #[test]
+    fn a_full_home_is_left_for_a_free_slot_only_when_its_wait_is_longer_than_the_move() {
+        let t0 = Instant::now();
+        let mut r = router(Policy::CostAware, 4);
+        r.cfg.cost.batch_slots = Some(2);
+        share_system_prompt(&mut r, BackendId(0), t0);
+        share_system_prompt(&mut r, BackendId(1), t0);
+        // Teach b0 its decode time: 32 tokens in 320 ms, 10 ms per token.
+        let short = RouteRequest::new(M)
+            .with_prompt_tokens(10)
+            .with_max_output_tokens(32);
+        let mut t = r.start_attempt(BackendId(0), &short, t0);
+        r.first_token(&mut t, ms(20), t0 + ms(20));
+        r.end_attempt(t, Outcome::Success, t0 + ms(340));
+        assert_eq!(r.backends[0].decode_secs_per_token, Some(0.01));
+        let t = r.start_attempt(BackendId(0), &first_turn(0), t0);
+        r.end_attempt(t, Outcome::Success, t0);
+        // Home b0 is full: two attempts that started just now (each ends in ~0.35 s). The
+        // others are as loaded (b1 with one slot free), so the relative home bound holds.
+        let t1 = t0 + ms(400);
+        let mut open = vec![
+            r.start_attempt(BackendId(0), &short, t1),
+            r.start_attempt(BackendId(0), &short, t1),
+        ];
+        for i in [1, 2, 2, 3, 3] {
+            open.push(r.start_attempt(BackendId(i), &short, t1));
+        }
+        let route = r.route(&second_turn(), t1).expect("routable");
+        assert_eq!(route.reason, RouteReason::LeftHome);
+        assert_eq!(
+            route.backends[0],
+            BackendId(1),
+            "b1 holds the system prompt"
+        );
+        // Nearly done (350 ms later, a few ms left): waiting at home beats prefilling the
+        // 640 more uncached tokens on b1.
+        let t2 = t1 + ms(350);
+        let route = r.route(&second_turn(), t2).expect("routable");
+        assert_eq!(
+            (route.backends[0], route.reason),
+            (BackendId(0), RouteReason::Home)
+        );
+        // With a free slot at home, home goes first.
+        let t = open.swap_remove(0);
+        r.end_attempt(t, Outcome::Success, t2);
+        let route = r.route(&second_turn(), t2).expect("routable");
+        assert_eq!(
+            (route.backends[0], route.reason),
+            (BackendId(0), RouteReason::Home)
+        );
+        for t in open {
+            r.end_attempt(t, Outcome::Success, t2);
         }
     }
 

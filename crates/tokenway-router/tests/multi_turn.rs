@@ -538,12 +538,17 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
 
 /// The bench's settings for the router: default config with the prefix index sized like the
 /// sims' caches plus a quarter (32,768 tokens × 4 B / 256 B blocks × 5 / 4), as
-/// docs/config.md tells operators to size it.
+/// docs/config.md tells operators to size it, and the engines' batch limit (4 slots), as an
+/// operator sets it from the engine's flags (`MT_LEARN_SLOTS=1` leaves it to be learned).
 fn bench_config() -> RouterConfig {
-    RouterConfig {
+    let mut cfg = RouterConfig {
         prefix_capacity_blocks: CACHE_TOKENS * BYTES_PER_TOKEN / ROUTER_BLOCK_BYTES * 5 / 4,
         ..RouterConfig::default()
+    };
+    if std::env::var_os("MT_LEARN_SLOTS").is_none() {
+        cfg.cost.batch_slots = Some(SLOTS as u32);
     }
+    cfg
 }
 
 #[test]
