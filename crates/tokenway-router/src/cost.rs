@@ -16,9 +16,10 @@
 //!   the backend's [prefix index](crate::prefix) does not hold.
 //! - `overhead`, `1 / prefill rate` and `1 / throughput` are learned per backend, online, from
 //!   every first token: each sample is `y = ttft − rtt` against `x = (1, uncached kilotokens,
-//!   work ahead in kilotokens)`, fitted by exponentially forgetting ridge regression towards
-//!   configured priors (a recursive least-squares variant; the ridge term keeps the fit defined
-//!   when requests look alike and pulls it back to the priors when there is little data). The
+//!   work ahead in kilotokens)`, fitted by ridge regression with directional forgetting
+//!   towards configured priors (a recursive least-squares variant; the ridge term keeps the fit
+//!   defined when requests look alike and holds it at the priors in directions no sample has
+//!   measured; each sample forgets old data only along its own direction). The
 //!   results are clamped to configured ranges, so one odd sample cannot make a backend look free.
 //! - `region_penalty`: configured seconds added when the client's region is known and differs
 //!   from the backend's.

@@ -94,7 +94,6 @@ impl PendingPrefills {
     }
 
     /// Blocks pending.
-    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.blocks.len()
     }
