@@ -467,10 +467,15 @@ async fn start_gateway(
     policy: &str,
     backends: &[(String, SocketAddr)],
 ) -> Result<(ChildProcess, SocketAddr), BenchError> {
-    // The router's prefix index is sized like the sims' KV caches, as an operator sizes it
-    // from the engine's reported cache (docs/config.md, `routing.prefix_capacity_blocks`).
+    // The router's prefix index is sized from the sims' KV caches as an operator sizes it
+    // from the engine's reported cache (docs/config.md, `routing.prefix_capacity_blocks`:
+    // cached tokens × 4 / block_bytes, plus a quarter for the JSON framing and the partial
+    // last block of every prompt, which the index counts and the engine does not).
     let prefix_capacity_blocks =
-        opts.sim.prefix_cache_tokens * opts.sim.bytes_per_token / GATEWAY_BLOCK_BYTES;
+        opts.sim.prefix_cache_tokens * opts.sim.bytes_per_token / GATEWAY_BLOCK_BYTES * 5 / 4;
+    // The engines' batch limit, as an operator sets it from the engine's flags (vLLM
+    // `--max-num-seqs`); the sims run `max_concurrency` requests at once.
+    let batch_slots = opts.sim.max_concurrency;
     // An experiment knob: further `[routing]` keys, one `key = value` per `;`-separated item
     // (for example `load_bound_epsilon = 1.0`); visible in the generated config.
     let extra: String = std::env::var("TOKENWAY_BENCH_ROUTING_KEYS")
@@ -485,7 +490,7 @@ async fn start_gateway(
          listen = \"127.0.0.1:0\"\n\
          policy = \"{policy}\"\n\n\
          [routing]\nblock_bytes = {GATEWAY_BLOCK_BYTES}\n\
-         prefix_capacity_blocks = {prefix_capacity_blocks}\n{extra}\n\
+         prefix_capacity_blocks = {prefix_capacity_blocks}\nbatch_slots = {batch_slots}\n{extra}\n\
          [health]\nprobe_interval_ms = 500\n\n"
     );
     for (name, addr) in backends {

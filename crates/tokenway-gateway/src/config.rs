@@ -137,6 +137,13 @@ pub struct RoutingSettings {
     /// A conversation leaves its home when the home's expected TTFT exceeds this many times
     /// the cheapest backend's.
     pub home_max_cost_ratio: f64,
+    /// Longest a request waits, in all, for a backend that is prefilling the request's
+    /// prompt prefix for another request right now (`cost` policy), milliseconds; 0 never
+    /// waits.
+    pub prefill_hold_max_ms: u64,
+    /// Requests each backend engine runs at once (vLLM `--max-num-seqs`, SGLang
+    /// `--max-running-requests`); 0 learns it per backend from its load reports.
+    pub batch_slots: u32,
 }
 
 impl Default for RoutingSettings {
@@ -156,6 +163,8 @@ impl Default for RoutingSettings {
             load_bound_floor: 2,
             load_bound_home_epsilon: 4.0,
             home_max_cost_ratio: 4.0,
+            prefill_hold_max_ms: 500,
+            batch_slots: 0,
         }
     }
 }
@@ -523,6 +532,20 @@ impl GatewayConfig {
                 "routing.home_max_cost_ratio",
                 "a number in [1, 1000]",
                 r.home_max_cost_ratio,
+            ));
+        }
+        if r.batch_slots > 1_000_000 {
+            return Err(bad(
+                "routing.batch_slots",
+                "in 0..=1000000 (0 learns it from the engines' load reports)",
+                r.batch_slots,
+            ));
+        }
+        if r.prefill_hold_max_ms > 10_000 {
+            return Err(bad(
+                "routing.prefill_hold_max_ms",
+                "in 0..=10000 (0 never holds)",
+                r.prefill_hold_max_ms,
             ));
         }
         if self.region.is_empty() {
@@ -912,7 +935,8 @@ mod tests {
         const B: &str = "[[backends]]\nurl = \"http://127.0.0.1:8000\"\n";
         let c = GatewayConfig::from_toml_str(&format!(
             "[routing]\nprefix_capacity_blocks = 512\nload_bound_epsilon = 1.0\n\
-             load_bound_floor = 3\nload_bound_home_epsilon = 4\nhome_max_cost_ratio = 1.5\n{B}"
+             load_bound_floor = 3\nload_bound_home_epsilon = 4\nhome_max_cost_ratio = 1.5\n\
+             prefill_hold_max_ms = 250\nbatch_slots = 8\n{B}"
         ))
         .expect("valid");
         let r = &c.routing;
@@ -921,7 +945,10 @@ mod tests {
         assert_eq!(r.load_bound_floor, 3);
         assert_eq!(r.load_bound_home_epsilon, 4.0);
         assert_eq!(r.home_max_cost_ratio, 1.5);
+        assert_eq!(r.prefill_hold_max_ms, 250);
+        assert_eq!(r.batch_slots, 8);
         let d = RoutingSettings::default();
+        assert_eq!(d.prefill_hold_max_ms, 500);
         assert_eq!(
             d.prefix_capacity_blocks,
             tokenway_router::DEFAULT_PREFIX_CAPACITY_BLOCKS
@@ -945,6 +972,14 @@ mod tests {
                 "routing.home_max_cost_ratio must be a number in [1, 1000]",
             ),
             ("load_bound_epsilon = \"wide\"", "load_bound_epsilon"),
+            (
+                "batch_slots = 1000001",
+                "routing.batch_slots must be in 0..=1000000",
+            ),
+            (
+                "prefill_hold_max_ms = 10001",
+                "routing.prefill_hold_max_ms must be in 0..=10000",
+            ),
         ] {
             let e = GatewayConfig::from_toml_str(&format!("[routing]\n{line}\n{B}")).unwrap_err();
             assert!(e.to_string().contains(key), "{key}: {e}");

@@ -11,7 +11,7 @@ use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use tokenway_router::{prompt_blocks, RouteError, RouteRequest, SessionKind};
+use tokenway_router::{prompt_blocks, Route, RouteError, RouteRequest, SessionKind};
 
 use crate::error::{full, ApiError, ResponseBody};
 use crate::proxy::{self, ProxyRequest};
@@ -179,7 +179,26 @@ where
     let request = Arc::new(route_request(shared, &parts, &meta, peer)?);
     let overflow = crate::overflow::eligible(shared, &parts);
     // A statement of its own: the router's lock must not be held across an await.
-    let routed = shared.router().route(&request, Instant::now());
+    let mut routed = shared.router().route(&request, Instant::now());
+    // The router may say "hold": a backend is prefilling this prompt's prefix for another
+    // request right now. Wait, then route again as a held request; the router bounds the
+    // total by `routing.prefill_hold_max_ms` (docs/routing.md, "Holding for a prefill").
+    let held_since = Instant::now();
+    while let Ok(Route {
+        hold: Some(wait),
+        backends,
+        ..
+    }) = &routed
+    {
+        let wait = *wait;
+        // A hold always names its backend first; without one there is nothing to wait for.
+        let Some(first) = backends.first().copied() else {
+            break;
+        };
+        tokio::time::sleep(wait).await;
+        let again = (*request).clone().with_held(first, held_since.elapsed());
+        routed = shared.router().route(&again, Instant::now());
+    }
     let routed = match routed {
         Ok(routed) => routed,
         // Nothing local can take it (none healthy, all saturated, model not served here).

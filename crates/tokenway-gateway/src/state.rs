@@ -207,6 +207,8 @@ impl Shared {
         router_config.cost.load_bound_floor = r.load_bound_floor;
         router_config.cost.load_bound_home_epsilon = Some(r.load_bound_home_epsilon);
         router_config.cost.home_max_cost_ratio = r.home_max_cost_ratio;
+        router_config.cost.prefill_hold_max = Duration::from_millis(r.prefill_hold_max_ms);
+        router_config.cost.batch_slots = (r.batch_slots > 0).then_some(r.batch_slots);
         router_config.hedge.enabled = r.hedge;
         let mut router = Router::with_config(config.policy, router_config, rand::random());
         let mut upstreams = Vec::with_capacity(config.backends.len());

@@ -13,6 +13,7 @@ use crate::cost::{CostConfig, RateModel, TimedSignal};
 use crate::ewma::{DecayingCount, PeakEwma};
 use crate::health::HealthState;
 use crate::latency::RecentTtfts;
+use crate::pending::PendingPrefills;
 use crate::prefix::PrefixIndex;
 
 /// Index of a backend inside one [`Router`](crate::Router), as returned by
@@ -44,6 +45,9 @@ pub struct BackendSpec {
     pub prefix_capacity_blocks: Option<usize>,
 }
 
+/// Most attempts whose expected end one backend tracks.
+pub(crate) const MAX_TRACKED_ENDS: usize = 4096;
+
 /// Smoothing of the RTT EWMA: weight of a new sample.
 const RTT_ALPHA: f64 = 0.3;
 
@@ -73,7 +77,19 @@ pub(crate) struct BackendState {
     /// RTT EWMA in seconds and the time of the last sample.
     pub(crate) rtt: Option<(f64, Instant)>,
     pub(crate) load: Option<TimedSignal>,
+    /// Requests the engine runs at once (its batch limit, the knee of its TTFT curve): the
+    /// most it reported running while others waited in its queue. `None` until a load signal
+    /// showed a queue.
+    pub(crate) batch_slots: Option<u32>,
+    /// Expected end of each sized attempt in flight, by ticket serial (at most
+    /// [`MAX_TRACKED_ENDS`]): when the batch is full, a new request starts when the earliest
+    /// of them ends.
+    pub(crate) ends: Vec<(u64, Instant)>,
+    /// EWMA of seconds per output token from first token to end (`None` before a sample).
+    pub(crate) decode_secs_per_token: Option<f64>,
     pub(crate) prefix: PrefixIndex,
+    /// Blocks of the prefix index still being prefilled by attempts in flight.
+    pub(crate) pending: PendingPrefills,
     pub(crate) cache_lookup_blocks: u64,
     pub(crate) cache_hit_blocks: u64,
     pub(crate) hedges_won: u64,
@@ -99,7 +115,11 @@ impl BackendState {
             rates: RateModel::new(cost),
             rtt: None,
             load: None,
+            batch_slots: None,
+            ends: Vec::new(),
+            decode_secs_per_token: None,
             prefix: PrefixIndex::new(prefix_capacity),
+            pending: PendingPrefills::default(),
             cache_lookup_blocks: 0,
             cache_hit_blocks: 0,
             hedges_won: 0,
@@ -139,10 +159,8 @@ impl BackendState {
     pub(crate) fn effective_work(&self, now: Instant, cfg: &CostConfig) -> f64 {
         let unsized_attempts = self.inflight.saturating_sub(self.sized_inflight);
         let mut w = self.work_tokens as f64 + f64::from(unsized_attempts) * self.avg_attempt_work;
-        if let Some(sig) = self.load.as_ref().and_then(|l| l.fresh(now, cfg)) {
-            let external = u64::from(sig.waiting) + u64::from(sig.running);
-            let extra = external.saturating_sub(u64::from(self.inflight));
-            w += extra as f64 * self.avg_attempt_work;
+        if let Some(l) = self.load.as_ref().filter(|l| l.fresh(now, cfg).is_some()) {
+            w += f64::from(l.others()) * self.avg_attempt_work;
         }
         w
     }

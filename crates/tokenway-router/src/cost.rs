@@ -16,9 +16,10 @@
 //!   the backend's [prefix index](crate::prefix) does not hold.
 //! - `overhead`, `1 / prefill rate` and `1 / throughput` are learned per backend, online, from
 //!   every first token: each sample is `y = ttft − rtt` against `x = (1, uncached kilotokens,
-//!   work ahead in kilotokens)`, fitted by exponentially forgetting ridge regression towards
-//!   configured priors (a recursive least-squares variant; the ridge term keeps the fit defined
-//!   when requests look alike and pulls it back to the priors when there is little data). The
+//!   work ahead in kilotokens)`, fitted by ridge regression with directional forgetting
+//!   towards configured priors (a recursive least-squares variant; the ridge term keeps the fit
+//!   defined when requests look alike and holds it at the priors in directions no sample has
+//!   measured; each sample forgets old data only along its own direction). The
 //!   results are clamped to configured ranges, so one odd sample cannot make a backend look free.
 //! - `region_penalty`: configured seconds added when the client's region is known and differs
 //!   from the backend's.
@@ -97,6 +98,19 @@ pub struct CostConfig {
     pub share_epsilon: Option<f64>,
     /// Time constant of each backend's decaying count of attempts started (default 10 s).
     pub share_window: Duration,
+    /// Longest a request may be held for a prefill in flight (default 500 ms; zero never
+    /// holds). When the longest cached prefix of a prompt is still being prefilled on a
+    /// backend by another attempt, and waiting for it is expected to be shorter than
+    /// prefilling that part again anywhere, the router answers "hold" and the gateway routes
+    /// the request again when the prefill should be done, at most this long in all.
+    pub prefill_hold_max: Duration,
+    /// Requests each engine runs at once, when the operator knows it (vLLM
+    /// `--max-num-seqs`, SGLang `--max-running-requests`); `None` (default) learns each
+    /// backend's from its load reports (the most it reported running while others waited),
+    /// which takes a report that caught the engine full. The `cost` policy keeps a
+    /// conversation home while home has a free slot, and when home is full compares the wait
+    /// for its first slot with another backend that has one.
+    pub batch_slots: Option<u32>,
 }
 
 impl Default for CostConfig {
@@ -121,6 +135,8 @@ impl Default for CostConfig {
             load_bound_floor: 2,
             share_epsilon: Some(0.25),
             share_window: Duration::from_secs(10),
+            prefill_hold_max: Duration::from_millis(500),
+            batch_slots: None,
         }
     }
 }
@@ -196,6 +212,22 @@ impl CostConfig {
                 "cost.share_window",
                 "in [0.1, 3600] seconds",
                 self.share_window.as_secs_f64(),
+            ));
+        }
+        if let Some(n) = self.batch_slots {
+            if !(1..=1_000_000).contains(&n) {
+                return Err(InvalidSetting::new(
+                    "cost.batch_slots",
+                    "in [1, 1000000]",
+                    f64::from(n),
+                ));
+            }
+        }
+        if self.prefill_hold_max > Duration::from_secs(10) {
+            return Err(InvalidSetting::new(
+                "cost.prefill_hold_max",
+                "in [0, 10] seconds",
+                self.prefill_hold_max.as_secs_f64(),
             ));
         }
         if !(self.home_max_cost_ratio.is_finite() && self.home_max_cost_ratio >= 1.0) {
@@ -315,11 +347,30 @@ impl RateModel {
         let x = [1.0, uncached_tokens / 1000.0, work_ahead / 1000.0];
         let y = ttft_minus_rtt.max(0.0);
         let g = cfg.forgetting;
+        // Directional forgetting (Kulhavý 1987): discount the old information only along the
+        // direction the new sample measures. Most first tokens look alike (a short uncached
+        // tail, little work ahead); uniform forgetting let those wash out the rare samples
+        // that tell the prefill rate from the overhead (a cold system prompt), and the fit
+        // sat at its priors. Along `v = R x` a fraction `1 − g` of the information `R`
+        // goes, and `r` is discounted consistently (`r' = R' θ` for the old least-squares
+        // `θ`), so the step alone does not move the fit.
+        let v: [f64; 3] = std::array::from_fn(|i| (0..3).map(|j| self.xx[i][j] * x[j]).sum());
+        let s: f64 = (0..3).map(|i| x[i] * v[i]).sum();
+        let xr: f64 = (0..3).map(|i| x[i] * self.xy[i]).sum();
+        if s > 1e-12 && s.is_finite() {
+            let k = (1.0 - g) / s;
+            for i in 0..3 {
+                for j in 0..3 {
+                    self.xx[i][j] -= k * v[i] * v[j];
+                }
+                self.xy[i] -= k * v[i] * xr;
+            }
+        }
         for i in 0..3 {
             for j in 0..3 {
-                self.xx[i][j] = g * self.xx[i][j] + x[i] * x[j];
+                self.xx[i][j] += x[i] * x[j];
             }
-            self.xy[i] = g * self.xy[i] + x[i] * y;
+            self.xy[i] += x[i] * y;
         }
         self.samples += 1;
         self.refit(cfg);
@@ -386,9 +437,22 @@ fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
 pub(crate) struct TimedSignal {
     pub(crate) signal: LoadSignal,
     pub(crate) at: Instant,
+    /// This router's attempts in flight on the backend when the signal arrived.
+    pub(crate) inflight_then: u32,
 }
 
 impl TimedSignal {
+    /// Requests the engine reported (running and waiting) beyond this router's own attempts
+    /// at the time: other gateways' load, which lasts while the signal is fresh. Comparing
+    /// the report with the attempts in flight *now* would count this router's own requests
+    /// that have ended since the scrape as someone else's.
+    pub(crate) fn others(&self) -> u32 {
+        self.signal
+            .waiting
+            .saturating_add(self.signal.running)
+            .saturating_sub(self.inflight_then)
+    }
+
     pub(crate) fn fresh(&self, now: Instant, cfg: &CostConfig) -> Option<&LoadSignal> {
         (now.saturating_duration_since(self.at) <= cfg.load_signal_max_age).then_some(&self.signal)
     }
@@ -428,6 +492,27 @@ mod tests {
         let rate = m.prefill_rate();
         assert!((3600.0..4400.0).contains(&rate), "{rate}");
         assert!((0.0..0.05).contains(&m.overhead()), "{}", m.overhead());
+    }
+
+    #[test]
+    fn rate_model_keeps_the_rare_long_prefills_that_separate_rate_from_overhead() {
+        let cfg = CostConfig::default();
+        let mut m = RateModel::new(&cfg);
+        // True engine: 20 ms + tokens / 5000 tok/s. Nearly every request prefills ~360
+        // tokens (a conversation's new turn); one in 40 prefills a 2,200-token system prompt.
+        for i in 0..2000u32 {
+            let tokens = if i % 40 == 0 {
+                2200.0
+            } else {
+                f64::from(340 + (i * 7) % 40)
+            };
+            m.observe(0.02 + tokens / 5000.0, tokens, 0.0, &cfg);
+        }
+        // Uniform forgetting (0.97 per sample) forgot each long prefill within ~30 samples,
+        // and the fit sat near its priors (10,000 tokens/s, 50 ms).
+        let rate = m.prefill_rate();
+        assert!((4500.0..5600.0).contains(&rate), "{rate}");
+        assert!((0.01..0.03).contains(&m.overhead()), "{}", m.overhead());
     }
 
     #[test]

@@ -16,9 +16,11 @@
 //! p2c over peak EWMA), [`cost`] (the cost model and its learned rates), [`prefix`] (prompt
 //! block hashes and the per-backend prefix index), [`affinity`] (rendezvous hashing with
 //! bounded load), [`health`] (ejection, stalls, TTFT outliers, half-open trials), [`hedge`]
-//! (hedging settings and budget), [`request`] (what a request tells the router), [`snapshot`]
+//! (hedging settings and budget), [`request`] (what a request tells the router, and
+//! [`Held`] for a request routed again after a hold), [`snapshot`]
 //! (status JSON), [`config`] (all settings), [`hash`] (the stable hash), [`ewma`] (peak EWMA),
-//! [`error`] (error types).
+//! [`error`] (error types). Private: `pending` (prompt blocks in prefill, for holds), `latency`
+//! (recent TTFTs).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -33,6 +35,7 @@ pub mod hash;
 pub mod health;
 pub mod hedge;
 mod latency;
+mod pending;
 pub mod policy;
 pub mod prefix;
 pub mod request;
@@ -52,6 +55,6 @@ pub use health::{
 pub use hedge::{HedgeConfig, HedgeWinner};
 pub use policy::Policy;
 pub use prefix::{prompt_blocks, BlockHash, PrefixIndex};
-pub use request::{RouteRequest, SessionKey, SessionKind};
+pub use request::{Held, RouteRequest, SessionKey, SessionKind};
 pub use router::{AttemptTicket, Route, RouteReason, Router, DEFAULT_TTFT_ESTIMATE};
 pub use snapshot::{BackendSnapshot, RouterSnapshot};

@@ -93,6 +93,10 @@ pub(crate) struct Candidate {
     pub(crate) cached_blocks: usize,
     /// Recent attempts started (the `cost` policy's share; 0 under the baselines).
     pub(crate) share: f64,
+    /// Of `cached_blocks`, the leading ones not still being prefilled by an attempt in flight.
+    pub(crate) done_blocks: usize,
+    /// When the pending part of `cached_blocks` is expected done (`None`: nothing pending).
+    pub(crate) ready_at: Option<std::time::Instant>,
 }
 
 /// The mutable part of a policy decision: the rotation cursor and the seeded rng.

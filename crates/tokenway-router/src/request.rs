@@ -9,6 +9,7 @@ use std::fmt;
 
 use serde::Serialize;
 
+use crate::backend::BackendId;
 use crate::prefix::BlockHash;
 
 /// Where a session key came from. Placement treats all kinds alike; the kind is reported in
@@ -80,6 +81,17 @@ pub struct RouteRequest {
     pub prompt_tokens: u32,
     /// The request's output limit (`max_tokens` / `max_completion_tokens`), if given.
     pub max_output_tokens: Option<u32>,
+    /// Set when routing it again after a hold ([`Route::hold`](crate::Route::hold)).
+    pub held: Option<Held>,
+}
+
+/// A request that the router told the gateway to hold, routed again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    /// The first backend of the route that said "hold": the one prefilling its prefix.
+    pub backend: BackendId,
+    /// How long the request has been held so far, in all.
+    pub waited: std::time::Duration,
 }
 
 impl RouteRequest {
@@ -118,6 +130,12 @@ impl RouteRequest {
     /// With the output limit.
     pub fn with_max_output_tokens(mut self, tokens: u32) -> Self {
         self.max_output_tokens = Some(tokens);
+        self
+    }
+
+    /// Routed again after being held for `backend`'s prefill, `waited` in all so far.
+    pub fn with_held(mut self, backend: BackendId, waited: std::time::Duration) -> Self {
+        self.held = Some(Held { backend, waited });
         self
     }
 }

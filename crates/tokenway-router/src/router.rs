@@ -14,7 +14,9 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use crate::affinity::{self, Slot};
-use crate::backend::{normalize, BackendId, BackendSpec, BackendState, BackendView};
+use crate::backend::{
+    normalize, BackendId, BackendSpec, BackendState, BackendView, MAX_TRACKED_ENDS,
+};
 use crate::config::RouterConfig;
 use crate::cost::{kv_penalty, LoadSignal, TimedSignal};
 use crate::error::RouteError;
@@ -28,6 +30,10 @@ use crate::snapshot::{BackendSnapshot, RouterSnapshot};
 /// TTFT assumed for a backend before its first sample, so new backends get traffic (and hence
 /// samples) without being preferred over every measured one.
 pub const DEFAULT_TTFT_ESTIMATE: Duration = Duration::from_millis(100);
+
+/// Shortest hold the router asks for: when a prefill in flight is already later than
+/// predicted, the gateway looks again after this long (until `cost.prefill_hold_max`).
+pub const HOLD_POLL: Duration = Duration::from_millis(10);
 
 /// Why the first backend of a [`Route`] was chosen (for logs and the `server-timing` header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -45,6 +51,11 @@ pub enum RouteReason {
     /// A request without a home (a new conversation) whose cheapest backend had more than its
     /// share of recent attempts; this is the cheapest within the share bound (`cost` policy).
     ShareBound,
+    /// The first backend is prefilling this prompt's longest cached prefix for another
+    /// attempt right now: hold the request until it is done ([`Route::hold`] is set), or,
+    /// routed again after a hold, that prefill is done and the backend goes first (`cost`
+    /// policy).
+    PrefillHold,
     /// The session's rendezvous backend (`spilled`: its home backend was over the load bound,
     /// this is the next one in rendezvous order).
     Session {
@@ -67,6 +78,7 @@ impl fmt::Display for RouteReason {
             Self::LeftHome => f.write_str("cost-left-home"),
             Self::LoadBound => f.write_str("cost-load-bound"),
             Self::ShareBound => f.write_str("cost-share-bound"),
+            Self::PrefillHold => f.write_str("cost-prefill-hold"),
             Self::Session {
                 kind,
                 spilled: false,
@@ -94,6 +106,12 @@ pub struct Route {
     pub expected_ttft: Duration,
     /// Leading prompt blocks the first backend is estimated to hold.
     pub cached_blocks: usize,
+    /// `Some(d)`: do not send the request yet. The first backend is prefilling the prompt's
+    /// longest cached prefix for another attempt and should be done in about `d`; route the
+    /// request again after `d` with [`RouteRequest::with_held`] (the first backend and the
+    /// total time held), which goes there once the prefill is done. Only the `cost` policy
+    /// holds, never longer than `cost.prefill_hold_max` in all.
+    pub hold: Option<Duration>,
 }
 
 /// One attempt in flight, from [`Router::start_attempt`] to [`Router::end_attempt`]. It
@@ -109,6 +127,12 @@ pub struct AttemptTicket {
     trial: bool,
     first_token: bool,
     stalled: bool,
+    /// Blocks this attempt prefills that no attempt had cached or started before it; pending
+    /// on its backend until its first token (see [`crate::pending`]).
+    pending: Vec<BlockHash>,
+    /// Identifies its expected end in its backend's `ends`.
+    serial: u64,
+    first_token_at: Option<Instant>,
 }
 
 impl AttemptTicket {
@@ -154,6 +178,8 @@ pub struct Router {
     selector: Selector,
     hedge_budget: HedgeBudget,
     hedges_sent: u64,
+    /// Serial of the next attempt ticket.
+    next_serial: u64,
 }
 
 impl Router {
@@ -173,6 +199,7 @@ impl Router {
             backends: Vec::new(),
             selector: Selector::new(seed),
             hedges_sent: 0,
+            next_serial: 0,
         }
     }
 
@@ -217,6 +244,7 @@ impl Router {
             Some(b) if !b.removed => {
                 b.removed = true;
                 b.prefix.clear();
+                b.pending.clear();
                 true
             }
             _ => false,
@@ -291,18 +319,20 @@ impl Router {
                 trial = Some(BackendId(i));
                 continue;
             }
-            let (cost, cached_blocks, share) = match self.policy {
+            let (cost, cached_blocks, share, (done_blocks, ready_at)) = match self.policy {
                 Policy::CostAware => {
                     let est = self.estimate(b, req, now);
                     let share = b.starts.get(now, self.cfg.cost.share_window);
-                    (est.score, est.cached_blocks, share)
+                    let done = b.pending.done_prefix(&req.blocks, est.cached_blocks);
+                    (est.score, est.cached_blocks, share, done)
                 }
                 Policy::P2cEwma => (
                     b.ttft.secs_or(self.cfg.default_ttft) * (f64::from(b.inflight) + 1.0),
                     0,
                     0.0,
+                    (0, None),
                 ),
-                Policy::RoundRobin | Policy::LeastInflight => (0.0, 0, 0.0),
+                Policy::RoundRobin | Policy::LeastInflight => (0.0, 0, 0.0, (0, None)),
             };
             cands.push(Candidate {
                 id: BackendId(i),
@@ -310,6 +340,8 @@ impl Router {
                 cost,
                 cached_blocks,
                 share,
+                done_blocks,
+                ready_at,
             });
         }
         if cands.is_empty() && trial.is_none() {
@@ -327,11 +359,12 @@ impl Router {
             Policy::CostAware => RouteReason::LowestCost,
             p => RouteReason::Policy(p),
         };
+        let mut hold = None;
         if !cands.is_empty() {
             self.selector
                 .order(self.policy, &mut cands, self.backends.len());
             if self.policy == Policy::CostAware {
-                let (pos, r) = self.cost_pick(req, &cands);
+                let (pos, r) = self.cost_pick(req, &cands, now);
                 if let Some(pos) = pos {
                     cands[..=pos].rotate_right(1);
                 }
@@ -340,6 +373,12 @@ impl Router {
             if let Some((pos, r)) = self.session_pick(req, &cands) {
                 cands[..=pos].rotate_right(1);
                 reason = r;
+            } else if self.policy == Policy::CostAware && trial.is_none() {
+                if let Some((pos, h)) = self.hold_pick(req, &cands, now) {
+                    cands[..=pos].rotate_right(1);
+                    reason = RouteReason::PrefillHold;
+                    hold = h;
+                }
             }
         }
         let mut ranked: Vec<BackendId> = Vec::with_capacity(cands.len() + 1);
@@ -366,7 +405,88 @@ impl Router {
             reason,
             expected_ttft: Duration::try_from_secs_f64(est.ttft).unwrap_or(Duration::MAX),
             cached_blocks: est.cached_blocks,
+            hold: hold.filter(|_| reason == RouteReason::PrefillHold),
         })
+    }
+
+    /// Under the `cost` policy, whether to hold the request for a prefill in flight: the
+    /// position of the backend to wait for (or, after a hold, to go to) and the hold
+    /// (`None`: go now). See [`crate::pending`].
+    ///
+    /// A backend *B* whose cached prefix of the prompt is longer than any backend has
+    /// finished prefilling, but partly still in prefill for another attempt, saves this
+    /// request the prefill of that part if it waits. It waits when that prefill (at *B*'s
+    /// learned rate) would take longer than *B*'s remaining time, *B* is within the loose
+    /// (home) load bound, and the request has been held less than `prefill_hold_max`. Routed
+    /// again with [`RouteRequest::with_held`], the request goes to *B* once its prefill is
+    /// done, whatever the share bound says (waiting was for that); if *B* lost the prefix or
+    /// went over the bound, it is ranked as usual.
+    fn hold_pick(
+        &self,
+        req: &RouteRequest,
+        cands: &[Candidate],
+        now: Instant,
+    ) -> Option<(usize, Option<Duration>)> {
+        let cost = &self.cfg.cost;
+        let max = cost.prefill_hold_max;
+        if max.is_zero() || req.blocks.is_empty() {
+            return None;
+        }
+        let waited = req.held.map_or(Duration::ZERO, |h| h.waited);
+        let total: u64 = cands.iter().map(|c| u64::from(c.inflight)).sum();
+        let mean_after = (total + 1) as f64 / cands.len() as f64;
+        let eps = cost.load_bound_epsilon.unwrap_or(0.0);
+        let loose = cost.load_bound_home_epsilon.map_or(f64::INFINITY, |e| {
+            ((1.0 + e.max(eps)) * mean_after)
+                .ceil()
+                .max(f64::from(cost.load_bound_floor))
+        });
+        let within = |c: &Candidate| f64::from(c.inflight) < loose;
+        let step = |ready: Option<Instant>| {
+            let left = max.saturating_sub(waited);
+            ready
+                .map_or(HOLD_POLL, |r| r.saturating_duration_since(now))
+                .clamp(HOLD_POLL.min(left), left)
+        };
+        if let Some(h) = req.held {
+            if let Some(pos) = cands.iter().position(|c| c.id == h.backend) {
+                let c = &cands[pos];
+                if c.cached_blocks > 0 && within(c) {
+                    if c.done_blocks == c.cached_blocks {
+                        return Some((pos, None));
+                    }
+                    if waited < max {
+                        return Some((pos, Some(step(c.ready_at))));
+                    }
+                }
+            }
+            return None;
+        }
+        // The pick itself may be prefilling the prompt's prefix (the load rules chose it over
+        // a backend that has it done); otherwise a backend with a longer prefix in prefill
+        // than any backend has done.
+        let first = cands.first()?;
+        let (pos, b, done) = if first.done_blocks < first.cached_blocks {
+            (0, first, first.done_blocks)
+        } else {
+            let best_done = cands.iter().map(|c| c.done_blocks).max().unwrap_or(0);
+            let (pos, b) = cands
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.cached_blocks > best_done && c.done_blocks < c.cached_blocks)
+                .max_by_key(|(pos, c)| (c.cached_blocks, std::cmp::Reverse(*pos)))?;
+            (pos, b, best_done)
+        };
+        if !within(b) {
+            return None;
+        }
+        let saved_tokens = f64::from(req.prompt_tokens) * (b.cached_blocks - done) as f64
+            / req.blocks.len() as f64;
+        let saved = saved_tokens * self.backends[b.id.0].rates.secs_per_prefill_token();
+        let remaining = b
+            .ready_at
+            .map_or(0.0, |r| r.saturating_duration_since(now).as_secs_f64());
+        (saved > remaining).then(|| (pos, Some(step(b.ready_at))))
     }
 
     /// Under the `cost` policy, the position of the candidate that should go first when it is
@@ -398,7 +518,12 @@ impl Router {
     ///   Prefix affinity is a strong pull (a cached system prompt saves its whole prefill), and
     ///   without a bound every new conversation that shares a cached prefix queues on the few
     ///   backends holding it; with it, a shared prefix is replicated to a few backends.
-    fn cost_pick(&self, req: &RouteRequest, cands: &[Candidate]) -> (Option<usize>, RouteReason) {
+    fn cost_pick(
+        &self,
+        req: &RouteRequest,
+        cands: &[Candidate],
+        now: Instant,
+    ) -> (Option<usize>, RouteReason) {
         let cost = &self.cfg.cost;
         let (Some(eps), Some(first)) = (cost.load_bound_epsilon, cands.first()) else {
             return (None, RouteReason::LowestCost);
@@ -428,15 +553,32 @@ impl Router {
                         .ceil()
                         .max(f64::from(cost.load_bound_floor))
                 });
-                let home_ok = home_bound.is_none_or(|b| within(home, b))
+                let home_ok = (home_bound.is_none_or(|b| within(home, b))
+                    || self.has_free_slot(home.id, now))
                     && home.cost <= cost.home_max_cost_ratio * first.cost;
+                let limit = home_bound.unwrap_or(f64::INFINITY);
                 if home_ok {
+                    // A full home: the turn waits for the earliest of its batch to end. A
+                    // backend with a free slot may be sooner even with the history to prefill.
+                    if let Some(wait) = self.queue_wait(home.id, now).filter(|w| *w > 0.0) {
+                        let alt = cands
+                            .iter()
+                            .enumerate()
+                            .filter(|(i, c)| {
+                                *i != pos && within(c, limit) && self.has_free_slot(c.id, now)
+                            })
+                            .min_by(|a, b| a.1.cost.total_cmp(&b.1.cost));
+                        if let Some((alt, c)) = alt {
+                            if c.cost < home.cost + wait {
+                                return ((alt > 0).then_some(alt), RouteReason::LeftHome);
+                            }
+                        }
+                    }
                     return ((pos > 0).then_some(pos), RouteReason::Home);
                 }
                 // Leave for the cheapest backend that is not overloaded itself: the home
                 // bound, not the tight one, so the history's system prompt is usually still
                 // cached there rather than prefilled on an idle stranger.
-                let limit = home_bound.unwrap_or(f64::INFINITY);
                 let alt = cands
                     .iter()
                     .enumerate()
@@ -471,6 +613,57 @@ impl Router {
             Some(p) if p > 0 => (Some(p), RouteReason::LoadBound),
             _ => (None, RouteReason::LowestCost),
         }
+    }
+
+    /// Whether `id` runs fewer requests than its learned batch limit: a request sent there now
+    /// starts at once, so however loaded it is relative to the others, nothing queues (an
+    /// engine's TTFT is flat until its batch is full, then jumps by a whole service time).
+    /// The count is this router's attempts in flight plus, from a fresh engine report, the
+    /// requests other gateways had there.
+    fn has_free_slot(&self, id: BackendId, now: Instant) -> bool {
+        let b = &self.backends[id.0];
+        let Some(slots) = self.cfg.cost.batch_slots.or(b.batch_slots) else {
+            return false;
+        };
+        let others = b
+            .load
+            .as_ref()
+            .filter(|l| l.fresh(now, &self.cfg.cost).is_some())
+            .map_or(0, TimedSignal::others);
+        b.inflight.saturating_add(others) < slots
+    }
+
+    /// Expected seconds a request sent to `id` now waits for a batch slot: 0 with a free
+    /// slot; when the batch is full (this gateway's attempts in flight plus other gateways'
+    /// from a fresh report, at or over the learned batch limit), the time until as many
+    /// attempts have ended as it takes to free one, from each attempt's expected end (its
+    /// expected first token, then its output tokens at the learned decode time). `None`
+    /// without a learned batch limit or decode time, or when attempts of unknown end are
+    /// among those it waits for.
+    fn queue_wait(&self, id: BackendId, now: Instant) -> Option<f64> {
+        let b = &self.backends[id.0];
+        let slots = self.cfg.cost.batch_slots.or(b.batch_slots)?;
+        b.decode_secs_per_token?;
+        let others = b
+            .load
+            .as_ref()
+            .filter(|l| l.fresh(now, &self.cfg.cost).is_some())
+            .map_or(0, TimedSignal::others);
+        let n = b.inflight.saturating_add(others);
+        if n < slots {
+            return Some(0.0);
+        }
+        let k = (n - slots) as usize;
+        if k >= b.ends.len() {
+            return None;
+        }
+        let mut left: Vec<f64> = b
+            .ends
+            .iter()
+            .map(|e| e.1.saturating_duration_since(now).as_secs_f64())
+            .collect();
+        let (_, kth, _) = left.select_nth_unstable_by(k, f64::total_cmp);
+        Some(*kth)
     }
 
     /// The position in `cands` of the session's rendezvous backend, and the reason.
@@ -579,7 +772,11 @@ impl Router {
             trial: false,
             first_token: false,
             stalled: false,
+            pending: Vec::new(),
+            serial: self.next_serial,
+            first_token_at: None,
         };
+        self.next_serial = self.next_serial.wrapping_add(1);
         let Some(b) = self.backends.get(id.0) else {
             return ticket;
         };
@@ -598,6 +795,19 @@ impl Router {
         b.cache_lookup_blocks += req.blocks.len() as u64;
         b.cache_hit_blocks += est.cached_blocks as u64;
         b.prefix.insert(&req.blocks);
+        if b.ends.len() < MAX_TRACKED_ENDS {
+            let decode = b.decode_secs_per_token.unwrap_or(0.0) * output_tokens as f64;
+            let end = Duration::try_from_secs_f64(est.ttft + decode).unwrap_or(Duration::MAX);
+            b.ends
+                .push((ticket.serial, now + end.min(Duration::from_secs(3600))));
+        }
+        let new = &req.blocks[est.cached_blocks.min(req.blocks.len())..];
+        if !self.cfg.cost.prefill_hold_max.is_zero() && !new.is_empty() {
+            let ready_at = now + ticket.expected_ttft().min(Duration::from_secs(3600));
+            if b.pending.add(new, ready_at) {
+                ticket.pending = new.to_vec();
+            }
+        }
         ticket.trial = b.health.begin_trial(now, &outlier_cfg);
         ticket
     }
@@ -619,6 +829,13 @@ impl Router {
         let alternative = self.may_judge_outlier(ticket.id, ttft);
         let b = self.backends.get_mut(ticket.id.0)?;
         b.work_tokens = b.work_tokens.saturating_sub(ticket.prefill_tokens);
+        b.pending.remove(&std::mem::take(&mut ticket.pending));
+        ticket.first_token_at = Some(now);
+        if let Some(e) = b.ends.iter_mut().find(|e| e.0 == ticket.serial) {
+            let decode = b.decode_secs_per_token.unwrap_or(0.0) * ticket.output_tokens as f64;
+            let left = Duration::try_from_secs_f64(decode).unwrap_or(Duration::MAX);
+            e.1 = now + left.min(Duration::from_secs(3600));
+        }
         b.rates.observe(
             ttft.as_secs_f64() - b.rtt_secs(),
             ticket.prefill_tokens as f64,
@@ -677,6 +894,20 @@ impl Router {
         let mut work = ticket.output_tokens;
         if !ticket.first_token {
             work += ticket.prefill_tokens;
+        }
+        b.pending.remove(&ticket.pending);
+        if let Some(i) = b.ends.iter().position(|e| e.0 == ticket.serial) {
+            b.ends.swap_remove(i);
+        }
+        if let (Outcome::Success, Some(first), true) =
+            (outcome, ticket.first_token_at, ticket.output_tokens > 0)
+        {
+            let per_token =
+                now.saturating_duration_since(first).as_secs_f64() / ticket.output_tokens as f64;
+            b.decode_secs_per_token = Some(match b.decode_secs_per_token {
+                None => per_token,
+                Some(v) => v + 0.2 * (per_token - v),
+            });
         }
         b.work_tokens = b.work_tokens.saturating_sub(work);
         let t = if ticket.trial {
@@ -796,7 +1027,14 @@ impl Router {
     /// fresh (`cost.load_signal_max_age`).
     pub fn on_load_signal(&mut self, id: BackendId, signal: LoadSignal, now: Instant) {
         if let Some(b) = self.backends.get_mut(id.0) {
-            b.load = Some(TimedSignal { signal, at: now });
+            b.load = Some(TimedSignal {
+                signal,
+                at: now,
+                inflight_then: b.inflight,
+            });
+            if signal.waiting > 0 && signal.running > 0 {
+                b.batch_slots = Some(b.batch_slots.unwrap_or(0).max(signal.running));
+            }
         }
     }
 
@@ -952,6 +1190,7 @@ fn after_transition(b: &mut BackendState, t: Option<HealthTransition>) -> Option
     if let Some(HealthTransition::Ejected { reason }) = t {
         if reason.suggests_restart() {
             b.prefix.clear();
+            b.pending.clear();
         }
     }
     t
@@ -1025,6 +1264,77 @@ mod tests {
             let t = r.start_attempt(id, &first_turn(i), now);
             r.end_attempt(t, Outcome::Success, now);
         }
+    }
+
+    #[test]
+    fn a_new_conversation_waits_for_its_system_prompt_in_prefill_instead_of_prefilling_it_again() {
+        let t0 = Instant::now();
+        let mut r = router(Policy::CostAware, 4);
+        // Conversation 0 starts: b? prefills the system prompt cold.
+        let first = first_turn(0);
+        let route = r.route(&first, t0).expect("routable");
+        assert_eq!(route.hold, None);
+        let b = route.backends[0];
+        let mut ticket = r.start_attempt(b, &first, t0);
+        // 150 ms later conversation 1 arrives: its system prompt is still in prefill on b
+        // (expected done at 306 ms: 50 ms + 2,560 tokens at the prior 10,000 tokens/s), and
+        // nobody has it done; waiting (156 ms) beats prefilling those 30 blocks again
+        // (192 ms), so it is held for b.
+        let t1 = t0 + ms(150);
+        let second = first_turn(1);
+        let route = r.route(&second, t1).expect("routable");
+        assert_eq!(route.reason, RouteReason::PrefillHold);
+        assert_eq!(route.backends[0], b);
+        let hold = route.hold.expect("held");
+        assert!(
+            hold >= HOLD_POLL && hold <= r.cfg.cost.prefill_hold_max,
+            "{hold:?}"
+        );
+        // Early in the prefill (10 ms in: 296 ms left against 192 ms) it goes at once.
+        assert_eq!(r.route(&second, t0 + ms(10)).expect("routable").hold, None);
+        assert!(r
+            .route(&second, t0 + ms(140))
+            .expect("routable")
+            .hold
+            .is_some());
+        // Routed again before the prefill is done: held again, never past the maximum.
+        let again = second.clone().with_held(b, hold);
+        let route = r.route(&again, t1 + hold).expect("routable");
+        assert_eq!(
+            (route.backends[0], route.reason),
+            (b, RouteReason::PrefillHold)
+        );
+        assert!(route.hold.is_some());
+        let spent = second.clone().with_held(b, r.cfg.cost.prefill_hold_max);
+        assert_eq!(r.route(&spent, t1 + hold).expect("routable").hold, None);
+        // The first token arrives: the prefix is done and the held request goes to b now.
+        let t2 = t0 + ms(400);
+        r.first_token(&mut ticket, ms(400), t2);
+        let route = r.route(&again, t2).expect("routable");
+        assert_eq!(route.backends[0], b);
+        assert_eq!(route.hold, None);
+        r.end_attempt(ticket, Outcome::Success, t2);
+        // With holding off, the second start is sent at once.
+        let mut r = router(Policy::CostAware, 4);
+        r.cfg.cost.prefill_hold_max = Duration::ZERO;
+        let b = r.route(&first, t0).expect("routable").backends[0];
+        let t = r.start_attempt(b, &first, t0);
+        assert_eq!(r.route(&second, t1).expect("routable").hold, None);
+        r.end_attempt(t, Outcome::Success, t1);
+    }
+
+    #[test]
+    fn a_failed_prefill_leaves_nothing_pending() {
+        let t0 = Instant::now();
+        let mut r = router(Policy::CostAware, 2);
+        let first = first_turn(0);
+        let b = r.route(&first, t0).expect("routable").backends[0];
+        let t = r.start_attempt(b, &first, t0);
+        r.end_attempt(t, Outcome::ServerError, t0 + ms(10));
+        assert_eq!(
+            r.route(&first_turn(1), t0 + ms(20)).expect("routable").hold,
+            None
+        );
     }
 
     #[test]
@@ -1186,6 +1496,135 @@ mod tests {
         for t in open {
             r.end_attempt(t, Outcome::Success, now);
         }
+    }
+
+    #[test]
+    fn a_home_with_a_free_batch_slot_keeps_its_conversation_at_any_relative_load() {
+        let now = Instant::now();
+        let mut r = router(Policy::CostAware, 4);
+        share_system_prompt(&mut r, BackendId(0), now);
+        let t = r.start_attempt(BackendId(0), &first_turn(0), now);
+        r.end_attempt(t, Outcome::Success, now);
+        let other = RouteRequest::new(M).with_prompt_tokens(10);
+        // Low load: two at home, nothing elsewhere; the home bound (floor 2) is reached.
+        let mut open = vec![
+            r.start_attempt(BackendId(0), &other, now),
+            r.start_attempt(BackendId(0), &other, now),
+        ];
+        assert_eq!(
+            r.route(&second_turn(), now).expect("routable").reason,
+            RouteReason::LeftHome
+        );
+        // The engine once reported 4 running with a queue: it runs 4 at once, so with 2 in
+        // flight a turn sent home starts at once.
+        let signal = LoadSignal {
+            waiting: 1,
+            running: 4,
+            kv_cache_usage: None,
+        };
+        r.on_load_signal(BackendId(0), signal, now);
+        assert_eq!(r.backends[0].batch_slots, Some(4));
+        let full = r.start_attempt(BackendId(0), &other, now);
+        let t1 = now + Duration::from_secs(6);
+        let route = r.route(&second_turn(), t1).expect("routable");
+        assert_eq!(
+            (route.backends[0], route.reason),
+            (BackendId(0), RouteReason::Home)
+        );
+        // Full (4 in flight): the relative bound decides again.
+        open.push(full);
+        open.push(r.start_attempt(BackendId(0), &other, t1));
+        assert_eq!(
+            r.route(&second_turn(), t1).expect("routable").reason,
+            RouteReason::LeftHome
+        );
+        for t in open {
+            r.end_attempt(t, Outcome::Success, t1);
+        }
+    }
+
+    #[test]
+    fn a_full_home_is_left_for_a_free_slot_only_when_its_wait_is_longer_than_the_move() {
+        let t0 = Instant::now();
+        let mut r = router(Policy::CostAware, 4);
+        r.cfg.cost.batch_slots = Some(2);
+        share_system_prompt(&mut r, BackendId(0), t0);
+        share_system_prompt(&mut r, BackendId(1), t0);
+        // Teach b0 its decode time: 32 tokens in 320 ms, 10 ms per token.
+        let short = RouteRequest::new(M)
+            .with_prompt_tokens(10)
+            .with_max_output_tokens(32);
+        let mut t = r.start_attempt(BackendId(0), &short, t0);
+        r.first_token(&mut t, ms(20), t0 + ms(20));
+        r.end_attempt(t, Outcome::Success, t0 + ms(340));
+        assert_eq!(r.backends[0].decode_secs_per_token, Some(0.01));
+        let t = r.start_attempt(BackendId(0), &first_turn(0), t0);
+        r.end_attempt(t, Outcome::Success, t0);
+        // Home b0 is full: two attempts that started just now (each ends in ~0.35 s). The
+        // others are as loaded (b1 with one slot free), so the relative home bound holds.
+        let t1 = t0 + ms(400);
+        let mut open = vec![
+            r.start_attempt(BackendId(0), &short, t1),
+            r.start_attempt(BackendId(0), &short, t1),
+        ];
+        for i in [1, 2, 2, 3, 3] {
+            open.push(r.start_attempt(BackendId(i), &short, t1));
+        }
+        let route = r.route(&second_turn(), t1).expect("routable");
+        assert_eq!(route.reason, RouteReason::LeftHome);
+        assert_eq!(
+            route.backends[0],
+            BackendId(1),
+            "b1 holds the system prompt"
+        );
+        // Nearly done (350 ms later, a few ms left): waiting at home beats prefilling the
+        // 640 more uncached tokens on b1.
+        let t2 = t1 + ms(350);
+        let route = r.route(&second_turn(), t2).expect("routable");
+        assert_eq!(
+            (route.backends[0], route.reason),
+            (BackendId(0), RouteReason::Home)
+        );
+        // With a free slot at home, home goes first.
+        let t = open.swap_remove(0);
+        r.end_attempt(t, Outcome::Success, t2);
+        let route = r.route(&second_turn(), t2).expect("routable");
+        assert_eq!(
+            (route.backends[0], route.reason),
+            (BackendId(0), RouteReason::Home)
+        );
+        for t in open {
+            r.end_attempt(t, Outcome::Success, t2);
+        }
+    }
+
+    #[test]
+    fn an_engine_report_counts_only_other_gateways_requests() {
+        let now = Instant::now();
+        let mut r = router(Policy::CostAware, 2);
+        let req = RouteRequest::new(M).with_prompt_tokens(100);
+        let mine: Vec<_> = (0..3)
+            .map(|_| r.start_attempt(BackendId(0), &req, now))
+            .collect();
+        // The engine runs our three and two from another gateway.
+        let signal = LoadSignal {
+            waiting: 0,
+            running: 5,
+            kv_cache_usage: None,
+        };
+        r.on_load_signal(BackendId(0), signal, now);
+        for t in mine {
+            r.end_attempt(t, Outcome::Success, now);
+        }
+        // Ours ended since the scrape; the other gateway's two still count while the report
+        // is fresh, ours do not.
+        let b = &r.backends[0];
+        let work = b.effective_work(now, &r.cfg.cost);
+        assert!(
+            (work - 2.0 * b.avg_attempt_work).abs() < 1e-9,
+            "{work} vs {}",
+            b.avg_attempt_work
+        );
     }
 
     #[test]

@@ -77,6 +77,13 @@ pub struct BackendSnapshot {
     pub cache_lookup_blocks: u64,
     /// Blocks held in its prefix index.
     pub prefix_index_blocks: usize,
+    /// Of those, blocks attempts in flight are still prefilling (see `cost-prefill-hold`).
+    pub pending_prefill_blocks: usize,
+    /// Requests the engine runs at once: `routing.batch_slots`, or learned from its load
+    /// reports; `None` while unknown.
+    pub batch_slots: Option<u32>,
+    /// Learned decode time per output token, milliseconds; `None` before an attempt ended.
+    pub decode_ms_per_token: Option<f64>,
     /// Hedged races it won.
     pub hedges_won: u64,
     /// Hedged races it lost.
@@ -124,6 +131,9 @@ impl BackendSnapshot {
                 .then(|| b.cache_hit_blocks as f64 / b.cache_lookup_blocks as f64),
             cache_lookup_blocks: b.cache_lookup_blocks,
             prefix_index_blocks: b.prefix.len(),
+            pending_prefill_blocks: b.pending.len(),
+            batch_slots: cfg.cost.batch_slots.or(b.batch_slots),
+            decode_ms_per_token: b.decode_secs_per_token.map(ms),
             hedges_won: b.hedges_won,
             hedges_lost: b.hedges_lost,
         }

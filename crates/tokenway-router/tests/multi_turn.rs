@@ -7,8 +7,16 @@
 //! benchmark confirms it.
 //!
 //! The ignored reports print mean, p50, p99, hit rate, backend changes and the requests over
-//! 325 ms by cause; with `MT_SLOW=1`, `MT_MOVES=1` or `MT_RATES=1` they also list each slow
-//! request, each backend change (with both backends' learned rates) and the final rates.
+//! 325 ms by cause; with `MT_SLOW=1`, `MT_MOVES=1`, `MT_RATES=1`, `MT_HOLDS=1` or `MT_COLD=1`
+//! they also list each slow request, each backend change (with both backends' learned rates),
+//! the final rates, the number of holds, and every first turn of the first 3 s with where each
+//! backend stands. `report_tail` lists the 20 slowest requests per seed (`MT_SEEDS`, and
+//! `MT_CAP` / `MT_HOLD_MS` / `MT_SHARE_EPS` / `MT_SCRAPE_MS` / `MT_KNEE` to vary the index
+//! size, the hold, the share slack, the load-report interval (0: none) and whether the
+//! engines' batch limit is known from the start).
+//!
+//! A request the router holds ([`tokenway_router::Route::hold`]) is routed again after the
+//! hold, as the gateway does; its TTFT counts from its first arrival.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
@@ -18,8 +26,8 @@ use std::time::{Duration, Instant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokenway_router::{
-    prompt_blocks, AttemptTicket, BackendId, BackendSpec, Outcome, Policy, RouteRequest, Router,
-    RouterConfig,
+    prompt_blocks, AttemptTicket, BackendId, BackendSpec, LoadSignal, Outcome, Policy, RouteReason,
+    RouteRequest, Router, RouterConfig,
 };
 
 const M: &str = "sim-model";
@@ -175,6 +183,8 @@ enum Event {
     /// Request slot index.
     FirstToken(usize),
     End(usize),
+    /// The gateway scrapes every engine's `/metrics` (running and waiting requests).
+    Scrape,
 }
 
 struct InFlight {
@@ -184,6 +194,13 @@ struct InFlight {
     arrived: f64,
     moved: bool,
     queued: bool,
+    /// Set at admission: seconds waited for a slot, uncached tokens prefilled.
+    wait: f64,
+    uncached: usize,
+    /// At arrival: the most any engine's cache held of the prompt (tokens), and how many
+    /// engines held at least 2,000 tokens of it (its system prompt).
+    best_cached: usize,
+    holders: usize,
     ticket: Option<AttemptTicket>,
 }
 
@@ -192,6 +209,10 @@ struct Engine {
     running: usize,
     queue: VecDeque<usize>,
 }
+
+/// One slow request: (TTFT ms, turn, moved, wait for a slot ms, uncached tokens, the most any
+/// engine held of it at arrival, engines holding its system prompt, time of its first token).
+type Slow = (f64, usize, bool, f64, usize, usize, usize, f64);
 
 /// What one run measured.
 #[derive(Debug)]
@@ -206,6 +227,8 @@ struct Outcomes {
     slow: (usize, usize, usize, usize),
     /// The 13th slowest TTFT (the p99 of 1,200), ms.
     thirteenth_ms: f64,
+    /// The 20 slowest: (TTFT ms, turn, moved, wait for a slot ms, uncached tokens).
+    tail: Vec<Slow>,
 }
 
 fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
@@ -241,11 +264,36 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
     for (c, conv) in convs.iter().enumerate() {
         push(&mut heap, conv.start, Event::Arrive(c, 0));
     }
+    // With `MT_KNEE`, every backend's batch limit is known from the start (an old report of
+    // a full batch), as if the operator had configured it.
+    if std::env::var_os("MT_KNEE").is_some() {
+        for i in 0..8 {
+            let full = LoadSignal {
+                waiting: 1,
+                running: SLOTS as u32,
+                kv_cache_usage: None,
+            };
+            let long_ago = at(0.0).checked_sub(Duration::from_secs(60)).unwrap_or(t0);
+            router.on_load_signal(BackendId(i), full, long_ago);
+        }
+    }
+    let scrape = std::env::var("MT_SCRAPE_MS")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .unwrap_or(2000.0)
+        / 1e3;
+    if scrape > 0.0 {
+        push(&mut heap, scrape, Event::Scrape);
+    }
     let mut reqs: Vec<InFlight> = Vec::new();
     let mut ttfts = Vec::new();
+    let mut tail: Vec<Slow> = Vec::new();
     let (mut prompt_tokens, mut cached_tokens) = (0usize, 0usize);
     let mut last_backend: HashMap<usize, usize> = HashMap::new();
     let mut moves = 0;
+    // Requests the router said to hold: (conversation, turn) -> (arrival, backend, held so far).
+    let mut holding: HashMap<(usize, usize), (f64, BackendId, Duration)> = HashMap::new();
+    let mut holds = 0usize;
     let mut slow = (0, 0, 0, 0);
     let mut per_backend = vec![0; 8];
     // Admit request `r` on its engine at `now`: prefill, then the first token.
@@ -257,11 +305,13 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
                  push: &mut dyn FnMut(&mut BinaryHeap<_>, f64, Event),
                  prompt_tokens: &mut usize,
                  cached_tokens: &mut usize| {
-        let q = &reqs[r];
+        let q = &mut reqs[r];
         let turn = &convs[q.conv].turns[q.turn];
         let e = &mut engines[q.backend];
         e.running += 1;
         let cached = e.cache.cached_tokens(&turn.sim_blocks).min(turn.tokens);
+        q.wait = now - q.arrived;
+        q.uncached = turn.tokens - cached;
         *prompt_tokens += turn.tokens;
         *cached_tokens += cached;
         let first = now + BASE_SECS + (turn.tokens - cached) as f64 / PREFILL_RATE;
@@ -271,9 +321,44 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
         let now = t_ns as f64 / 1e9;
         match ev {
             Event::Arrive(c, t) => {
-                let req = &convs[c].turns[t].req;
+                let held = holding.remove(&(c, t));
+                let again;
+                let req = match held {
+                    Some((_, b, waited)) => {
+                        again = convs[c].turns[t].req.clone().with_held(b, waited);
+                        &again
+                    }
+                    None => &convs[c].turns[t].req,
+                };
+                let arrived = held.map_or(now, |h| h.0);
                 let route = router.route(req, at(now)).expect("eight healthy backends");
+                if let Some(d) = route.hold {
+                    assert_eq!(route.reason, RouteReason::PrefillHold);
+                    holds += 1;
+                    let waited = held.map_or(Duration::ZERO, |h| h.2) + d;
+                    holding.insert((c, t), (arrived, route.backends[0], waited));
+                    push(&mut heap, now + d.as_secs_f64(), Event::Arrive(c, t));
+                    continue;
+                }
                 let b = route.backends[0].0;
+                if std::env::var_os("MT_COLD").is_some() && t == 0 && now < 3.0 {
+                    let snap = router.snapshot(at(now));
+                    let info: Vec<String> = (0..8)
+                        .map(|i| {
+                            format!(
+                                "b{i}:{}c/{}if",
+                                router.cached_prefix(BackendId(i), &req.blocks),
+                                snap.backends[i].inflight
+                            )
+                        })
+                        .collect();
+                    println!(
+                        "  cold at {now:.2} conv {c} (sys {}) turn {t} -> b{b} {} [{}]",
+                        c % 4,
+                        route.reason,
+                        info.join(" ")
+                    );
+                }
                 per_backend[b] += 1;
                 let prev = last_backend.get(&c).copied();
                 if let (Some(p), true) = (prev, std::env::var_os("MT_MOVES").is_some()) {
@@ -310,9 +395,20 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
                     conv: c,
                     turn: t,
                     backend: b,
-                    arrived: now,
+                    arrived,
                     moved,
                     queued: engines[b].running >= SLOTS,
+                    wait: 0.0,
+                    uncached: 0,
+                    best_cached: engines
+                        .iter()
+                        .map(|e| e.cache.cached_tokens(&convs[c].turns[t].sim_blocks))
+                        .max()
+                        .unwrap_or(0),
+                    holders: engines
+                        .iter()
+                        .filter(|e| e.cache.cached_tokens(&convs[c].turns[t].sim_blocks) >= 2000)
+                        .count(),
                     ticket: Some(ticket),
                 });
                 if engines[b].running < SLOTS {
@@ -334,6 +430,16 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
                 let q = &mut reqs[r];
                 let ttft = now - q.arrived;
                 ttfts.push(ttft * 1e3);
+                tail.push((
+                    ttft * 1e3,
+                    q.turn,
+                    q.moved,
+                    q.wait * 1e3,
+                    q.uncached,
+                    q.best_cached,
+                    q.holders,
+                    now,
+                ));
                 if std::env::var_os("MT_SLOW").is_some() && ttft > 0.3 {
                     println!(
                         "  slow {:.0} ms at {now:.2} conv {} turn {} moved {} queued {} backend {}",
@@ -360,6 +466,19 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
                     * TPOT_SECS
                     * (1.0 + BATCH_PENALTY * (e.running.max(1) - 1) as f64);
                 push(&mut heap, now + decode, Event::End(r));
+            }
+            Event::Scrape => {
+                for (i, e) in engines.iter().enumerate() {
+                    let signal = LoadSignal {
+                        waiting: e.queue.len() as u32,
+                        running: e.running as u32,
+                        kv_cache_usage: None,
+                    };
+                    router.on_load_signal(BackendId(i), signal, at(now));
+                }
+                if !heap.is_empty() {
+                    push(&mut heap, now + scrape, Event::Scrape);
+                }
             }
             Event::End(r) => {
                 let (conv, turn, b) = (reqs[r].conv, reqs[r].turn, reqs[r].backend);
@@ -389,6 +508,9 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
             }
         }
     }
+    if std::env::var_os("MT_HOLDS").is_some() {
+        println!("  holds: {holds}");
+    }
     if std::env::var_os("MT_RATES").is_some() {
         for b in router.snapshot(at(0.0)).backends {
             println!(
@@ -398,6 +520,8 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
         }
     }
     ttfts.sort_by(f64::total_cmp);
+    tail.sort_by(|a, b| b.0.total_cmp(&a.0));
+    tail.truncate(20);
     let pct = |p: f64| ttfts[((ttfts.len() as f64 * p).ceil() as usize).clamp(1, ttfts.len()) - 1];
     Outcomes {
         mean_ms: ttfts.iter().sum::<f64>() / ttfts.len() as f64,
@@ -408,16 +532,23 @@ fn run(policy: Policy, cfg: RouterConfig, seed: u64) -> Outcomes {
         per_backend,
         slow,
         thirteenth_ms: ttfts[ttfts.len().saturating_sub(13)],
+        tail,
     }
 }
 
 /// The bench's settings for the router: default config with the prefix index sized like the
-/// sims' caches (32,768 tokens × 4 B / 256 B blocks).
+/// sims' caches plus a quarter (32,768 tokens × 4 B / 256 B blocks × 5 / 4), as
+/// docs/config.md tells operators to size it, and the engines' batch limit (4 slots), as an
+/// operator sets it from the engine's flags (`MT_LEARN_SLOTS=1` leaves it to be learned).
 fn bench_config() -> RouterConfig {
-    RouterConfig {
-        prefix_capacity_blocks: CACHE_TOKENS * BYTES_PER_TOKEN / ROUTER_BLOCK_BYTES,
+    let mut cfg = RouterConfig {
+        prefix_capacity_blocks: CACHE_TOKENS * BYTES_PER_TOKEN / ROUTER_BLOCK_BYTES * 5 / 4,
         ..RouterConfig::default()
+    };
+    if std::env::var_os("MT_LEARN_SLOTS").is_none() {
+        cfg.cost.batch_slots = Some(SLOTS as u32);
     }
+    cfg
 }
 
 #[test]
@@ -570,4 +701,50 @@ fn report_new_conversation_placement() {
             t.mean_ms, t.thirteenth_ms, t.slow, t.first_turns, t.moved, t.queued, t.moves
         );
     }
+}
+
+#[test]
+#[ignore = "a report: the 20 slowest requests per seed (MT_SEEDS, default 3)"]
+fn report_tail() {
+    let seeds: u64 = std::env::var("MT_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let mut cfg = bench_config();
+    if let Some(f) = std::env::var("MT_CAP")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+    {
+        cfg.prefix_capacity_blocks = (cfg.prefix_capacity_blocks as f64 * f) as usize;
+    }
+    if let Some(f) = std::env::var("MT_HOLD_MS")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+    {
+        cfg.cost.prefill_hold_max = Duration::from_millis(f);
+    }
+    if let Some(f) = std::env::var("MT_SHARE_EPS")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+    {
+        cfg.cost.share_epsilon = Some(f);
+    }
+    let (mut sum13, mut slow) = (0.0, 0);
+    for seed in 1..=seeds {
+        let o = run(Policy::CostAware, cfg, seed);
+        sum13 += o.thirteenth_ms / seeds as f64;
+        slow += o.slow.0;
+        print_outcome(seed, "cost", &o);
+        if std::env::var_os("MT_QUIET").is_some() {
+            continue;
+        }
+        for (i, (ttft, turn, moved, wait, uncached, best, holders, at)) in o.tail.iter().enumerate()
+        {
+            println!(
+                "  #{:2} {ttft:6.1} ms at {at:6.2} turn {turn} moved {moved:5} wait {wait:6.1} ms uncached {uncached:5} best cached {best:5} holders {holders}",
+                i + 1
+            );
+        }
+    }
+    println!("13th slowest, mean over {seeds} seeds: {sum13:.1} ms; over 325 ms: {slow}");
 }
