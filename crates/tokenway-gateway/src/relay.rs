@@ -126,8 +126,13 @@ impl RelayBody {
             match Pin::new(&mut self.upstream).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) => {
+                        let buffered = self.upstream.buffered();
                         let buf = merged.get_or_insert_with(|| {
-                            let mut b = BytesMut::with_capacity(COALESCE_BYTES);
+                            // Room for what is already buffered upstream, not the most ever
+                            // merged: with a few hundred streams answering at once, 16 KiB each
+                            // was megabytes of peak RSS for 4 KiB answers.
+                            let want = first.len() + data.len() + buffered;
+                            let mut b = BytesMut::with_capacity(want.min(COALESCE_BYTES));
                             b.extend_from_slice(&first);
                             b
                         });

@@ -404,6 +404,12 @@ enum Decoded {
 }
 
 impl H1Body {
+    /// Bytes read from the backend and not yet handed out (body data and its framing): an upper
+    /// bound on what the next polls return without reading the socket again.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
     /// Decodes the next piece of body data off the buffer: a slice of the read buffer, never a
     /// copy. Framing after it (the chunk's CRLF, the next size line, the last chunk and trailers)
     /// is consumed too when already buffered, so the end of the body is known with its last data.
