@@ -1,8 +1,9 @@
 //! `tokenway bench gateway`: the same load against a simulated backend directly, through
 //! `tokenway gateway`, and through nginx, side by side in one run.
 //!
-//! Scenarios per target: sequential single-stream requests (time to first token), then a
-//! closed-loop throughput level per concurrency. For the gateway only, a fresh gateway in front
+//! Scenarios: sequential single-stream requests (time to first token), interleaved across the
+//! targets, all running at once; then, per target, a closed-loop throughput level per
+//! concurrency, with one connection per concurrent worker. For the gateway only, a fresh gateway in front
 //! of a slow sim holds many streams open at once to measure its memory per open stream.
 //! The sim answers instantly (no base latency, no per-token time, effectively infinite prefill)
 //! so that what is measured is the network path, not the simulated model.
@@ -81,27 +82,18 @@ pub async fn run(opts: &GatewayBenchOptions) -> Result<GatewayBenchReport, Bench
 
     let sim_config = sim_toml(0.0, opts.concurrency.iter().copied().max().unwrap_or(1) * 4);
     let (sim, sim_addr) = start_sim(opts, "sim", &sim_config).await?;
-    let mut targets = Vec::new();
-
     progress("direct: sim at", sim_addr);
-    targets.push(run_target(opts, TargetKind::Direct, sim_addr, &sim, None).await?);
-
-    {
-        let (gateway, addr) = start_gateway(opts, "gateway", sim_addr).await?;
-        progress("gateway at", addr);
-        let result = run_target(opts, TargetKind::Gateway, addr, &sim, Some(&gateway)).await?;
-        targets.push(result);
-    }
-
+    let (gateway, gateway_addr) = start_gateway(opts, "gateway", sim_addr).await?;
+    progress("gateway at", gateway_addr);
     let mut nginx_version = None;
+    let mut nginx_proxy = None;
     if let Some(binary) = &nginx_binary {
         nginx_version = command_output(Command::new(binary).arg("-v"), true);
         // A broken nginx installation costs the comparison, not the gateway's results.
         match nginx::start(binary, &opts.out_dir.join("nginx"), sim_addr).await {
             Ok((proxy, addr)) => {
                 progress("nginx at", addr);
-                let result = run_target(opts, TargetKind::Nginx, addr, &sim, Some(&proxy)).await?;
-                targets.push(result);
+                nginx_proxy = Some((proxy, addr));
             }
             Err(e) => {
                 let note = format!("nginx comparison skipped: {e}");
@@ -110,6 +102,42 @@ pub async fn run(opts: &GatewayBenchOptions) -> Result<GatewayBenchReport, Bench
             }
         }
     }
+    let mut live = vec![
+        (TargetKind::Direct, sim_addr, None),
+        (TargetKind::Gateway, gateway_addr, Some(&gateway)),
+    ];
+    if let Some((proxy, addr)) = &nginx_proxy {
+        live.push((TargetKind::Nginx, *addr, Some(proxy)));
+    }
+
+    // Single streams, interleaved across the targets (see `load::interleaved`).
+    let mut connections: Vec<_> = live
+        .iter()
+        .map(|(_, addr, _)| load::LoadConnection::new(*addr))
+        .collect();
+    // Warm up: connections, allocator arenas, the gateway's backend view.
+    let _ = load::interleaved(
+        &mut connections,
+        opts.sequential_requests.min(200),
+        MAX_TOKENS,
+    )
+    .await;
+    eprintln!(
+        "[bench gateway] {} sequential requests per target, interleaved",
+        opts.sequential_requests
+    );
+    let sequential =
+        load::interleaved(&mut connections, opts.sequential_requests, MAX_TOKENS).await;
+    drop(connections);
+
+    let mut targets = Vec::new();
+    for ((kind, addr, proxy), samples) in live.iter().zip(sequential) {
+        let result = run_load(opts, *kind, *addr, &sim, *proxy, summarize(&samples)).await?;
+        targets.push(result);
+    }
+    drop(live);
+    drop(nginx_proxy);
+    drop(gateway);
     drop(sim);
 
     let open_streams = if opts.open_streams > 0 {
@@ -280,33 +308,28 @@ pub fn summarize(samples: &[Sample]) -> ScenarioResult {
     }
 }
 
-async fn run_target(
+/// The throughput levels against one target, after its `sequential` scenario.
+async fn run_load(
     opts: &GatewayBenchOptions,
     kind: TargetKind,
     addr: std::net::SocketAddr,
     sim: &ChildProcess,
     proxy: Option<&ChildProcess>,
+    sequential: ScenarioResult,
 ) -> Result<TargetResult, BenchError> {
     let label = kind.label();
-    let client = LoadClient::new(addr);
-    // Warm up: connections, allocator arenas, the gateway's backend view.
-    let _ = load::sequential(&client, opts.sequential_requests.min(200), MAX_TOKENS).await;
-    eprintln!(
-        "[bench gateway] {label}: {} sequential requests",
-        opts.sequential_requests
-    );
-    let samples = load::sequential(&client, opts.sequential_requests, MAX_TOKENS).await;
-    let sequential = summarize(&samples);
     let warmup = (opts.duration / 4).min(Duration::from_secs(1));
     let mut levels = Vec::new();
+    let mut connections = Vec::new();
     for &c in &opts.concurrency {
         eprintln!(
             "[bench gateway] {label}: concurrency {c} for {:?}",
             opts.duration
         );
-        let _ = load::closed_loop(&client, c, warmup, MAX_TOKENS).await;
+        let _ = load::closed_loop(&mut connections, addr, c, warmup, MAX_TOKENS).await;
         let cpu_before = cpu_snapshot(sim, proxy);
-        let (samples, wall) = load::closed_loop(&client, c, opts.duration, MAX_TOKENS).await;
+        let (samples, wall) =
+            load::closed_loop(&mut connections, addr, c, opts.duration, MAX_TOKENS).await;
         let cpu = cpu_use(cpu_before, cpu_snapshot(sim, proxy), wall);
         let scenario = summarize(&samples);
         let ok = scenario.requests - scenario.errors;

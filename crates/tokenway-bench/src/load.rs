@@ -1,7 +1,10 @@
 //! The load generator: streaming chat completions over HTTP/1.1 keep-alive.
 //!
-//! One client (hyper-util's pooled client, TCP_NODELAY) per target, so every target sees the
-//! same request bytes on the same kind of connection. Per request it records the time to the
+//! Every target sees the same request bytes on the same kind of connection (TCP_NODELAY,
+//! keep-alive). The closed-loop and sequential scenarios give each worker its own connection
+//! ([`LoadConnection`]), so concurrency N means N connections, as with `wrk`; the open-streams
+//! scenario and the demo's smoke test use hyper-util's pooled client ([`LoadClient`]), which
+//! opens a connection per stream there anyway. Per request it records the time to the
 //! first SSE `data:` event (the body is read chunk by chunk and the first chunk that contains
 //! `data:` stops the clock), the total time, and success: status 200 and a body that ends with
 //! `data: [DONE]`. The generator runs in the bench's own process; on a small machine it competes
@@ -15,9 +18,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{header, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 
 /// Bytes kept from the end of a body to check for the `data: [DONE]` terminator.
 const TAIL_BYTES: usize = 64;
@@ -59,22 +63,16 @@ impl LoadClient {
             .pool_max_idle_per_host(usize::MAX)
             .pool_idle_timeout(Duration::from_secs(90))
             .build(connector);
-        let uri = format!("http://{addr}/v1/chat/completions")
-            .parse()
-            .expect("a socket address always forms a valid URI");
-        Self { client, uri }
+        Self {
+            client,
+            uri: chat_uri(addr),
+        }
     }
 
     /// Sends one streaming chat completion asking for `max_tokens` tokens and reads it to the
     /// end. `first_token` is incremented when the first `data:` event arrives.
     pub async fn chat(&self, body: Bytes, first_token: Option<&AtomicUsize>) -> Sample {
-        let request = Request::builder()
-            .method(Method::POST)
-            .uri(self.uri.clone())
-            .header(header::CONTENT_TYPE, "application/json")
-            .header(header::ACCEPT, "text/event-stream")
-            .body(Full::new(body))
-            .expect("method, URI and static headers are valid");
+        let request = chat_request(&self.uri, body);
         let start = Instant::now();
         let response = match self.client.request(request).await {
             Ok(r) => r,
@@ -92,6 +90,102 @@ impl LoadClient {
             .await
             .sample
     }
+}
+
+fn chat_request(uri: &http::Uri, body: Bytes) -> Request<Full<Bytes>> {
+    Request::builder()
+        .method(Method::POST)
+        .uri(uri.clone())
+        .header(header::HOST, uri.authority().map_or("", |a| a.as_str()))
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::ACCEPT, "text/event-stream")
+        .body(Full::new(body))
+        .expect("method, URI and static headers are valid")
+}
+
+/// One HTTP/1.1 keep-alive connection to a target, used by one worker for request after
+/// request and opened again after an error.
+///
+/// hyper-util's pooled client, shared by all workers, starts a new connection whenever a
+/// request finds none idle and keeps it when an idle one won the race: at concurrency 256 it
+/// held ~500 connections to the proxy under test (measured with `ss`), which the proxy paid for
+/// in memory and the generator in connects. A connection per worker keeps "concurrency N" at
+/// N connections, as `wrk` does.
+pub struct LoadConnection {
+    addr: SocketAddr,
+    uri: http::Uri,
+    sender: Option<http1::SendRequest<Full<Bytes>>>,
+}
+
+impl LoadConnection {
+    /// A connection (opened on first use) for `http://addr/v1/chat/completions`.
+    pub fn new(addr: SocketAddr) -> Self {
+        Self {
+            addr,
+            uri: chat_uri(addr),
+            sender: None,
+        }
+    }
+
+    async fn connect(&self) -> Result<http1::SendRequest<Full<Bytes>>, String> {
+        let stream = tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::net::TcpStream::connect(self.addr),
+        )
+        .await
+        .map_err(|_| format!("connect to {} timed out", self.addr))?
+        .map_err(|e| format!("connect to {}: {e}", self.addr))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| format!("TCP_NODELAY: {e}"))?;
+        let (sender, connection) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        Ok(sender)
+    }
+
+    /// Sends one streaming chat completion on this connection and reads it to the end, as
+    /// [`LoadClient::chat`] does. The clock includes a reconnect, if one was needed.
+    pub async fn chat(&mut self, body: Bytes, first_token: Option<&AtomicUsize>) -> Sample {
+        let start = Instant::now();
+        let failed = |error: String| Sample {
+            ttft: None,
+            total: start.elapsed(),
+            gaps: Vec::new(),
+            error: Some(error),
+        };
+        let mut sender = match self.sender.take() {
+            Some(s) if !s.is_closed() => s,
+            _ => match self.connect().await {
+                Ok(s) => s,
+                Err(e) => return failed(format!("request failed: {e}")),
+            },
+        };
+        if let Err(e) = sender.ready().await {
+            return failed(format!("request failed: {e}"));
+        }
+        let response = match sender.send_request(chat_request(&self.uri, body)).await {
+            Ok(r) => r,
+            Err(e) => return failed(format!("request failed: {e}")),
+        };
+        let status = response.status();
+        let sample = read_stream(start, status, response.into_body(), first_token)
+            .await
+            .sample;
+        if sample.ok() {
+            self.sender = Some(sender);
+        }
+        sample
+    }
+}
+
+fn chat_uri(addr: SocketAddr) -> http::Uri {
+    format!("http://{addr}/v1/chat/completions")
+        .parse()
+        .expect("a socket address always forms a valid URI")
 }
 
 /// A response body read to the end by [`read_stream`].
@@ -200,43 +294,63 @@ fn trim_end(b: &[u8]) -> &[u8] {
     &b[..end]
 }
 
-/// `n` requests one after another.
-pub async fn sequential(client: &LoadClient, n: usize, max_tokens: u32) -> Vec<Sample> {
+/// `rounds` rounds of one request to each target after another, each target on its own
+/// connection; the first target of a round rotates. Interleaved, the targets share whatever
+/// else the machine is doing during the scenario, which run one after another do not: a
+/// single stream's latency is tens of microseconds here. Samples are returned per target.
+pub async fn interleaved(
+    connections: &mut [LoadConnection],
+    rounds: usize,
+    max_tokens: u32,
+) -> Vec<Vec<Sample>> {
     let body = chat_body(max_tokens);
-    let mut samples = Vec::with_capacity(n);
-    for _ in 0..n {
-        samples.push(client.chat(body.clone(), None).await);
+    let n = connections.len();
+    let mut samples: Vec<Vec<Sample>> = (0..n).map(|_| Vec::with_capacity(rounds)).collect();
+    for round in 0..rounds {
+        for k in 0..n {
+            let target = (round + k) % n;
+            samples[target].push(connections[target].chat(body.clone(), None).await);
+        }
     }
     samples
 }
 
-/// `concurrency` closed-loop workers sending requests back to back for `duration`; returns
-/// every sample and the wall time until the last in-flight request finished.
+/// `concurrency` closed-loop workers, each on its own connection to `addr`, sending requests
+/// back to back for `duration`; returns every sample and the wall time until the last
+/// in-flight request finished. `connections` are the workers' connections: kept from one call
+/// to the next (a warm-up's connections serve the measurement), opened where missing.
 pub async fn closed_loop(
-    client: &LoadClient,
+    connections: &mut Vec<LoadConnection>,
+    addr: SocketAddr,
     concurrency: usize,
     duration: Duration,
     max_tokens: u32,
 ) -> (Vec<Sample>, Duration) {
     let body = chat_body(max_tokens);
+    connections.truncate(concurrency);
+    while connections.len() < concurrency {
+        connections.push(LoadConnection::new(addr));
+    }
     let start = Instant::now();
     let deadline = start + duration;
     let mut workers = tokio::task::JoinSet::new();
-    for _ in 0..concurrency {
-        let client = client.clone();
+    for mut connection in connections.drain(..) {
         let body = body.clone();
         workers.spawn(async move {
             let mut samples = Vec::new();
             while Instant::now() < deadline {
-                samples.push(client.chat(body.clone(), None).await);
+                samples.push(connection.chat(body.clone(), None).await);
             }
-            samples
+            (connection, samples)
         });
     }
     let mut all = Vec::new();
     while let Some(joined) = workers.join_next().await {
         match joined {
-            Ok(samples) => all.extend(samples),
+            Ok((connection, samples)) => {
+                connections.push(connection);
+                all.extend(samples);
+            }
             Err(e) => all.push(Sample {
                 ttft: None,
                 total: Duration::ZERO,
