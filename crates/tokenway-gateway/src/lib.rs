@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod discovery;
+pub mod drain;
 pub mod error;
 pub mod forward_tcp;
 pub mod h3_front;

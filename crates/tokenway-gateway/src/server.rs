@@ -11,12 +11,12 @@ use std::time::Duration;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::GatewayConfig;
+use crate::drain::Drain;
 use crate::error::GatewayError;
 use crate::h3_front::{self, Front};
 use crate::stall_io::StallGuard;
@@ -144,7 +144,7 @@ impl BoundGateway {
     /// Serves until `shutdown` resolves, then drains open connections.
     pub async fn serve(self, shutdown: impl std::future::Future<Output = ()> + Send) {
         let (stop_tx, stop_rx) = watch::channel(false);
-        let graceful = Arc::new(GracefulShutdown::new());
+        let graceful = Arc::new(Drain::default());
         let permits = Arc::new(Semaphore::new(self.shared.config.max_connections));
         for (id, _) in self.shared.live_upstreams() {
             tokio::spawn(probe::run(self.shared.clone(), id, stop_rx.clone()));
@@ -205,13 +205,11 @@ impl BoundGateway {
             let _ = t.await;
         }
         extra.stop_accepting().await;
-        match Arc::try_unwrap(graceful) {
-            Ok(g) => {
-                if tokio::time::timeout(DRAIN, g.shutdown()).await.is_err() {
-                    tracing::info!("connections still open after the drain period; closing them");
-                }
-            }
-            Err(_) => tracing::debug!("graceful shutdown handle still shared"),
+        if tokio::time::timeout(DRAIN, graceful.shutdown())
+            .await
+            .is_err()
+        {
+            tracing::info!("connections still open after the drain period; closing them");
         }
         extra.exit().await;
     }
@@ -222,7 +220,7 @@ impl BoundGateway {
 #[derive(Clone)]
 struct FrontThreads {
     shared: Arc<Shared>,
-    graceful: Arc<GracefulShutdown>,
+    graceful: Arc<Drain>,
     permits: Arc<Semaphore>,
     stop: watch::Receiver<bool>,
 }
@@ -352,7 +350,7 @@ async fn accept_loop(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     shared: Arc<Shared>,
-    graceful: Arc<GracefulShutdown>,
+    graceful: Arc<Drain>,
     permits: Arc<Semaphore>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -375,12 +373,12 @@ async fn accept_loop(
         };
         let _ = stream.set_nodelay(true);
         let shared = shared.clone();
-        let watcher = graceful.watcher();
+        let drain = graceful.clone();
         let tls = tls.clone();
         tokio::spawn(async move {
             let _permit = permit;
             match tls {
-                None => serve_connection(stream, peer, shared, watcher).await,
+                None => serve_connection(stream, peer, shared, &drain).await,
                 Some(acceptor) => {
                     let handshake = tokio::time::timeout(
                         shared.config.timeouts.client_read(),
@@ -389,7 +387,7 @@ async fn accept_loop(
                     .await;
                     match handshake {
                         Ok(Ok(tls_stream)) => {
-                            serve_connection(tls_stream, peer, shared, watcher).await
+                            serve_connection(tls_stream, peer, shared, &drain).await
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
@@ -400,12 +398,8 @@ async fn accept_loop(
     }
 }
 
-async fn serve_connection<S>(
-    stream: S,
-    peer: SocketAddr,
-    shared: Arc<Shared>,
-    watcher: hyper_util::server::graceful::Watcher,
-) where
+async fn serve_connection<S>(stream: S, peer: SocketAddr, shared: Arc<Shared>, drain: &Arc<Drain>)
+where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -425,7 +419,7 @@ async fn serve_connection<S>(
     });
     // With upgrades: CONNECT port forwarding from edges on their TCP fallback.
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-    if let Err(e) = watcher.watch(conn.into_owned()).await {
+    if let Err(e) = drain.watch(conn.into_owned()).await {
         tracing::debug!(error = %e, "connection ended with an error");
     }
 }
