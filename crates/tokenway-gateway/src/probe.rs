@@ -135,27 +135,30 @@ pub fn parse_load(text: &str) -> Option<LoadSignal> {
             continue;
         };
         let name = name_labels.split('{').next().unwrap_or(name_labels);
+        // Only the few gauges read here are parsed: an engine's /metrics is mostly histogram
+        // buckets, and this runs on a front thread every `load_signal_interval_ms`.
+        let gauge = match name {
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => 0,
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => 1,
+            "vllm:gpu_cache_usage_perc" | "vllm:kv_cache_usage_perc" | "sglang:token_usage" => 2,
+            _ => continue,
+        };
         let Ok(v) = value.parse::<f64>() else {
             continue;
         };
         if !v.is_finite() {
             continue;
         }
-        match name {
-            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
-                waiting += v;
-                seen = true;
-            }
-            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
-                running += v;
-                seen = true;
-            }
-            "vllm:gpu_cache_usage_perc" | "vllm:kv_cache_usage_perc" | "sglang:token_usage" => {
+        match gauge {
+            0 => waiting += v,
+            1 => running += v,
+            _ => {
                 kv = kv.max(v);
                 kv_seen = true;
+                continue;
             }
-            _ => {}
         }
+        seen = true;
     }
     (seen || kv_seen).then(|| LoadSignal {
         waiting: waiting.clamp(0.0, u32::MAX as f64) as u32,
