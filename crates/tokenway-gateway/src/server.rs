@@ -26,6 +26,8 @@ use tokenway_transport::certs::Identity;
 
 /// How long open connections get to finish after shutdown is asked.
 const DRAIN: Duration = Duration::from_secs(5);
+/// Period of the timer every front thread keeps armed (see [`keep_timer_armed`]).
+const TIMER_KEEPER: Duration = Duration::from_millis(500);
 
 /// A gateway whose listeners are bound, ready to serve.
 pub struct BoundGateway {
@@ -182,6 +184,7 @@ impl BoundGateway {
         };
         let mut extra = fronts.spawn_threads(&listeners);
         // This thread is front thread 0.
+        tokio::spawn(keep_timer_armed(stop_rx.clone()));
         for (l, tls) in listeners {
             match TcpListener::from_std(l) {
                 Ok(l) => tasks.push(tokio::spawn(fronts.clone().accept_loop(l, tls))),
@@ -316,6 +319,7 @@ impl FrontThreads {
             }
         };
         runtime.block_on(async move {
+            tokio::spawn(keep_timer_armed(self.stop.clone()));
             let mut loops = Vec::new();
             for (l, tls) in listeners {
                 match TcpListener::from_std(l) {
@@ -343,6 +347,26 @@ impl FrontThreads {
             self.stop,
         )
         .await;
+    }
+}
+
+/// Keeps a timer due within [`TIMER_KEEPER`] on this thread's event loop until `stop`.
+///
+/// tokio wakes its own event loop (an `eventfd` write, then an extra `epoll_wait` that returns
+/// at once) whenever a timer is registered that is due before every other one. Each request
+/// arms long timeouts (header read, first byte, stream idle), and on a front thread with no
+/// shorter timer pending one of them was that earliest timer: one `eventfd` write per request
+/// (ftrace: 8045 in 8134 requests), right after the answer was written, while a client woken
+/// on the same CPU waited for the gateway to go back to sleep. With this timer always due
+/// sooner, registering a request's timeouts costs no system call.
+async fn keep_timer_armed(mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(TIMER_KEEPER);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
     }
 }
 
