@@ -216,3 +216,70 @@ fn bench_weights_quick_reports_one_origin_copy_and_every_target() {
     assert!(svg.contains("<svg"), "plot written");
     assert!(!out.join("work").exists(), "scratch data is deleted");
 }
+
+/// `tokenway bench gateway` on a short run: direct, through the gateway and (when installed)
+/// through nginx, interleaved single streams, one connection per closed-loop worker, open
+/// streams; every request succeeds and the report has every target. Never asserts on time.
+#[test]
+fn bench_gateway_short_run_has_every_target_without_errors() {
+    let _turn = crate::harness::HEAVY.blocking_lock();
+    let dir = TempDir::new("bench-gateway");
+    let out = dir.0.join("out");
+    let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))
+        .args([
+            "bench",
+            "gateway",
+            "--requests",
+            "100",
+            "--duration-secs",
+            "1",
+            "--concurrency",
+            "8,32",
+            "--open-streams",
+            "50",
+            "--out",
+        ])
+        .arg(&out)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("tokenway runs");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "bench gateway failed ({}):\nstdout: {stdout}\nstderr: {stderr}",
+        run.status
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&non_empty(&out.join("results.json"))).expect("results.json is JSON");
+    let targets = json["targets"].as_array().expect("targets is a list");
+    let kinds: Vec<&str> = targets
+        .iter()
+        .filter_map(|t| t["target"].as_str())
+        .collect();
+    assert_eq!(kinds[..2], ["direct", "gateway"], "{json}");
+    // nginx is compared when it is installed; a broken installation
+    // is skipped with a note, not a failure.
+    let skipped = json["notes"]
+        .to_string()
+        .contains("nginx comparison skipped");
+    if tokenway_bench::nginx::find().is_some() && !skipped {
+        assert_eq!(kinds, ["direct", "gateway", "nginx"], "{json}");
+    }
+    for t in targets {
+        // The interleaved single streams: every target got every request, none failed.
+        assert_eq!(t["sequential"]["requests"], 100, "{t}");
+        assert_eq!(t["sequential"]["errors"], 0, "{t}");
+        let levels = t["load"].as_array().expect("load is a list");
+        assert_eq!(levels.len(), 2, "{t}");
+        for l in levels {
+            assert!(l["scenario"]["requests"].as_u64().unwrap_or(0) > 0, "{l}");
+            assert_eq!(l["scenario"]["errors"], 0, "{l}");
+        }
+    }
+    let open = &json["open_streams"];
+    assert_eq!(open["streams"], 50, "{open}");
+    assert_eq!(open["scenario"]["errors"], 0, "{open}");
+    let md = non_empty(&out.join("results.md"));
+    assert!(md.contains("| tokenway gateway |"), "{md}");
+}
