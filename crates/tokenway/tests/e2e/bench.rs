@@ -15,6 +15,27 @@ fn non_empty(path: &Path) -> String {
     text
 }
 
+/// Runs `tokenway bench <args> --out <out>`, asserts that it succeeded, and returns its
+/// `results.json`.
+fn run_bench(args: &[&str], out: &Path) -> serde_json::Value {
+    let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))
+        .arg("bench")
+        .args(args)
+        .arg("--out")
+        .arg(out)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("tokenway runs");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "bench {args:?} failed ({}):\nstdout: {stdout}\nstderr: {stderr}",
+        run.status
+    );
+    serde_json::from_str(&non_empty(&out.join("results.json"))).expect("results.json is JSON")
+}
+
 #[test]
 fn bench_transport_quick_writes_json_markdown_and_plots_for_every_transport() {
     let _turn = crate::harness::HEAVY.blocking_lock();
@@ -24,29 +45,7 @@ fn bench_transport_quick_writes_json_markdown_and_plots_for_every_transport() {
     }
     let dir = TempDir::new("bench-transport");
     let out = dir.0.join("out");
-    let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))
-        .args([
-            "bench",
-            "transport",
-            "--quick",
-            "--netlab-name",
-            "twbtest",
-            "--out",
-        ])
-        .arg(&out)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("tokenway runs");
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(
-        run.status.success(),
-        "bench transport --quick failed ({}):\nstdout: {stdout}\nstderr: {stderr}",
-        run.status
-    );
-
-    let json: serde_json::Value =
-        serde_json::from_str(&non_empty(&out.join("results.json"))).expect("results.json is JSON");
+    let json = run_bench(&["transport", "--quick", "--netlab-name", "twbtest"], &out);
     for key in [
         "machine",
         "command_line",
@@ -106,21 +105,7 @@ fn bench_routing_quick_writes_every_policy_the_targets_and_plots() {
     let _turn = crate::harness::HEAVY.blocking_lock();
     let dir = TempDir::new("bench-routing");
     let out = dir.0.join("out");
-    let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))
-        .args(["bench", "routing", "--quick", "--out"])
-        .arg(&out)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("tokenway runs");
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(
-        run.status.success(),
-        "bench routing --quick failed ({}):\nstdout: {stdout}\nstderr: {stderr}",
-        run.status
-    );
-    let json: serde_json::Value =
-        serde_json::from_str(&non_empty(&out.join("results.json"))).expect("results.json is JSON");
+    let json = run_bench(&["routing", "--quick"], &out);
     let runs = json["runs"].as_array().expect("runs is a list");
     for (scenario, policy) in [
         ("main", "cost"),
@@ -164,21 +149,7 @@ fn bench_weights_quick_reports_one_origin_copy_and_every_target() {
     let _turn = crate::harness::HEAVY.blocking_lock();
     let dir = TempDir::new("bench-weights");
     let out = dir.0.join("out");
-    let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))
-        .args(["bench", "weights", "--quick", "--out"])
-        .arg(&out)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("tokenway runs");
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(
-        run.status.success(),
-        "bench weights --quick failed ({}):\nstdout: {stdout}\nstderr: {stderr}",
-        run.status
-    );
-    let json: serde_json::Value =
-        serde_json::from_str(&non_empty(&out.join("results.json"))).expect("results.json is JSON");
+    let json = run_bench(&["weights", "--quick"], &out);
     let size = json["settings"]["model_bytes"]
         .as_u64()
         .expect("model size");
@@ -225,9 +196,8 @@ fn bench_gateway_short_run_has_every_target_without_errors() {
     let _turn = crate::harness::HEAVY.blocking_lock();
     let dir = TempDir::new("bench-gateway");
     let out = dir.0.join("out");
-    let run = Command::new(env!("CARGO_BIN_EXE_tokenway"))
-        .args([
-            "bench",
+    let json = run_bench(
+        &[
             "gateway",
             "--requests",
             "100",
@@ -237,21 +207,9 @@ fn bench_gateway_short_run_has_every_target_without_errors() {
             "8,32",
             "--open-streams",
             "50",
-            "--out",
-        ])
-        .arg(&out)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("tokenway runs");
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(
-        run.status.success(),
-        "bench gateway failed ({}):\nstdout: {stdout}\nstderr: {stderr}",
-        run.status
+        ],
+        &out,
     );
-    let json: serde_json::Value =
-        serde_json::from_str(&non_empty(&out.join("results.json"))).expect("results.json is JSON");
     let targets = json["targets"].as_array().expect("targets is a list");
     let kinds: Vec<&str> = targets
         .iter()
