@@ -31,6 +31,7 @@ pub mod http_serve;
 pub mod manifest;
 pub mod mirror;
 pub mod origin;
+pub mod outboard;
 pub mod peer_server;
 pub mod piece_bits;
 pub mod piece_buffers;

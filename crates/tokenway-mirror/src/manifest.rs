@@ -5,11 +5,15 @@
 //! hashes are listed in the manifest, so whoever receives any piece (from an origin, a mirror
 //! or a peer) can verify it without trusting the sender, and without the whole file.
 //!
-//! Two formats, both read: format 1 lists each piece's BLAKE3 as if the piece were a file of
-//! its own; format 2 (written since) uses power-of-two piece sizes and lists each piece's
-//! chaining value in the file's BLAKE3 tree ([`crate::piece_tree`]), so the pieces are checked
-//! against the file hash when the manifest is validated, and a file assembled from verified
-//! pieces has the file hash without being hashed again.
+//! Three formats, all read: format 1 lists each piece's BLAKE3 as if the piece were a file of
+//! its own; format 2 uses power-of-two piece sizes and lists each piece's chaining value in
+//! the file's BLAKE3 tree ([`crate::piece_tree`]), so the pieces are checked against the file
+//! hash when the manifest is validated, and a file assembled from verified pieces has the
+//! file hash without being hashed again. Format 3 (written since) lists no pieces: each blob
+//! has a bao-tree outboard beside it ([`crate::outboard`], `outboards/<hash>-<group size>`),
+//! and the piece CVs are read out of it, checked against the file hash, when the manifest is
+//! loaded ([`FileEntry::attach_outboard`]); until then its multi-piece entries are
+//! unresolved ([`FileEntry::needs_outboard`]).
 //!
 //! This module parses and validates; it never touches a file or the network. Everything it
 //! accepts is safe to join onto a local directory: paths are relative, have no `..`, no
@@ -17,6 +21,7 @@
 //!
 //! Layout in the origin (and in any mirror):
 //! - `blobs/<hash>`: file contents,
+//! - `outboards/<hash>-<group size>`: the blob's BLAKE3 tree above its chunk groups,
 //! - `models/<name>/revisions/<rev>.json`: manifest,
 //! - `models/<name>/tags/<tag>`: the revision name, as text.
 
@@ -24,13 +29,15 @@ use std::fmt;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use blake3::hazmat::HasherExt as _;
-
+use crate::outboard::{self, BadOutboard};
 use crate::piece_tree::{is_subtree_size, piece_cv, root_from_piece_cvs};
 use crate::MirrorError;
 
-/// Version of the manifest format written by this crate: pieces hashed as subtrees.
-pub const MANIFEST_FORMAT: u32 = 2;
+/// Version of the manifest format written by this crate: pieces are subtrees whose CVs come
+/// from the blob's outboard.
+pub const MANIFEST_FORMAT: u32 = 3;
+/// The second manifest format: pieces hashed as subtrees, their CVs listed. Still read.
+pub const MANIFEST_FORMAT_PIECE_LIST: u32 = 2;
 /// The first manifest format: pieces hashed as standalone inputs. Still read.
 pub const MANIFEST_FORMAT_STANDALONE_PIECES: u32 = 1;
 /// Default piece size: 4 MiB.
@@ -189,8 +196,8 @@ pub enum PieceHashing {
     /// Format 1: `BLAKE3(piece)`, each piece hashed as an input of its own.
     #[default]
     Standalone,
-    /// Format 2: the piece's chaining value as the subtree at its offset in the file's BLAKE3
-    /// tree; the file hash itself when the file is one piece.
+    /// Formats 2 and 3: the piece's chaining value as the subtree at its offset in the
+    /// file's BLAKE3 tree; the file hash itself when the file is one piece.
     Subtree,
 }
 
@@ -199,7 +206,7 @@ impl PieceHashing {
     pub fn of_format(format: u32) -> Option<Self> {
         match format {
             MANIFEST_FORMAT_STANDALONE_PIECES => Some(Self::Standalone),
-            MANIFEST_FORMAT => Some(Self::Subtree),
+            MANIFEST_FORMAT_PIECE_LIST | MANIFEST_FORMAT => Some(Self::Subtree),
             _ => None,
         }
     }
@@ -222,8 +229,14 @@ pub struct FileEntry {
     /// Size of every piece but the last.
     pub piece_size: u64,
     /// Hash of each piece, in order; `ceil(size / piece_size)` of them; see
-    /// [`piece_hashing`](Self::piece_hashing).
+    /// [`piece_hashing`](Self::piece_hashing). Not in format-3 JSON: filled from the
+    /// outboard ([`attach_outboard`](Self::attach_outboard)).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pieces: Vec<Blake3Hash>,
+    /// Format 3: chunk group size of the blob's outboard ([`crate::outboard`]), a power of two
+    /// from 64 KiB to 1 MiB, at most `piece_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_size: Option<u64>,
     /// How `pieces` were computed: not in the JSON, set from the manifest's `format` by
     /// [`Manifest::from_json`] (and by whoever builds an entry).
     #[serde(skip)]
@@ -284,6 +297,58 @@ impl FileEntry {
         }
     }
 
+    /// The format-3 entry of a blob of `size` bytes whose hash is `hash` and whose outboard
+    /// at `group_size` is `outboard` (as [`crate::outboard::create`] makes them); the piece
+    /// CVs are read out of the outboard, which is checked against `hash`.
+    pub fn from_outboard(
+        path: &str,
+        size: u64,
+        hash: Blake3Hash,
+        piece_size: u64,
+        group_size: u64,
+        outboard: &[u8],
+    ) -> Result<Self, BadOutboard> {
+        let mut e = Self {
+            path: path.to_string(),
+            size,
+            hash,
+            piece_size,
+            pieces: Vec::new(),
+            group_size: Some(group_size),
+            piece_hashing: PieceHashing::Subtree,
+        };
+        e.attach_outboard(outboard)?;
+        Ok(e)
+    }
+
+    /// Format 3 and more than one piece, not yet resolved: the piece CVs are to be read from
+    /// the blob's outboard before any piece can be verified.
+    pub fn needs_outboard(&self) -> bool {
+        self.group_size.is_some()
+            && self.pieces.len() as u64 != Self::piece_count_for(self.size, self.piece_size)
+    }
+
+    /// Object key (and mirror path) of this blob's outboard; format 3 only.
+    pub fn outboard_key(&self) -> Option<String> {
+        self.group_size.map(|g| outboard_key(&self.hash, g))
+    }
+
+    /// Length the outboard must have; format 3 only.
+    pub fn outboard_len(&self) -> Option<u64> {
+        self.group_size
+            .map(|g| outboard::outboard_len(self.size, g))
+    }
+
+    /// Fills the piece CVs from the blob's outboard, checked against the file hash. The
+    /// outboard may come from anyone: one that does not match is refused and changes nothing.
+    pub fn attach_outboard(&mut self, outboard: &[u8]) -> Result<(), BadOutboard> {
+        let group = self
+            .group_size
+            .expect("invariant: attach_outboard is called on format-3 entries only");
+        self.pieces = outboard::piece_cvs(outboard, self.size, group, self.piece_size, &self.hash)?;
+        Ok(())
+    }
+
     /// Does piece `index` match the manifest?
     pub fn piece_matches(&self, index: u64, data: &[u8]) -> bool {
         self.verify_piece(index, data, false).is_ok()
@@ -310,8 +375,22 @@ impl FileEntry {
                 ),
             ));
         }
+        if let Some(g) = self.group_size {
+            if !outboard::is_group_size(g) || g > self.piece_size {
+                return Err(MirrorError::manifest(
+                    format!("{field}.group_size"),
+                    format!(
+                        "{g} is not a power of two from {} to {} bytes at most the piece size",
+                        outboard::MIN_GROUP_SIZE,
+                        outboard::MAX_GROUP_SIZE
+                    ),
+                ));
+            }
+        }
         let want = Self::piece_count_for(self.size, self.piece_size);
-        if self.pieces.len() as u64 != want {
+        // Format 3 lists no pieces (they come from the outboard, checked when attached).
+        let unresolved = self.group_size.is_some() && self.pieces.is_empty();
+        if self.pieces.len() as u64 != want && !unresolved {
             return Err(MirrorError::manifest(
                 format!("{field}.pieces"),
                 format!(
@@ -338,7 +417,10 @@ impl FileEntry {
                     ),
                 ));
             }
-            if !self.pieces.is_empty() && self.file_hash_from_pieces(&self.pieces) != self.hash {
+            if !self.pieces.is_empty()
+                && self.group_size.is_none()
+                && self.file_hash_from_pieces(&self.pieces) != self.hash
+            {
                 return Err(MirrorError::manifest(
                     format!("{field}.pieces"),
                     "the piece hashes do not combine into the file hash",
@@ -346,59 +428,6 @@ impl FileEntry {
             }
         }
         Ok(())
-    }
-}
-
-/// Builds the format-2 [`FileEntry`] of a file from its pieces, in order, hashing each once.
-#[derive(Debug)]
-pub struct FileEntryBuilder {
-    piece_size: u64,
-    size: u64,
-    pieces: Vec<Blake3Hash>,
-    /// The first piece hashed as a whole input: the file hash if it stays the only piece.
-    first_as_root: Option<Blake3Hash>,
-}
-
-impl FileEntryBuilder {
-    /// A builder for pieces of `piece_size` bytes, a power of two (checked by
-    /// [`FileEntry`] validation, see [`crate::piece_tree::is_subtree_size`]).
-    pub fn new(piece_size: u64) -> Self {
-        Self {
-            piece_size,
-            size: 0,
-            pieces: Vec::new(),
-            first_as_root: None,
-        }
-    }
-
-    /// Adds the next piece: `piece_size` bytes, fewer only for the last one; never empty.
-    pub fn push(&mut self, data: &[u8]) {
-        debug_assert!(!data.is_empty() && data.len() as u64 <= self.piece_size);
-        let mut h = blake3::Hasher::new();
-        h.set_input_offset(self.size);
-        h.update(data);
-        if self.pieces.is_empty() {
-            self.first_as_root = Some(h.finalize().into());
-        }
-        self.pieces.push(Blake3Hash(h.finalize_non_root()));
-        self.size += data.len() as u64;
-    }
-
-    /// The entry for `path`.
-    pub fn finish(self, path: &str) -> FileEntry {
-        let (hash, pieces) = match (self.pieces.len(), self.first_as_root) {
-            (0, _) => (Blake3Hash::of(&[]), Vec::new()),
-            (1, Some(root)) => (root, vec![root]),
-            _ => (root_from_piece_cvs(&self.pieces), self.pieces),
-        };
-        FileEntry {
-            path: path.to_string(),
-            size: self.size,
-            hash,
-            piece_size: self.piece_size,
-            pieces,
-            piece_hashing: PieceHashing::Subtree,
-        }
     }
 }
 
@@ -426,7 +455,26 @@ impl Manifest {
                 f.piece_hashing = h;
             }
         }
+        if m.format >= MANIFEST_FORMAT {
+            for (i, f) in m.files.iter().enumerate() {
+                if !f.pieces.is_empty() {
+                    return Err(MirrorError::manifest(
+                        format!("files[{i}].pieces"),
+                        format!(
+                            "format {} lists no pieces (they are in the outboard)",
+                            m.format
+                        ),
+                    ));
+                }
+            }
+        }
         m.validate()?;
+        // A file of one piece is verified by its hash: nothing to read from an outboard.
+        for f in &mut m.files {
+            if f.group_size.is_some() && f.size > 0 && f.size <= f.piece_size {
+                f.pieces = vec![f.hash];
+            }
+        }
         Ok(m)
     }
 
@@ -444,9 +492,19 @@ impl Manifest {
             })
     }
 
-    /// Pretty JSON, as stored in the origin.
+    /// Pretty JSON, as stored in the origin (format 3: without the pieces resolved from the
+    /// outboards).
     pub fn to_json(&self) -> Vec<u8> {
-        let mut v = serde_json::to_vec_pretty(self)
+        let stored;
+        let m = if self.format >= MANIFEST_FORMAT {
+            let mut c = self.clone();
+            c.files.iter_mut().for_each(|f| f.pieces.clear());
+            stored = c;
+            &stored
+        } else {
+            self
+        };
+        let mut v = serde_json::to_vec_pretty(m)
             .expect("invariant: a Manifest always serializes (only strings, numbers, arrays)");
         v.push(b'\n');
         v
@@ -464,7 +522,7 @@ impl Manifest {
                 "format",
                 format!(
                     "version {} not supported (this build reads \
-                     {MANIFEST_FORMAT_STANDALONE_PIECES} and {MANIFEST_FORMAT})",
+                     {MANIFEST_FORMAT_STANDALONE_PIECES} to {MANIFEST_FORMAT})",
                     self.format
                 ),
             ));
@@ -478,6 +536,15 @@ impl Manifest {
                     format!(
                         "pieces hashed as {:?}, but format {} hashes them as {hashing:?}",
                         f.piece_hashing, self.format
+                    ),
+                ));
+            }
+            if f.group_size.is_some() != (self.format >= MANIFEST_FORMAT) {
+                return Err(MirrorError::manifest(
+                    format!("files[{i}].group_size"),
+                    format!(
+                        "required from format {MANIFEST_FORMAT} on, not allowed before (this is format {})",
+                        self.format
                     ),
                 ));
             }
@@ -556,6 +623,11 @@ pub fn blob_key(hash: &Blake3Hash) -> String {
     format!("blobs/{hash}")
 }
 
+/// Object key of the outboard of blob `hash` at chunk groups of `group_size` bytes.
+pub fn outboard_key(hash: &Blake3Hash, group_size: u64) -> String {
+    format!("outboards/{hash}-{group_size}")
+}
+
 /// Object key of a revision manifest.
 pub fn manifest_key(model: &str, revision: &str) -> String {
     format!("models/{model}/revisions/{revision}.json")
@@ -579,12 +651,40 @@ pub fn parse_tag(bytes: &[u8]) -> Result<String, MirrorError> {
 mod tests {
     use super::*;
 
+    /// A format-3 entry, its pieces resolved, and its outboard.
+    fn entry_ob(path: &str, data: &[u8], piece_size: u64) -> (FileEntry, Vec<u8>) {
+        let g = outboard::DEFAULT_GROUP_SIZE;
+        let (hash, ob) = outboard::create(data, data.len() as u64, g).unwrap();
+        let e = FileEntry::from_outboard(path, data.len() as u64, hash, piece_size, g, &ob);
+        (e.unwrap(), ob)
+    }
+
     fn entry(path: &str, data: &[u8], piece_size: u64) -> FileEntry {
-        let mut b = FileEntryBuilder::new(piece_size);
-        for p in data.chunks(piece_size as usize) {
-            b.push(p);
+        entry_ob(path, data, piece_size).0
+    }
+
+    /// A format-2 entry: the CV of every piece listed.
+    fn entry_v2(path: &str, data: &[u8], piece_size: u64) -> FileEntry {
+        let cvs: Vec<Blake3Hash> = data
+            .chunks(piece_size as usize)
+            .enumerate()
+            .map(|(i, p)| piece_cv(p, i as u64 * piece_size))
+            .collect();
+        FileEntry {
+            path: path.into(),
+            size: data.len() as u64,
+            hash: Blake3Hash::of(data),
+            piece_size,
+            pieces: match cvs.len() {
+                0 | 1 => data
+                    .chunks(piece_size as usize)
+                    .map(Blake3Hash::of)
+                    .collect(),
+                _ => cvs,
+            },
+            group_size: None,
+            piece_hashing: PieceHashing::Subtree,
         }
-        b.finish(path)
     }
 
     /// A format-1 entry: every piece hashed as an input of its own.
@@ -598,6 +698,7 @@ mod tests {
                 .chunks(piece_size as usize)
                 .map(Blake3Hash::of)
                 .collect(),
+            group_size: None,
             piece_hashing: PieceHashing::Standalone,
         }
     }
@@ -607,12 +708,13 @@ mod tests {
     }
 
     #[test]
-    fn format_2_entries_hash_each_piece_as_a_subtree_of_the_file() {
+    fn format_2_and_3_entries_hash_each_piece_as_a_subtree_of_the_file() {
         let piece = 4u64 << 20;
         let p = piece as usize;
         for len in [0, 1, p - 1, p, p + 1, 3 * p + 5, 5 * p + 17] {
             let data = bytes(len);
             let e = entry("f", &data, piece);
+            assert_eq!(e.pieces, entry_v2("f", &data, piece).pieces, "{len} bytes");
             assert_eq!(e.hash, Blake3Hash::of(&data), "{len} bytes");
             assert_eq!(
                 e.pieces.len() as u64,
@@ -678,25 +780,27 @@ mod tests {
     #[test]
     fn format_2_pieces_must_combine_into_the_file_hash_and_sizes_be_powers_of_two() {
         let data = bytes(200_000);
-        let mut e = entry("a", &data, MIN_PIECE_SIZE);
+        let mut e = entry_v2("a", &data, MIN_PIECE_SIZE);
         e.pieces.swap(0, 1);
-        let err = manifest(vec![e]).validate().unwrap_err().to_string();
+        let err = manifest_v2(vec![e]).validate().unwrap_err().to_string();
         assert!(
             err.contains("files[0].pieces") && err.contains("combine"),
             "{err}"
         );
-        let mut e = entry("a", &data, MIN_PIECE_SIZE);
+        let mut e = entry_v2("a", &data, MIN_PIECE_SIZE);
         e.hash = Blake3Hash::of(b"other");
-        assert!(manifest(vec![e]).validate().is_err());
-        let mut e = entry("a", &data, MIN_PIECE_SIZE);
+        assert!(manifest_v2(vec![e]).validate().is_err());
+        let mut e = entry_v2("a", &data, MIN_PIECE_SIZE);
         e.piece_size = 100_000;
         e.pieces.truncate(2);
-        let err = manifest(vec![e]).validate().unwrap_err().to_string();
+        let err = manifest_v2(vec![e]).validate().unwrap_err().to_string();
         assert!(err.contains("power of two"), "{err}");
+        let m = manifest_v2(vec![entry_v2("a", &data, MIN_PIECE_SIZE)]);
+        assert_eq!(Manifest::from_json(&m.to_json()).unwrap(), m);
         let mut m = manifest(vec![entry("a", &data, MIN_PIECE_SIZE)]);
-        m.format = 3;
+        m.format = 4;
         let err = Manifest::from_json(&m.to_json()).unwrap_err().to_string();
-        assert!(err.contains("version 3 not supported"), "{err}");
+        assert!(err.contains("version 4 not supported"), "{err}");
     }
 
     fn manifest(files: Vec<FileEntry>) -> Manifest {
@@ -708,16 +812,79 @@ mod tests {
         }
     }
 
+    fn manifest_v2(files: Vec<FileEntry>) -> Manifest {
+        Manifest {
+            format: MANIFEST_FORMAT_PIECE_LIST,
+            ..manifest(files)
+        }
+    }
+
     #[test]
     fn manifest_round_trips_through_json() {
+        let (a, ob) = entry_ob("a.bin", &[1u8; 200_000], MIN_PIECE_SIZE);
         let m = manifest(vec![
-            entry("a.bin", &[1u8; 200_000], MIN_PIECE_SIZE),
+            a,
+            entry("b.bin", &[2u8; 1000], MIN_PIECE_SIZE),
             entry("dir/empty", &[], MIN_PIECE_SIZE),
         ]);
-        let back = Manifest::from_json(&m.to_json()).unwrap();
+        let json = m.to_json();
+        assert!(!String::from_utf8_lossy(&json).contains("pieces"));
+        let mut back = Manifest::from_json(&json).unwrap();
+        // The file of four pieces waits for its outboard; the others need none.
+        assert!(back.files[0].needs_outboard());
+        assert!(!back.files[1].needs_outboard() && !back.files[2].needs_outboard());
+        assert_eq!(back.files[0].outboard_len(), Some(ob.len() as u64));
+        back.files[0].attach_outboard(&ob).unwrap();
         assert_eq!(back, m);
         assert_eq!(back.files[0].pieces.len(), 4);
         assert_eq!(back.files[0].piece_range(3), 196_608..200_000);
+    }
+
+    #[test]
+    fn a_format_3_entry_takes_only_the_outboard_of_its_own_blob() {
+        let data = bytes(300_000);
+        let (e, ob) = entry_ob("a", &data, MIN_PIECE_SIZE);
+        let mut json = manifest(vec![e.clone()]);
+        json.files[0].pieces.clear();
+        let mut back = Manifest::from_json(&json.to_json()).unwrap();
+        let f = &mut back.files[0];
+        let mut bad = ob.clone();
+        bad[70] ^= 1;
+        assert!(f.attach_outboard(&bad).is_err());
+        let (_, other) = entry_ob("a", &bytes(300_001), MIN_PIECE_SIZE);
+        assert!(f.attach_outboard(&other).is_err());
+        assert!(f.needs_outboard(), "a refused outboard changes nothing");
+        f.attach_outboard(&ob).unwrap();
+        assert_eq!(f.pieces, e.pieces);
+        assert!(f.piece_matches(2, &data[2 * 65536..3 * 65536]));
+    }
+
+    #[test]
+    fn format_3_fields_are_checked_naming_them() {
+        let data = bytes(300_000);
+        // Pieces listed in format-3 JSON.
+        let mut m = manifest(vec![entry("a", &data, MIN_PIECE_SIZE)]);
+        m.format = MANIFEST_FORMAT_PIECE_LIST;
+        let listed = String::from_utf8(m.to_json())
+            .unwrap()
+            .replace("\"format\": 2", "\"format\": 3");
+        let err = Manifest::from_json(listed.as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("files[0].pieces"), "{err}");
+        // A group size in format 2, none in format 3, one larger than the pieces.
+        let mut m = manifest_v2(vec![entry_v2("a", &data, MIN_PIECE_SIZE)]);
+        m.files[0].group_size = Some(outboard::MIN_GROUP_SIZE);
+        let err = m.validate().unwrap_err().to_string();
+        assert!(err.contains("files[0].group_size"), "{err}");
+        let mut m = manifest(vec![entry("a", &data, MIN_PIECE_SIZE)]);
+        m.files[0].group_size = None;
+        let err = m.validate().unwrap_err().to_string();
+        assert!(err.contains("files[0].group_size"), "{err}");
+        let mut m = manifest(vec![entry("a", &data, MIN_PIECE_SIZE)]);
+        m.files[0].group_size = Some(128 << 10);
+        let err = m.validate().unwrap_err().to_string();
+        assert!(err.contains("files[0].group_size"), "{err}");
     }
 
     #[test]
@@ -748,8 +915,8 @@ mod tests {
         e.pieces.pop();
         let err = manifest(vec![e]).validate().unwrap_err().to_string();
         assert!(err.contains("files[0].pieces"), "{err}");
-        let e = entry("a", &[0u8; 10], 1000);
-        let err = manifest(vec![e]).validate().unwrap_err().to_string();
+        let e = entry_v2("a", &[0u8; 10], 1000);
+        let err = manifest_v2(vec![e]).validate().unwrap_err().to_string();
         assert!(err.contains("files[0].piece_size"), "{err}");
     }
 

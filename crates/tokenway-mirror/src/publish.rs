@@ -1,10 +1,12 @@
 //! `publish`: hash a directory and upload it to the origin as one model revision.
 //!
-//! Order matters for readers that race with a publish: blobs first, then the manifest, then
-//! the tag, so a tag never points at a manifest whose blobs are missing. Blobs already in the
-//! origin (same hash, same size) are skipped, so republishing a model that shares files with
-//! an earlier revision uploads only what changed. Hashing runs on blocking threads, at most
-//! `parallel` files at a time; every buffer is one piece.
+//! Order matters for readers that race with a publish: outboards and blobs first, then the
+//! manifest, then the tag, so a tag never points at a manifest whose blobs are missing.
+//! Objects already in the origin (same name, same size) are skipped, so republishing a model
+//! that shares files with an earlier revision uploads only what changed. Hashing runs on
+//! blocking threads, at most `parallel` files at a time, one read of each file that yields
+//! its hash and its outboard ([`crate::outboard`]); each outboard is uploaded as soon as its
+//! file is hashed, so at most `parallel` of them are held in memory.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -15,9 +17,10 @@ use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 
 use crate::manifest::{
-    self, blob_key, manifest_key, tag_key, Blake3Hash, FileEntry, FileEntryBuilder, Manifest,
-    DEFAULT_PIECE_SIZE, MANIFEST_FORMAT, MAX_PIECE_SIZE, MIN_PIECE_SIZE,
+    self, blob_key, manifest_key, tag_key, Blake3Hash, FileEntry, Manifest, DEFAULT_PIECE_SIZE,
+    MANIFEST_FORMAT, MAX_PIECE_SIZE, MIN_PIECE_SIZE,
 };
+use crate::outboard::{self, DEFAULT_GROUP_SIZE, MAX_GROUP_SIZE, MIN_GROUP_SIZE};
 use crate::piece_tree::is_subtree_size;
 use crate::MirrorError;
 
@@ -26,6 +29,9 @@ use crate::MirrorError;
 pub struct PublishOptions {
     /// Piece size, [`MIN_PIECE_SIZE`]..=[`MAX_PIECE_SIZE`].
     pub piece_size: u64,
+    /// Chunk group of the outboards, [`MIN_GROUP_SIZE`]..=[`MAX_GROUP_SIZE`], at most the
+    /// piece size.
+    pub group_size: u64,
     /// Files hashed and uploaded at once.
     pub parallel: usize,
 }
@@ -34,6 +40,7 @@ impl Default for PublishOptions {
     fn default() -> Self {
         Self {
             piece_size: DEFAULT_PIECE_SIZE,
+            group_size: DEFAULT_GROUP_SIZE,
             parallel: 4,
         }
     }
@@ -52,6 +59,8 @@ pub struct PublishReport {
     pub blobs_uploaded: usize,
     /// Blobs already present in the origin.
     pub blobs_skipped: usize,
+    /// Outboards uploaded (files of one group have an empty outboard, uploaded all the same).
+    pub outboards_uploaded: usize,
 }
 
 /// Publishes `dir` as `model` revision `revision`, and points `tag` at it if given.
@@ -87,18 +96,38 @@ pub async fn publish(
             ),
         ));
     }
+    if !outboard::is_group_size(opts.group_size) || opts.group_size > opts.piece_size {
+        return Err(MirrorError::manifest(
+            "group_size",
+            format!(
+                "{} bytes: outboard chunk groups are a power of two from {MIN_GROUP_SIZE} to \
+                 {MAX_GROUP_SIZE} bytes, at most the piece size ({})",
+                opts.group_size, opts.piece_size
+            ),
+        ));
+    }
     let parallel = opts.parallel.max(1);
     let dir_owned = dir.to_path_buf();
     let files = tokio::task::spawn_blocking(move || list_files(&dir_owned))
         .await
         .map_err(|e| MirrorError::io("listing files", std::io::Error::other(e)))??;
 
-    let piece_size = opts.piece_size;
+    let (piece_size, group_size) = (opts.piece_size, opts.group_size);
+    let outboards_uploaded = std::sync::atomic::AtomicUsize::new(0);
     let mut entries: Vec<FileEntry> = stream::iter(files.clone())
-        .map(|(rel, abs)| async move {
-            tokio::task::spawn_blocking(move || hash_file(&rel, &abs, piece_size))
+        .map(|(rel, abs)| {
+            let (store, uploaded) = (Arc::clone(&store), &outboards_uploaded);
+            async move {
+                let (entry, ob) = tokio::task::spawn_blocking(move || {
+                    hash_file(&rel, &abs, piece_size, group_size)
+                })
                 .await
-                .map_err(|e| MirrorError::io("hashing", std::io::Error::other(e)))?
+                .map_err(|e| MirrorError::io("hashing", std::io::Error::other(e)))??;
+                if upload_outboard(store.as_ref(), &entry, ob).await? {
+                    uploaded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok::<_, MirrorError>(entry)
+            }
         })
         .buffer_unordered(parallel)
         .try_collect()
@@ -136,6 +165,7 @@ pub async fn publish(
         .await?;
     report.blobs_uploaded = results.iter().filter(|u| **u).count();
     report.blobs_skipped = results.len() - report.blobs_uploaded;
+    report.outboards_uploaded = outboards_uploaded.into_inner();
 
     let mkey = StorePath::from(manifest_key(model, revision));
     let json = manifest.to_json();
@@ -219,25 +249,26 @@ fn list_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, MirrorError> {
     Ok(out)
 }
 
-/// Hashes one file in one read: each piece once, as a subtree of the file's BLAKE3 tree;
-/// the file hash is merged from the pieces ([`crate::piece_tree`]). `piece_size` is a power
-/// of two.
-pub fn hash_file(rel: &str, abs: &Path, piece_size: u64) -> Result<FileEntry, MirrorError> {
+/// Hashes one file in one read: its BLAKE3 hash and its outboard at `group_size`, from which
+/// the piece CVs are taken ([`FileEntry::from_outboard`]). `piece_size` and `group_size` are
+/// powers of two, the group at most the piece.
+pub fn hash_file(
+    rel: &str,
+    abs: &Path,
+    piece_size: u64,
+    group_size: u64,
+) -> Result<(FileEntry, Vec<u8>), MirrorError> {
     let ctx = || format!("hashing {}", abs.display());
-    let mut f = std::fs::File::open(abs).map_err(|e| MirrorError::io(ctx(), e))?;
-    let mut entry = FileEntryBuilder::new(piece_size);
-    let mut buf = vec![0u8; piece_size as usize];
-    loop {
-        let n = read_full(&mut f, &mut buf).map_err(|e| MirrorError::io(ctx(), e))?;
-        if n == 0 {
-            break;
-        }
-        entry.push(&buf[..n]);
-        if n < buf.len() {
-            break;
-        }
-    }
-    Ok(entry.finish(rel))
+    let f = std::fs::File::open(abs).map_err(|e| MirrorError::io(ctx(), e))?;
+    let size = f.metadata().map_err(|e| MirrorError::io(ctx(), e))?.len();
+    // `take`: a file that grows while it is read is hashed at the size it had; one that
+    // shrinks fails here, and one that changes is caught when it is uploaded.
+    let reader = std::io::BufReader::with_capacity(1 << 20, f).take(size);
+    let (hash, ob) =
+        outboard::create(reader, size, group_size).map_err(|e| MirrorError::io(ctx(), e))?;
+    let entry = FileEntry::from_outboard(rel, size, hash, piece_size, group_size, &ob)
+        .expect("invariant: an outboard just made matches the hash made with it");
+    Ok((entry, ob))
 }
 
 /// Reads until `buf` is full or end of file.
@@ -267,6 +298,30 @@ async fn read_full_async(
         }
     }
     Ok(n)
+}
+
+/// Uploads the outboard of `entry` unless an object of that name and size exists. Returns
+/// whether it uploaded.
+async fn upload_outboard(
+    store: &dyn ObjectStore,
+    entry: &FileEntry,
+    ob: Vec<u8>,
+) -> Result<bool, MirrorError> {
+    let key = StorePath::from(
+        entry
+            .outboard_key()
+            .expect("invariant: publish writes format-3 entries"),
+    );
+    match store.head(&key).await {
+        Ok(meta) if meta.size == ob.len() as u64 => return Ok(false),
+        Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+        Err(e) => return Err(MirrorError::store(format!("checking {key}"), e)),
+    }
+    store
+        .put(&key, PutPayload::from(ob))
+        .await
+        .map_err(|e| MirrorError::store(format!("writing {key}"), e))?;
+    Ok(true)
 }
 
 /// Uploads one blob unless an object of that name and size exists. Returns whether it

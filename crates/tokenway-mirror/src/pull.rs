@@ -934,8 +934,10 @@ fn finish_work(
         for p in paths.iter().skip(1) {
             let dst = out2.join(p);
             let tmp = partial.with_extension("copy");
-            std::fs::copy(&partial, &tmp)
-                .map_err(|e| MirrorError::io(format!("copying to {}", tmp.display()), e))?;
+            std::fs::copy(&partial, &tmp).map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                MirrorError::io(format!("copying to {}", tmp.display()), e)
+            })?;
             place(&tmp, &dst)?;
         }
         place(&partial, &out2.join(&paths[0]))?;
@@ -988,12 +990,15 @@ fn place(src: &Path, dst: &Path) -> Result<(), MirrorError> {
     })
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename.
+/// Writes `bytes` to `path` through a temporary file and a rename. A write that fails (disk
+/// full) removes its temporary file, so nothing is left behind in `.partial` but the last
+/// complete record.
 async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), MirrorError> {
     let tmp = path.with_extension("progress.tmp");
-    tokio::fs::write(&tmp, bytes)
-        .await
-        .map_err(|e| MirrorError::io(format!("writing {}", tmp.display()), e))?;
+    if let Err(e) = tokio::fs::write(&tmp, bytes).await {
+        let _ = tokio::fs::remove_file(&tmp).await;
+        return Err(MirrorError::io(format!("writing {}", tmp.display()), e));
+    }
     tokio::fs::rename(&tmp, path)
         .await
         .map_err(|e| MirrorError::io(format!("renaming {}", tmp.display()), e))

@@ -164,6 +164,62 @@ impl Source {
         Ok(bytes)
     }
 
+    /// The outboard of `entry` (format 3) of `manifest`, unverified but of the right length.
+    /// Peers keep none: they answer 404 and the next source is asked.
+    pub async fn outboard(
+        &self,
+        manifest: &Manifest,
+        entry: &FileEntry,
+    ) -> Result<Bytes, FetchError> {
+        let (Some(key), Some(want)) = (entry.outboard_key(), entry.outboard_len()) else {
+            return Err(FetchError::BadRequest(format!(
+                "{} has no outboard (format {})",
+                entry.path, manifest.format
+            )));
+        };
+        let bytes = match self {
+            Self::Origin(store) => {
+                let path = StorePath::from(key.as_str());
+                let got = tokio::time::timeout(PIECE_TIMEOUT, async {
+                    store.get(&path).await?.bytes().await
+                });
+                match got.await {
+                    Ok(Ok(b)) => b,
+                    Ok(Err(e @ object_store::Error::NotFound { .. })) => {
+                        return Err(FetchError::NotFound(format!(
+                            "{key} missing in the origin: {e}"
+                        )))
+                    }
+                    Ok(Err(e)) => return Err(FetchError::Unavailable(format!("origin: {e}"))),
+                    Err(_) => {
+                        return Err(FetchError::Unavailable(format!(
+                            "origin: no answer within {PIECE_TIMEOUT:?}"
+                        )))
+                    }
+                }
+            }
+            Self::Http { base, client, .. } => {
+                let url = format!(
+                    "{base}/v1/{key}?model={}&revision={}",
+                    manifest.model, manifest.revision
+                );
+                let req = get(&url).map_err(from_http)?;
+                send(client, req, want as usize + 1, PIECE_TIMEOUT)
+                    .await
+                    .map_err(from_http)?
+                    .1
+            }
+        };
+        if bytes.len() as u64 != want {
+            return Err(FetchError::Unavailable(format!(
+                "outboard of {}: {} bytes received, {want} expected",
+                entry.path,
+                bytes.len()
+            )));
+        }
+        Ok(bytes)
+    }
+
     /// The manifest `mref` names, validated (mirrors only; the origin uses
     /// [`crate::pull::resolve`]).
     pub async fn manifest(&self, mref: &ModelRef) -> Result<Manifest, FetchError> {

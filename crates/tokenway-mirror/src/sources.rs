@@ -174,9 +174,56 @@ impl SourceSet {
             .collect()
     }
 
-    /// The manifest: from the mirrors in RTT order, then the origin. A mirror saying the
-    /// model, tag or revision does not exist is believed (it asked the origin).
+    /// The manifest, its format-3 outboards attached ([`Self::attach_outboards`]): from the
+    /// mirrors in RTT order, then the origin. A mirror saying the model, tag or revision does
+    /// not exist is believed (it asked the origin).
     pub async fn resolve(&self, mref: &ModelRef) -> Result<Manifest, MirrorError> {
+        let mut m = self.manifest(mref).await?;
+        self.attach_outboards(&mut m).await?;
+        Ok(m)
+    }
+
+    /// Reads the piece CVs of every format-3 file of more than one piece out of its outboard,
+    /// asking the mirrors, then the origin: an outboard that does not verify against the file
+    /// hash counts as corrupt for its source, and the next source is asked.
+    pub async fn attach_outboards(&self, m: &mut Manifest) -> Result<(), MirrorError> {
+        let view = Manifest {
+            files: Vec::new(),
+            ..m.clone()
+        };
+        for f in m.files.iter_mut().filter(|f| f.needs_outboard()) {
+            let mut failures = Vec::new();
+            for s in &self.fixed {
+                match s.source.outboard(&view, f).await {
+                    Ok(ob) => match f.attach_outboard(&ob) {
+                        Ok(()) => break,
+                        Err(e) => {
+                            s.penalise();
+                            failures.push(format!("{}: outboard does not verify: {e}", s.name));
+                        }
+                    },
+                    Err(e) => {
+                        s.failed();
+                        failures.push(format!("{}: {e}", s.name));
+                    }
+                }
+            }
+            if f.needs_outboard() {
+                return Err(MirrorError::Remote {
+                    url: "every source".into(),
+                    reason: format!(
+                        "cannot get a verified outboard of {} (blob {}): {}",
+                        f.path,
+                        f.hash,
+                        failures.join("; ")
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    async fn manifest(&self, mref: &ModelRef) -> Result<Manifest, MirrorError> {
         let mut failures = Vec::new();
         for s in &self.fixed {
             match &s.source {

@@ -65,6 +65,7 @@ async fn setup() -> Setup {
     let opts = PublishOptions {
         piece_size: PIECE,
         parallel: 2,
+        ..Default::default()
     };
     let report = publish(
         Arc::clone(&origin),
@@ -131,6 +132,7 @@ async fn publish_then_pull_is_byte_identical_and_repeats_are_free() {
         &PublishOptions {
             piece_size: PIECE,
             parallel: 2,
+            ..Default::default()
         },
     )
     .await

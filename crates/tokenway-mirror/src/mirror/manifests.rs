@@ -5,6 +5,11 @@
 //! asked of the origin every time; only when the origin cannot be reached is the last value
 //! seen used (the answer says so with `x-tokenway-stale`). An origin that says a tag does
 //! not exist is believed.
+//!
+//! Format-3 manifests name an outboard per blob; the mirror fetches each from the origin
+//! when it first loads the manifest, checks it against the blob hash, keeps it on disk beside
+//! the manifests and serves it to pullers, so a manifest in the memo always has its piece
+//! hashes ([`FileEntry::needs_outboard`] is false).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -152,6 +157,12 @@ impl ManifestCache {
                 }
             },
         };
+        let mut manifest = manifest;
+        for f in manifest.files.iter_mut().filter(|f| f.needs_outboard()) {
+            let ob = self.outboard(origin, f).await?;
+            f.attach_outboard(&ob)
+                .expect("invariant: ManifestCache::outboard returns verified outboards");
+        }
         let m = Arc::new(manifest);
         let mut memo = lock(&self.memo);
         if memo.len() >= MEMO_MANIFESTS {
@@ -159,6 +170,51 @@ impl ManifestCache {
         }
         memo.insert(memo_key, Arc::clone(&m));
         Ok(m)
+    }
+
+    /// The outboard of `entry` (format 3), verified against its hash: the disk copy, else the
+    /// origin's (then kept on disk).
+    pub async fn outboard(
+        &self,
+        origin: &dyn ObjectStore,
+        entry: &FileEntry,
+    ) -> Result<bytes::Bytes, ServeError> {
+        let key = entry.outboard_key().ok_or_else(|| {
+            ServeError::not_found(format!(
+                "blob {} has no outboard: its manifest predates format 3",
+                entry.hash
+            ))
+        })?;
+        let verifies = |ob: &[u8]| {
+            let mut probe = entry.clone();
+            probe.pieces.clear();
+            probe.attach_outboard(ob)
+        };
+        let local = self.dir.join(&key);
+        if let Ok(b) = tokio::fs::read(&local).await {
+            if verifies(&b).is_ok() {
+                return Ok(b.into());
+            }
+            tracing::warn!(path = %local.display(), "a cached outboard does not verify; fetching it again");
+        }
+        match origin_get(origin, &key).await {
+            Got::Bytes(b) => {
+                verifies(&b).map_err(|e| {
+                    ServeError::origin(format!(
+                        "the origin's {key} does not verify against the blob hash: {e}"
+                    ))
+                })?;
+                write_atomic(&local, &b).await;
+                Ok(b)
+            }
+            Got::NotFound => Err(ServeError::origin(format!(
+                "the origin has no {key}, which the manifest of {} needs",
+                entry.path
+            ))),
+            Got::Down(why) => Err(ServeError::origin(format!(
+                "origin unavailable ({why}) and {key} is not in this mirror's cache"
+            ))),
+        }
     }
 
     /// The layout of blob `hash` from any manifest in memory.

@@ -5,6 +5,7 @@
 //! | `GET /v1/models/{model}/tags/{tag}` | the manifest the tag points at (`no-cache`) |
 //! | `GET /v1/models/{model}/revisions/{rev}` | the manifest (immutable) |
 //! | `GET/HEAD /v1/blobs/{hash}?model=M&revision=R` | blob bytes, `Range` → 206 |
+//! | `GET /v1/outboards/{hash}-{group}?model=M&revision=R` | the blob's outboard (format 3, immutable) |
 //! | `POST /v1/preheat` `{"model": "M:T"}` | pulls the model into the cache |
 //! | `POST /v1/peers/announce` | records a peer, answers with peers holding wanted pieces |
 //! | `GET /v1/peers?blob=H&piece=I[&region=R]` | addresses of peers holding that piece |
@@ -136,6 +137,9 @@ async fn route(m: Arc<Mirror>, req: Request<Incoming>) -> Response<Body> {
             return blob(m, &req).await;
         }
         (Method::GET, p) if p.starts_with("/v1/models/") => model_route(&m, p).await,
+        (Method::GET, p) if p.starts_with("/v1/outboards/") => {
+            outboard(&m, &p["/v1/outboards/".len()..], req.uri().query()).await
+        }
         (_, p) if p.starts_with("/v1/") || p == "/metrics" || p == "/healthz" => {
             Err(ServeError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -273,6 +277,45 @@ async fn blob(m: Arc<Mirror>, req: &Request<Incoming>) -> Response<Body> {
         }),
     )
     .await
+}
+
+/// `GET /v1/outboards/{hash}-{group}`: immutable, named by the blob hash like the blob.
+async fn outboard(
+    m: &Arc<Mirror>,
+    name: &str,
+    query: Option<&str>,
+) -> Result<Response<Body>, ServeError> {
+    let bad = || {
+        ServeError::bad_request(format!(
+            "outboard name {name:?}: expected <64 hex characters>-<group size in bytes>"
+        ))
+    };
+    let (hex, group) = name.split_once('-').ok_or_else(bad)?;
+    let hash = Blake3Hash::from_hex(hex).map_err(|_| bad())?;
+    let group: u64 = group.parse().map_err(|_| bad())?;
+    let entry = blob_entry(m, &hash, query).await?;
+    if entry.group_size != Some(group) {
+        return Err(ServeError::not_found(format!(
+            "blob {hash} has no outboard at groups of {group} bytes (its manifest says {:?})",
+            entry.group_size
+        )));
+    }
+    let ob = m.manifests.outboard(m.origin.as_ref(), &entry).await?;
+    m.metrics.bytes_served.inc_by(ob.len() as u64);
+    let mut r = Response::new(full(ob));
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    h.insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("public, max-age=31536000, immutable"),
+    );
+    if let Ok(v) = HeaderValue::from_str(&format!("\"{hash}-{group}\"")) {
+        h.insert(header::ETAG, v);
+    }
+    Ok(r)
 }
 
 fn announce(m: &Arc<Mirror>, a: Announce) -> Result<Response<Body>, ServeError> {

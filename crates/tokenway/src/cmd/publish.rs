@@ -26,6 +26,10 @@ pub struct PublishArgs {
     /// Piece size in KiB: the unit of verification and of parallel download (64..=65536).
     #[arg(long, value_name = "KIB", default_value_t = 4096)]
     pub piece_size_kib: u64,
+    /// Chunk group of the outboards in KiB: the finest unit any byte range is verified in
+    /// (64..=1024, a power of two, at most the piece size).
+    #[arg(long, value_name = "KIB", default_value_t = 64)]
+    pub group_size_kib: u64,
     /// Files hashed and uploaded at once.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub parallel: usize,
@@ -36,6 +40,7 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<()> {
     let origin = open_origin(&args.origin)?;
     let opts = PublishOptions {
         piece_size: args.piece_size_kib.saturating_mul(1024),
+        group_size: args.group_size_kib.saturating_mul(1024),
         parallel: args.parallel.max(1),
     };
     let report = publish(
@@ -49,12 +54,13 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<()> {
     .await
     .with_context(|| format!("publishing {}", args.dir.display()))?;
     eprintln!(
-        "published {}@{}: {} files, {} bytes, {} blobs uploaded, {} already in the origin{}",
+        "published {}@{}: {} files, {} bytes, {} blobs and {} outboards uploaded, {} blobs already in the origin{}",
         args.model,
         args.revision,
         report.files,
         report.bytes_hashed,
         report.blobs_uploaded,
+        report.outboards_uploaded,
         report.blobs_skipped,
         args.tag
             .map(|t| format!(", tag {t} -> {}", args.revision))

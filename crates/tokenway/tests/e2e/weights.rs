@@ -1,7 +1,8 @@
 //! Weights distribution end to end: `tokenway publish` to a `file://` origin, a real
 //! `tokenway mirror` process, and `tokenway pull` processes through it: byte identity,
 //! resume after SIGKILL, corrupt mirrors and peers, hedging, four peers sharing, an origin
-//! outage, a full disk, bad input.
+//! outage, a full disk, bad input, and byte ranges verified through bao-tree outboards with
+//! curl as the client.
 //!
 //! The ~200 MB model and a ~20 MB one are generated once (seeded, so always the same bytes)
 //! and published into `CARGO_TARGET_TMPDIR`, reused by every test and every later run.
@@ -118,7 +119,7 @@ fn publish(src: &Path, origin: &Path, model: &str) {
 fn fixture() -> &'static Fixture {
     static F: OnceLock<Fixture> = OnceLock::new();
     F.get_or_init(|| {
-        let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("weights-fixture-v1");
+        let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("weights-fixture-v3");
         if !root.join("complete").exists() {
             let build = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
                 .join(format!("weights-fixture-build-{}", std::process::id()));
@@ -183,7 +184,8 @@ fn assert_same_tree(src: &Path, out: &Path) {
     }
     assert!(
         !out.join(".partial").exists(),
-        ".partial is removed after a complete pull"
+        ".partial is removed after a complete pull; it holds {:?}",
+        files(&out.join(".partial"))
     );
 }
 
@@ -669,6 +671,114 @@ async fn with_the_origin_down_a_mirror_serves_its_cache_and_a_clear_error_for_th
     .await;
     assert!(!ok);
     assert!(err.contains("origin unavailable"), "{err}");
+}
+
+/// Runs curl (a real HTTP client) and returns the body it wrote.
+fn curl_bytes(args: &[&str], dir: &Path) -> Vec<u8> {
+    let to = dir.join("curl.out");
+    let out = Command::new("curl")
+        .args(["-sS", "--fail-with-body", "-o", &s(&to)])
+        .args(args)
+        .output()
+        .expect("curl runs");
+    assert!(
+        out.status.success(),
+        "curl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read(&to).expect("curl output")
+}
+
+#[tokio::test]
+async fn any_byte_range_verifies_against_the_file_hash_and_a_corrupt_outboard_is_refused() {
+    use tokenway_mirror::manifest::Blake3Hash;
+    use tokenway_mirror::outboard::{outboard_len, verify_range, BadRange};
+
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let tmp = TempDir::new("w-ob");
+    let m = start_mirror(&fx.origin_url(), &tmp.0.join("cache"), &[]);
+    // Format 3: no piece list, a chunk group size per file.
+    let r = get(&format!("{}/v1/models/org/small/tags/latest", m.url())).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(!r.body.contains("\"pieces\""), "{}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("manifest JSON");
+    assert_eq!(v["format"], 3);
+    let f = v["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .max_by_key(|f| f["size"].as_u64())
+        .expect("a file");
+    let hash = Blake3Hash::from_hex(f["hash"].as_str().expect("hash")).expect("hex");
+    let size = f["size"].as_u64().expect("size");
+    let group = f["group_size"].as_u64().expect("group_size");
+    assert_eq!(group, 64 << 10);
+
+    // A client holding only the file hash (from the manifest) fetches the outboard, then
+    // ranges below a piece, and checks each on its own.
+    let q = "model=org/small&revision=r1";
+    let ob = curl_bytes(
+        &[&format!("{}/v1/outboards/{hash}-{group}?{q}", m.url())],
+        &tmp.0,
+    );
+    assert_eq!(ob.len() as u64, outboard_len(size, group));
+    let blob = format!("{}/v1/blobs/{hash}?{q}", m.url());
+    let tail = (size - 1) / group * group;
+    for (a, b) in [
+        (PIECE + 2 * group, PIECE + 5 * group),
+        (0, group),
+        (tail, size),
+    ] {
+        let data = curl_bytes(&["-r", &format!("{a}-{}", b - 1), &blob], &tmp.0);
+        assert_eq!(data.len() as u64, b - a);
+        verify_range(&ob, size, group, &hash, a, &data)
+            .unwrap_or_else(|e| panic!("bytes {a}..{b}: {e}"));
+        let mut bad = data.clone();
+        bad[data.len() / 2] ^= 1;
+        let err = verify_range(&ob, size, group, &hash, a, &bad).unwrap_err();
+        assert!(matches!(err, BadRange::Mismatch { .. }), "{err}");
+    }
+
+    // An origin whose outboard of that file is corrupt (a private copy: hard links for the
+    // rest, a new file for the outboard).
+    let origin = tmp.0.join("origin");
+    link_tree(&fx.origin, &origin);
+    let key = origin.join(format!("outboards/{hash}-{group}"));
+    let mut corrupt = std::fs::read(&key).expect("outboard in the origin");
+    corrupt[10] ^= 1;
+    std::fs::remove_file(&key).expect("unlink");
+    std::fs::write(&key, &corrupt).expect("write");
+    let origin_url = format!("file://{}", origin.display());
+    let bad = start_mirror(&origin_url, &tmp.0.join("cache-bad"), &[]);
+    let r = get(&format!("{}/v1/models/org/small/tags/latest", bad.url())).await;
+    assert_eq!(r.status, 502, "{}", r.body);
+    assert!(r.body.contains("does not verify"), "{}", r.body);
+    // A pull from that origin alone stops with a clear error; with a good mirror in front it
+    // takes the mirror's outboard and completes.
+    let (ok, err) = Pull::start(&[
+        "org/small",
+        "--origin",
+        &origin_url,
+        "--out",
+        &s(&tmp.0.join("out-bad")),
+    ])
+    .wait(Duration::from_secs(60))
+    .await;
+    assert!(!ok, "{err}");
+    assert!(err.contains("outboard does not verify"), "{err}");
+    let o = tmp.0.join("out");
+    pull_ok(&[
+        "org/small",
+        "--mirror",
+        &m.url(),
+        "--origin",
+        &origin_url,
+        "--out",
+        &s(&o),
+    ])
+    .await;
+    assert_same_tree(&fx.small.src, &o);
 }
 
 fn link_tree(src: &Path, dst: &Path) {
