@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
+use tokenway_telemetry::Counter;
 
 use crate::http_error::ServeError;
 use crate::manifest::{
@@ -40,6 +41,8 @@ pub struct Resolved {
 /// Manifests and tags seen, on disk under `<cache>/manifests/` and in memory.
 pub struct ManifestCache {
     dir: PathBuf,
+    /// Outboard bytes fetched from the origin (verified).
+    outboard_from_origin: Counter,
     memo: Mutex<HashMap<(String, String), Arc<Manifest>>>,
 }
 
@@ -68,10 +71,12 @@ async fn origin_get(origin: &dyn ObjectStore, key: &str) -> Got {
 }
 
 impl ManifestCache {
-    /// Keeps copies under `dir`.
-    pub fn new(dir: &Path) -> Self {
+    /// Keeps copies under `dir`, counting outboard bytes from the origin in
+    /// `outboard_from_origin`.
+    pub fn new(dir: &Path, outboard_from_origin: Counter) -> Self {
         Self {
             dir: dir.join("manifests"),
+            outboard_from_origin,
             memo: Mutex::new(HashMap::new()),
         }
     }
@@ -204,6 +209,7 @@ impl ManifestCache {
                         "the origin's {key} does not verify against the blob hash: {e}"
                     ))
                 })?;
+                self.outboard_from_origin.inc_by(b.len() as u64);
                 write_atomic(&local, &b).await;
                 Ok(b)
             }

@@ -16,6 +16,10 @@ pub struct MirrorMetrics {
     pub bytes_from_peers: Counter,
     /// Body bytes sent to clients (blob ranges).
     pub bytes_served: Counter,
+    /// Outboard bytes sent to clients.
+    pub outboard_bytes_served: Counter,
+    /// Verified outboard bytes fetched from the origin.
+    pub outboard_bytes_from_origin: Counter,
     /// Piece requests answered from the cache.
     pub cache_hits: Counter,
     /// Piece requests not in the cache (joined or started an origin fetch).
@@ -45,7 +49,7 @@ impl MirrorMetrics {
     pub fn register() -> (Self, Registry) {
         let m = Self::default();
         let mut r = new_registry();
-        let counters: [(&str, &str, &Counter); 12] = [
+        let counters: [(&str, &str, &Counter); 14] = [
             (
                 "mirror_bytes_from_origin",
                 "Verified piece bytes fetched from the origin",
@@ -65,6 +69,16 @@ impl MirrorMetrics {
                 "mirror_bytes_served",
                 "Blob body bytes sent to clients",
                 &m.bytes_served,
+            ),
+            (
+                "mirror_outboard_bytes_served",
+                "Outboard bytes sent to clients",
+                &m.outboard_bytes_served,
+            ),
+            (
+                "mirror_outboard_bytes_from_origin",
+                "Verified outboard bytes fetched from the origin",
+                &m.outboard_bytes_from_origin,
             ),
             (
                 "mirror_cache_hits",

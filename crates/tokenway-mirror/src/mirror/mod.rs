@@ -144,7 +144,10 @@ impl Mirror {
             cache,
             flights: SingleFlight::new(MAX_FLIGHTS),
             recent: Mutex::new(RecentPieces::new(RECENT_BYTES)),
-            manifests: ManifestCache::new(&config.cache_dir),
+            manifests: ManifestCache::new(
+                &config.cache_dir,
+                metrics.outboard_bytes_from_origin.clone(),
+            ),
             peers: Mutex::new(PeerDirectory::new(&config.region, MAX_PEERS, PEER_TTL)),
             metrics,
             registry,

@@ -723,6 +723,10 @@ async fn any_byte_range_verifies_against_the_file_hash_and_a_corrupt_outboard_is
         &tmp.0,
     );
     assert_eq!(ob.len() as u64, outboard_len(size, group));
+    assert!(metric(&m, "tokenway_mirror_outboard_bytes_served_total").await >= ob.len() as u64);
+    assert!(
+        metric(&m, "tokenway_mirror_outboard_bytes_from_origin_total").await >= ob.len() as u64
+    );
     let blob = format!("{}/v1/blobs/{hash}?{q}", m.url());
     let tail = (size - 1) / group * group;
     for (a, b) in [
