@@ -67,6 +67,10 @@ pub struct WeightsBenchOptions {
     pub keep_work: bool,
     /// Each pull writes to a tmpfs of its own instead of the disk (see the module docs).
     pub tmpfs_per_puller: bool,
+    /// `tokenway mirror --limit-rate` for every mirror of the run, bytes per second.
+    pub mirror_limit_rate: Option<u64>,
+    /// The crowd's pulls fetch in file order (`tokenway pull --sequential`).
+    pub sequential: bool,
     /// The command line, for the report.
     pub command_line: String,
 }
@@ -262,6 +266,13 @@ pub async fn run(opts: &WeightsBenchOptions) -> Result<WeightsBenchReport, Bench
                 "disk"
             }
             .to_owned(),
+            mirror_limit_rate: opts.mirror_limit_rate,
+            crowd_piece_order: if opts.sequential {
+                "sequential"
+            } else {
+                "spread"
+            }
+            .to_owned(),
         },
         generate_secs: model.generate_secs,
         publish_secs,
@@ -425,6 +436,9 @@ async fn start_mirror(
         .args(["--max-size", &max_size.to_string()])
         .args(["--listen", "127.0.0.1:0", "--region", REGION])
         .env("RUST_LOG", "warn");
+    if let Some(r) = opts.mirror_limit_rate {
+        c.args(["--limit-rate", &r.to_string()]);
+    }
     ChildProcess::spawn_with_banner(
         name,
         c,
@@ -491,6 +505,9 @@ async fn run_pulls(
             .stdout(Stdio::null());
         if serve {
             c.args(["--serve", "127.0.0.1:0"]);
+        }
+        if opts.sequential {
+            c.arg("--sequential");
         }
         let log = logs.join(format!("pull-{label}-{i}.log"));
         let child = ChildProcess::spawn(&format!("pull {label} {i}"), c, &log)?;

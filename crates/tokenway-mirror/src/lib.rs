@@ -35,6 +35,7 @@ pub mod outboard;
 pub mod peer_server;
 pub mod piece_bits;
 pub mod piece_buffers;
+pub mod piece_queue;
 pub mod piece_tree;
 pub mod piece_writer;
 pub mod progress;

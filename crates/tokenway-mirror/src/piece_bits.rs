@@ -67,6 +67,21 @@ impl PieceBits {
         }
     }
 
+    /// A piece present here and not in `taken`, looking from the byte of piece `from` on and
+    /// wrapping around (so that nodes looking from different places pick different pieces).
+    pub fn first_not_in(&self, taken: &PieceBits, from: u64) -> Option<u64> {
+        let n = self.bits.len();
+        if n == 0 {
+            return None;
+        }
+        let start = ((from % self.count) / 8) as usize;
+        (0..n).find_map(|k| {
+            let j = (start + k) % n;
+            let free = self.bits[j] & !taken.bits.get(j).copied().unwrap_or(0);
+            (free != 0).then(|| j as u64 * 8 + u64::from(free.trailing_zeros()))
+        })
+    }
+
     /// Number of pieces present.
     pub fn present(&self) -> u64 {
         self.bits.iter().map(|b| u64::from(b.count_ones())).sum()

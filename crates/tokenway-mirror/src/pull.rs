@@ -19,6 +19,12 @@
 //! verified copy wins. With the origin as the only source a refetch only helps against
 //! corruption in transit; corruption at rest ends in an error naming the file and piece.
 //! Local I/O errors (disk full) stop the pull with progress kept.
+//!
+//! The next piece to start comes from a [`PieceQueue`]: a pull that shares with peers
+//! (`spread`) starts at a random piece and wraps around, and every other slot goes to a piece
+//! a peer already holds, so nodes that scale up together do not all ask the mirror for the
+//! same piece at the same moment; the mirror's uplink carries about one copy and the peers
+//! the rest. A lone pull goes in file order.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt as _;
@@ -37,6 +43,7 @@ use crate::manifest::{
     manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
 };
 use crate::piece_bits::PieceBits;
+use crate::piece_queue::{spread_order, PieceQueue};
 use crate::piece_writer::PieceWriter;
 use crate::progress::PieceProgress;
 use crate::publish::read_full;
@@ -74,6 +81,8 @@ pub struct PullOptions {
     pub holdings: Option<Arc<Holdings>>,
     /// Bytes taken from peers so far (shared with the announcer).
     pub peer_bytes: Arc<AtomicU64>,
+    /// Start at a random piece instead of the first (for nodes that share as peers).
+    pub spread: bool,
 }
 
 impl Default for PullOptions {
@@ -88,6 +97,7 @@ impl Default for PullOptions {
             limit_rate: None,
             holdings: None,
             peer_bytes: Arc::new(AtomicU64::new(0)),
+            spread: false,
         }
     }
 }
@@ -386,7 +396,7 @@ pub async fn pull_from(
         });
     }
 
-    let jobs: Vec<(usize, u64)> = blobs
+    let mut jobs: Vec<(usize, u64)> = blobs
         .iter()
         .enumerate()
         .flat_map(|(b, blob)| {
@@ -395,6 +405,17 @@ pub async fn pull_from(
                 .map(move |i| (b, i))
         })
         .collect();
+    let seed: u64 = rand::random();
+    if opts.spread {
+        spread_order(&mut jobs, seed);
+    }
+    let counts: Vec<u64> = blobs.iter().map(|b| b.entry.pieces.len() as u64).collect();
+    let hashes: Vec<Blake3Hash> = blobs.iter().map(|b| b.entry.hash).collect();
+    let mut queue = PieceQueue::new(jobs, &counts);
+    let peer_sources = Arc::clone(&sources);
+    let jobs = std::iter::from_fn(move || {
+        queue.next(|b, started| peer_sources.peer_piece(&hashes[b], started, seed))
+    });
     let jobs_meta: Vec<(String, FileEntry, Arc<PieceWriter>)> = blobs
         .iter()
         .map(|b| {

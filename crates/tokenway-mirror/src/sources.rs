@@ -292,6 +292,16 @@ impl SourceSet {
         *peers = next;
     }
 
+    /// A piece of blob `hash` that a usable peer holds and that is not in `taken` (see
+    /// [`PieceBits::first_not_in`] for `from`).
+    pub fn peer_piece(&self, hash: &Blake3Hash, taken: &PieceBits, from: u64) -> Option<u64> {
+        lock(&self.peers)
+            .values()
+            .filter(|p| !p.state.banned())
+            .find_map(|p| p.have.get(hash)?.first_not_in(taken, from))
+            .filter(|i| *i < taken.count())
+    }
+
     /// Sources to try for piece `i` of blob `hash`, best first, without those in `skip`.
     pub fn candidates(&self, hash: &Blake3Hash, i: u64, skip: &[String]) -> Vec<Arc<SourceState>> {
         let mut peers: Vec<Arc<SourceState>> = lock(&self.peers)

@@ -61,6 +61,12 @@ pub struct Settings {
     /// Where the pullers write: `disk` (under the output directory, this machine's one
     /// disk) or `tmpfs` (one tmpfs per puller, in RAM, standing in for a disk per node).
     pub puller_storage: String,
+    /// `tokenway mirror --limit-rate`: the mirror's uplink cap, bytes per second (none: the
+    /// loopback's speed).
+    pub mirror_limit_rate: Option<u64>,
+    /// Piece order of the crowd's pulls: `spread` (each starts at a random piece, the
+    /// default with `--serve`) or `sequential` (`tokenway pull --sequential`).
+    pub crowd_piece_order: String,
 }
 
 /// One `tokenway pull` process.
@@ -341,6 +347,16 @@ impl WeightsBenchReport {
                 " (every pull writes to this disk)"
             }
         );
+        let _ = writeln!(
+            s,
+            "- mirror uplink: {}; crowd piece order: {}\n",
+            st.mirror_limit_rate
+                .map_or("no cap".to_owned(), |r| format!(
+                    "capped at {:.0} MiB/s (`mirror --limit-rate`)",
+                    r as f64 / (1 << 20) as f64
+                )),
+            st.crowd_piece_order
+        );
 
         let _ = writeln!(
             s,
@@ -534,6 +550,8 @@ mod tests {
                 seed: 1,
                 data_dir: PathBuf::from("/tmp/x"),
                 puller_storage: "disk".into(),
+                mirror_limit_rate: None,
+                crowd_piece_order: "spread".into(),
             },
             generate_secs: 0.0,
             publish_secs: 0.0,

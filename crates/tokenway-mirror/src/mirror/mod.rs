@@ -23,8 +23,8 @@ pub mod server;
 pub mod single_flight;
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use object_store::path::Path as StorePath;
@@ -34,6 +34,7 @@ use tokenway_telemetry::Registry;
 use crate::faults::Faults;
 use crate::http_error::ServeError;
 use crate::manifest::{blob_key, FileEntry};
+use crate::rate_limit::RateLimit;
 use crate::MirrorError;
 use cache::{PieceCache, PieceKey};
 use manifests::{ManifestCache, ORIGIN_TIMEOUT};
@@ -66,6 +67,10 @@ pub struct MirrorConfig {
     pub region: String,
     /// Pieces a preheat fetches at once.
     pub preheat_parallel: usize,
+    /// Cap on blob bytes served per second, all clients together (`--limit-rate`): the
+    /// uplink this mirror may use. Peers are not limited by it, so a crowd that shares
+    /// gets its pieces from each other while the mirror's share stays within the cap.
+    pub limit_rate: Option<u64>,
     /// Test only: corrupt every Nth piece served (0 = off).
     pub test_corrupt_every: u64,
     /// Test only: stall every Nth piece served (0 = off) for `test_stall_ms`, at most 3 times.
@@ -83,6 +88,12 @@ impl MirrorConfig {
         };
         if self.max_size < crate::manifest::MIN_PIECE_SIZE {
             return Err(bad("--max-size", "must be at least 64 KiB (one piece)"));
+        }
+        if self.limit_rate == Some(0) {
+            return Err(bad(
+                "--limit-rate",
+                "must be more than 0 bytes per second (leave it out for no cap)",
+            ));
         }
         if self.preheat_parallel == 0 || self.preheat_parallel > 256 {
             return Err(bad("preheat parallelism", "must be 1 to 256"));
@@ -110,6 +121,7 @@ pub struct Mirror {
     faults: Faults,
     preheat_parallel: usize,
     preheats: Arc<tokio::sync::Semaphore>,
+    uplink: Option<Mutex<RateLimit>>,
 }
 
 impl Mirror {
@@ -159,6 +171,7 @@ impl Mirror {
             ),
             preheat_parallel: config.preheat_parallel,
             preheats: Arc::new(tokio::sync::Semaphore::new(MAX_PREHEATS)),
+            uplink: config.limit_rate.map(|r| Mutex::new(RateLimit::new(r))),
         }))
     }
 
@@ -346,6 +359,16 @@ impl Mirror {
     pub(crate) async fn serve_piece(&self, piece: Bytes) -> Bytes {
         if let Some(d) = self.faults.stall() {
             tokio::time::sleep(d).await;
+        }
+        if let Some(up) = &self.uplink {
+            let now = Instant::now();
+            let start = up
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .reserve(piece.len() as u64, now);
+            if start > now {
+                tokio::time::sleep_until(start.into()).await;
+            }
         }
         let before = self.faults.injected();
         let out = self.faults.apply(piece);

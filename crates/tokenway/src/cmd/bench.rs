@@ -91,6 +91,14 @@ pub struct WeightsBenchArgs {
     /// of this machine's one disk, standing in for a disk per node; labelled in the report.
     #[arg(long)]
     pub tmpfs_per_puller: bool,
+    /// Cap every mirror's uplink (`tokenway mirror --limit-rate`), e.g. `400M` bytes per
+    /// second: a mirror whose network, not loopback, is the limit.
+    #[arg(long, value_name = "SIZE", value_parser = tokenway_mirror::size::parse_size)]
+    pub mirror_limit_rate: Option<u64>,
+    /// The crowd's pulls fetch pieces in file order (`tokenway pull --sequential`) instead of
+    /// each starting at a random piece.
+    #[arg(long)]
+    pub sequential: bool,
 }
 
 /// Flags of `tokenway bench gateway`.
@@ -392,6 +400,8 @@ async fn weights(args: WeightsBenchArgs) -> anyhow::Result<()> {
         seed: args.seed,
         keep_work: args.keep_work,
         tmpfs_per_puller: args.tmpfs_per_puller,
+        mirror_limit_rate: args.mirror_limit_rate,
+        sequential: args.sequential,
         command_line: command_line(),
     };
     let report = tokenway_bench::weights::run(&options).await?;

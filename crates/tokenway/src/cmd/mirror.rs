@@ -29,6 +29,10 @@ pub struct MirrorArgs {
     /// Pieces a preheat fetches from the origin at once.
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub preheat_parallel: usize,
+    /// Cap on blob bytes served per second to all clients together, e.g. `500M`: the uplink
+    /// this mirror may use (pullers sharing as peers take the rest from each other).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub limit_rate: Option<u64>,
     /// TESTING ONLY: corrupt one byte of every Nth piece served (0 = off).
     #[arg(long, value_name = "N", default_value_t = 0, hide = true)]
     pub test_corrupt_every: u64,
@@ -48,6 +52,7 @@ pub async fn run(args: MirrorArgs) -> anyhow::Result<()> {
         max_size: args.max_size,
         region: args.region,
         preheat_parallel: args.preheat_parallel,
+        limit_rate: args.limit_rate,
         test_corrupt_every: args.test_corrupt_every,
         test_stall_every: args.test_stall_every,
         test_stall_ms: args.test_stall_ms,

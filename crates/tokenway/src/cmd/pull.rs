@@ -47,6 +47,10 @@ pub struct PullArgs {
     /// Cap on download rate, bytes per second (e.g. `100M`).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub limit_rate: Option<u64>,
+    /// Fetch pieces in file order even with --serve (by default a sharing pull starts at a
+    /// random piece, so nodes that start together have different pieces to give each other).
+    #[arg(long)]
+    pub sequential: bool,
     /// Do not hedge straggling pieces to a second source.
     #[arg(long)]
     pub no_hedge: bool,
@@ -140,6 +144,7 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
         hedge: !args.no_hedge,
         limit_rate: args.limit_rate,
         holdings: Some(Arc::clone(&holdings)),
+        spread: args.serve.is_some() && !args.sequential,
         ..PullOptions::default()
     };
     opts.max_attempts = opts.max_attempts.max(sources.all().len() as u32 + 1);
