@@ -839,6 +839,15 @@ async fn bad_names_unknown_tags_and_truncated_manifests_give_clear_errors() {
         .expect("runs");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unit must be one of"));
+    let cache = s(&tmp.0.join("c3"));
+    let out = Command::new(bin())
+        .args(["mirror", "--origin", "file:///tmp/x", "--cache", &cache])
+        .args(["--max-size", "1G", "--limit-rate", "0"])
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--limit-rate") && err.contains("more than 0"), "{err}");
 }
 
 /// Unmounts on drop.
