@@ -40,11 +40,13 @@ pub struct Announcer {
 impl Announcer {
     /// One announcement to the first mirror that answers; the error lists the failures.
     pub async fn once(&self) -> Result<usize, String> {
+        let (have, taking) = self.holdings.wire();
         let body = serde_json::to_vec(&Announce {
             id: self.id.clone(),
             region: self.region.clone(),
             addr: self.addr.clone(),
-            have: self.holdings.wire(),
+            have,
+            taking,
             want: self.want.clone(),
             bytes_from_peers: self.peer_bytes.load(Ordering::Relaxed),
         })

@@ -1,6 +1,6 @@
 //! What this node holds: for every blob of the pull, where its bytes are (the partial file,
-//! then the final file) and which pieces are verified. Pull writes it, the peer server and
-//! the announcer read it.
+//! then the final file), which pieces are verified and which are being fetched. Pull writes
+//! it, the peer server and the announcer read it.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -9,10 +9,15 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use crate::manifest::{Blake3Hash, FileEntry};
 use crate::piece_bits::{PieceBits, PieceBitsWire};
 
+/// Piece bitsets by blob, as announced.
+pub type WireBits = HashMap<Blake3Hash, PieceBitsWire>;
+
 struct Held {
     entry: Arc<FileEntry>,
     path: PathBuf,
     bits: PieceBits,
+    /// Pieces being fetched now.
+    taking: PieceBits,
 }
 
 /// Verified pieces on this node, by blob.
@@ -33,6 +38,7 @@ impl Holdings {
             Held {
                 entry: Arc::new(entry.clone()),
                 path,
+                taking: PieceBits::empty(bits.count()),
                 bits,
             },
         );
@@ -42,6 +48,19 @@ impl Holdings {
     pub fn piece_written(&self, hash: &Blake3Hash, i: u64) {
         if let Some(h) = lock(&self.blobs).get_mut(hash) {
             h.bits.set(i);
+            h.taking.clear(i);
+        }
+    }
+
+    /// Piece `i` of `hash` is being fetched (`true`) or no longer (`false`: written, failed
+    /// or given up).
+    pub fn taking(&self, hash: &Blake3Hash, i: u64, on: bool) {
+        if let Some(h) = lock(&self.blobs).get_mut(hash) {
+            if on {
+                h.taking.set(i);
+            } else {
+                h.taking.clear(i);
+            }
         }
     }
 
@@ -67,12 +86,16 @@ impl Holdings {
         lock(&self.blobs).get(hash).map(|h| Arc::clone(&h.entry))
     }
 
-    /// What to announce.
-    pub fn wire(&self) -> HashMap<Blake3Hash, PieceBitsWire> {
-        lock(&self.blobs)
+    /// What to announce: the pieces held and the pieces being fetched.
+    pub fn wire(&self) -> (WireBits, WireBits) {
+        let blobs = lock(&self.blobs);
+        let have = blobs.iter().map(|(k, h)| (*k, h.bits.to_wire())).collect();
+        let taking = blobs
             .iter()
-            .map(|(k, h)| (*k, h.bits.to_wire()))
-            .collect()
+            .filter(|(_, h)| h.taking.present() > 0)
+            .map(|(k, h)| (*k, h.taking.to_wire()))
+            .collect();
+        (have, taking)
     }
 
     /// Blob hashes.

@@ -82,6 +82,13 @@ impl PieceBits {
         })
     }
 
+    /// Marks piece `i` absent.
+    pub fn clear(&mut self, i: u64) {
+        if let Some(b) = self.bits.get_mut((i / 8) as usize) {
+            *b &= !(1 << (i % 8));
+        }
+    }
+
     /// Number of pieces present.
     pub fn present(&self) -> u64 {
         self.bits.iter().map(|b| u64::from(b.count_ones())).sum()

@@ -7,8 +7,10 @@
 //! holds and that this pull has not started (the caller says which, from the peers'
 //! announced holdings), fetched from that peer; only when no peer has anything new does a
 //! slot take the next piece of the order, which nobody may have yet and so usually comes
-//! from the mirror. The mirror's uplink then carries little more than one copy of the model
-//! and the peers the rest (`docs/benchmarks.md`, "Pullers that share").
+//! from the mirror. A piece of the order that a peer announced it is fetching is put off
+//! until the order has nothing else: by then the peer holds it, or it is fetched anyway. The
+//! mirror's uplink then carries little more than one copy of the model and the peers the
+//! rest (`docs/benchmarks.md`, "Pullers that share").
 
 use rand::SeedableRng as _;
 
@@ -20,6 +22,8 @@ pub struct PieceQueue {
     /// `(blob, piece)` in the order they are taken when no peer offers one.
     order: Vec<(usize, u64)>,
     cursor: usize,
+    /// Pieces of the order put off because a peer was fetching them.
+    later: std::collections::VecDeque<(usize, u64)>,
     /// Per blob: started, or done before this pull began.
     started: Vec<PieceBits>,
     left: usize,
@@ -46,16 +50,18 @@ impl PieceQueue {
             left: order.len(),
             order,
             cursor: 0,
+            later: std::collections::VecDeque::new(),
             started,
         }
     }
 
     /// The next piece to start, `None` when every piece has been started.
     /// `peer_piece(blob, started)` offers a piece of `blob` that a peer holds and that is
-    /// not in `started`.
+    /// not in `started`; `peer_taking(blob, piece)` says whether a peer is fetching it.
     pub fn next(
         &mut self,
         mut peer_piece: impl FnMut(usize, &PieceBits) -> Option<u64>,
+        mut peer_taking: impl FnMut(usize, u64) -> bool,
     ) -> Option<(usize, u64)> {
         if self.left == 0 {
             return None;
@@ -69,6 +75,16 @@ impl PieceQueue {
         }
         while let Some(&(b, i)) = self.order.get(self.cursor) {
             self.cursor += 1;
+            if self.started[b].has(i) {
+                continue;
+            }
+            if peer_taking(b, i) {
+                self.later.push_back((b, i));
+                continue;
+            }
+            return Some(self.take(b, i));
+        }
+        while let Some((b, i)) = self.later.pop_front() {
             if !self.started[b].has(i) {
                 return Some(self.take(b, i));
             }
@@ -95,8 +111,13 @@ mod tests {
     use super::*;
 
     fn drain(q: &mut PieceQueue, peer: &PieceBits) -> Vec<(usize, u64)> {
-        std::iter::from_fn(|| q.next(|b, s| (b == 0).then(|| peer.first_not_in(s, 0)).flatten()))
-            .collect()
+        std::iter::from_fn(|| {
+            q.next(
+                |b, s| (b == 0).then(|| peer.first_not_in(s, 0)).flatten(),
+                |_, _| false,
+            )
+        })
+        .collect()
     }
 
     #[test]
@@ -104,7 +125,21 @@ mod tests {
         let order = vec![(0, 2), (0, 3), (1, 0), (0, 0)];
         let mut q = PieceQueue::new(order.clone(), &[4, 1]);
         assert_eq!(drain(&mut q, &PieceBits::empty(4)), order);
-        assert_eq!(q.next(|_, _| None), None);
+        assert_eq!(q.next(|_, _| None, |_, _| false), None);
+    }
+
+    #[test]
+    fn pieces_a_peer_is_fetching_are_put_off_until_nothing_else_is_left() {
+        let order: Vec<(usize, u64)> = (0..5).map(|i| (0, i)).collect();
+        let mut q = PieceQueue::new(order, &[5]);
+        let taking = |_: usize, i: u64| i == 1 || i == 2;
+        let got: Vec<_> = std::iter::from_fn(|| q.next(|_, _| None, taking)).collect();
+        assert_eq!(got, vec![(0, 0), (0, 3), (0, 4), (0, 1), (0, 2)]);
+        // Put off, then offered by the peer that finished it: taken once.
+        let mut q = PieceQueue::new(vec![(0, 0), (0, 1)], &[2]);
+        assert_eq!(q.next(|_, _| None, |_, i| i == 0), Some((0, 1)));
+        assert_eq!(q.next(|_, _| Some(0), |_, _| true), Some((0, 0)));
+        assert_eq!(q.next(|_, _| None, |_, _| false), None);
     }
 
     #[test]
@@ -125,9 +160,9 @@ mod tests {
     #[test]
     fn a_peer_offering_a_started_or_unknown_piece_is_ignored() {
         let mut q = PieceQueue::new(vec![(0, 0), (0, 1)], &[2]);
-        assert_eq!(q.next(|_, _| Some(9)), Some((0, 0)));
-        assert_eq!(q.next(|_, _| Some(0)), Some((0, 1)));
-        assert_eq!(q.next(|_, _| Some(1)), None);
+        assert_eq!(q.next(|_, _| Some(9), |_, _| false), Some((0, 0)));
+        assert_eq!(q.next(|_, _| Some(0), |_, _| false), Some((0, 1)));
+        assert_eq!(q.next(|_, _| Some(1), |_, _| false), None);
     }
 
     #[test]

@@ -413,8 +413,16 @@ pub async fn pull_from(
     let hashes: Vec<Blake3Hash> = blobs.iter().map(|b| b.entry.hash).collect();
     let mut queue = PieceQueue::new(jobs, &counts);
     let peer_sources = Arc::clone(&sources);
+    let taking = opts.holdings.clone();
     let jobs = std::iter::from_fn(move || {
-        queue.next(|b, started| peer_sources.peer_piece(&hashes[b], started, seed))
+        let (b, i) = queue.next(
+            |b, started| peer_sources.peer_piece(&hashes[b], started, seed),
+            |b, i| peer_sources.peer_taking(&hashes[b], i),
+        )?;
+        if let Some(h) = &taking {
+            h.taking(&hashes[b], i, true);
+        }
+        Some((b, i))
     });
     let jobs_meta: Vec<(String, FileEntry, Arc<PieceWriter>)> = blobs
         .iter()
@@ -503,6 +511,11 @@ pub async fn pull_from(
                     report.bytes_from_peers += n;
                     opts.peer_bytes.fetch_add(n, Ordering::Relaxed);
                 }
+            }
+        }
+        if !matches!(o.end, PieceEnd::Written) {
+            if let Some(h) = &opts.holdings {
+                h.taking(&blobs[o.blob].entry.hash, o.piece, false);
             }
         }
         match o.end {

@@ -85,6 +85,8 @@ impl SourceState {
 struct Peer {
     state: Arc<SourceState>,
     have: HashMap<Blake3Hash, PieceBits>,
+    /// Pieces it was fetching at its last announcement.
+    taking: HashMap<Blake3Hash, PieceBits>,
 }
 
 /// Every source of one pull.
@@ -263,11 +265,12 @@ impl SourceSet {
             let Ok(base) = base_url(&format!("http://{}", v.addr)) else {
                 continue;
             };
-            let have = v
-                .have
-                .iter()
-                .filter_map(|(h, w)| Some((*h, PieceBits::from_wire(w).ok()?)))
-                .collect();
+            let bits = |m: &HashMap<Blake3Hash, crate::piece_bits::PieceBitsWire>| {
+                m.iter()
+                    .filter_map(|(h, w)| Some((*h, PieceBits::from_wire(w).ok()?)))
+                    .collect()
+            };
+            let (have, taking) = (bits(&v.have), bits(&v.taking));
             let state = match peers.remove(&base) {
                 Some(p) => p.state,
                 None => SourceState::new(
@@ -276,7 +279,14 @@ impl SourceSet {
                     None,
                 ),
             };
-            next.insert(base, Peer { state, have });
+            next.insert(
+                base,
+                Peer {
+                    state,
+                    have,
+                    taking,
+                },
+            );
         }
         let mut retired = lock(&self.retired);
         for (_, p) in peers.drain() {
@@ -300,6 +310,13 @@ impl SourceSet {
             .filter(|p| !p.state.banned())
             .find_map(|p| p.have.get(hash)?.first_not_in(taken, from))
             .filter(|i| *i < taken.count())
+    }
+
+    /// Is a peer fetching piece `i` of blob `hash` right now (as of its last announcement)?
+    pub fn peer_taking(&self, hash: &Blake3Hash, i: u64) -> bool {
+        lock(&self.peers)
+            .values()
+            .any(|p| p.taking.get(hash).is_some_and(|b| b.has(i)))
     }
 
     /// Sources to try for piece `i` of blob `hash`, best first, without those in `skip`.
@@ -382,6 +399,7 @@ mod tests {
             id: addr.into(),
             addr: addr.into(),
             have: [(h, bits.to_wire())].into_iter().collect(),
+            taking: [(h, bits.to_wire())].into_iter().collect(),
         };
         s.set_peers(vec![
             view("127.0.0.1:7", &bits),
@@ -399,6 +417,10 @@ mod tests {
         );
         // Piece 0 is held by no peer.
         assert_eq!(s.candidates(&h, 0, &[]).len(), 3);
+        // What peers hold and fetch is known (not this node's own view of itself).
+        assert!(s.peer_taking(&h, 1) && !s.peer_taking(&h, 0));
+        assert_eq!(s.peer_piece(&h, &PieceBits::empty(4), 0), Some(1));
+        assert_eq!(s.peer_piece(&h, &bits, 0), None);
         // Skipped sources are left out.
         let c = s.candidates(&h, 1, &["peer http://127.0.0.1:7".into()]);
         assert_eq!(names(&c)[0], "mirror http://127.0.0.1:1");

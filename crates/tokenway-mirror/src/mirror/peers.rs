@@ -1,8 +1,10 @@
 //! The mirror's directory of peers: which pullers, in which region, hold which pieces.
 //! Sans-IO (`now` is a parameter).
 //!
-//! A puller announces itself every few hundred milliseconds with what it holds and what it
-//! wants; the answer lists the other peers of its region that hold pieces of those blobs.
+//! A puller announces itself every few hundred milliseconds with what it holds, what it is
+//! fetching right now and what it wants; the answer lists the other peers of its region that
+//! hold or are fetching pieces of those blobs (so that two nodes rarely fetch the same piece
+//! from the mirror at once, see [`crate::piece_queue`]).
 //! Peers are untrusted (pullers verify every piece), so the directory only has to be
 //! roughly right. It is bounded: at most `max_peers` peers, at most [`MAX_BLOBS`] blobs each,
 //! and a peer that stops announcing is forgotten after `ttl`.
@@ -38,6 +40,9 @@ pub struct Announce {
     /// Pieces it holds, by blob hash.
     #[serde(default)]
     pub have: HashMap<Blake3Hash, PieceBitsWire>,
+    /// Pieces it is fetching now (from anywhere), by blob hash.
+    #[serde(default)]
+    pub taking: HashMap<Blake3Hash, PieceBitsWire>,
     /// Blobs it wants peers for.
     #[serde(default)]
     pub want: Vec<Blake3Hash>,
@@ -55,6 +60,9 @@ pub struct PeerView {
     pub addr: String,
     /// What it holds of the wanted blobs.
     pub have: HashMap<Blake3Hash, PieceBitsWire>,
+    /// What it is fetching of the wanted blobs.
+    #[serde(default)]
+    pub taking: HashMap<Blake3Hash, PieceBitsWire>,
 }
 
 /// The answer to an announcement.
@@ -70,6 +78,7 @@ struct Peer {
     region: String,
     addr: Option<String>,
     have: HashMap<Blake3Hash, PieceBits>,
+    taking: HashMap<Blake3Hash, PieceBits>,
     bytes_from_peers: u64,
     seen: Instant,
 }
@@ -116,8 +125,10 @@ impl PeerDirectory {
         if a.id.is_empty() || a.id.len() > MAX_ID_LEN {
             return Err(format!("id must be 1 to {MAX_ID_LEN} bytes"));
         }
-        if a.have.len() > MAX_BLOBS || a.want.len() > MAX_BLOBS {
-            return Err(format!("at most {MAX_BLOBS} blobs in have and in want"));
+        if a.have.len() > MAX_BLOBS || a.taking.len() > MAX_BLOBS || a.want.len() > MAX_BLOBS {
+            return Err(format!(
+                "at most {MAX_BLOBS} blobs in have, in taking and in want"
+            ));
         }
         if let Some(addr) = &a.addr {
             if addr.parse::<std::net::SocketAddr>().is_err() {
@@ -129,6 +140,13 @@ impl PeerDirectory {
             have.insert(
                 *h,
                 PieceBits::from_wire(w).map_err(|e| format!("have[{h}]: {e}"))?,
+            );
+        }
+        let mut taking = HashMap::with_capacity(a.taking.len());
+        for (h, w) in &a.taking {
+            taking.insert(
+                *h,
+                PieceBits::from_wire(w).map_err(|e| format!("taking[{h}]: {e}"))?,
             );
         }
         self.expire(now);
@@ -148,6 +166,7 @@ impl PeerDirectory {
                 region: region.clone(),
                 addr: a.addr.clone(),
                 have,
+                taking,
                 bytes_from_peers: a.bytes_from_peers.max(prev),
                 seen: now,
             },
@@ -158,18 +177,21 @@ impl PeerDirectory {
             .filter(|(id, p)| **id != a.id && p.region == region)
             .filter_map(|(id, p)| {
                 let addr = p.addr.clone()?;
-                let have: HashMap<_, _> = a
-                    .want
-                    .iter()
-                    .filter_map(|h| {
-                        let bits = p.have.get(h)?;
-                        (bits.present() > 0).then(|| (*h, bits.to_wire()))
-                    })
-                    .collect();
-                (!have.is_empty()).then(|| PeerView {
+                let of = |m: &HashMap<Blake3Hash, PieceBits>| -> HashMap<_, _> {
+                    a.want
+                        .iter()
+                        .filter_map(|h| {
+                            let bits = m.get(h)?;
+                            (bits.present() > 0).then(|| (*h, bits.to_wire()))
+                        })
+                        .collect()
+                };
+                let (have, taking) = (of(&p.have), of(&p.taking));
+                (!have.is_empty() || !taking.is_empty()).then(|| PeerView {
                     id: id.clone(),
                     addr,
                     have,
+                    taking,
                 })
             })
             .collect();
@@ -222,6 +244,7 @@ mod tests {
             region: region.into(),
             addr: addr.map(Into::into),
             have: have.iter().map(|(h, b)| (*h, b.to_wire())).collect(),
+            taking: HashMap::new(),
             want: have.iter().map(|(h, _)| *h).collect(),
             bytes_from_peers: 0,
         }
@@ -249,6 +272,25 @@ mod tests {
         assert!(d.holders("eu", &h, 2, later).is_empty());
         d.expire(later);
         assert!(d.is_empty());
+    }
+
+    #[test]
+    fn what_a_peer_is_fetching_reaches_the_others_even_before_it_holds_anything() {
+        let h = Blake3Hash::of(b"blob");
+        let now = Instant::now();
+        let mut d = PeerDirectory::new("eu", 8, Duration::from_secs(10));
+        let mut taking = PieceBits::empty(4);
+        taking.set(3);
+        let mut a = ann("a", "", Some("127.0.0.1:1"), &[(h, PieceBits::empty(4))]);
+        a.taking.insert(h, taking.to_wire());
+        d.announce(a, now).unwrap();
+        let (reply, _) = d
+            .announce(ann("b", "", None, &[(h, PieceBits::empty(4))]), now)
+            .unwrap();
+        assert_eq!(reply.peers.len(), 1);
+        assert!(reply.peers[0].have.is_empty());
+        let got = PieceBits::from_wire(&reply.peers[0].taking[&h]).unwrap();
+        assert!(got.has(3) && !got.has(2));
     }
 
     #[test]

@@ -847,7 +847,10 @@ async fn bad_names_unknown_tags_and_truncated_manifests_give_clear_errors() {
         .expect("runs");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--limit-rate") && err.contains("more than 0"), "{err}");
+    assert!(
+        err.contains("--limit-rate") && err.contains("more than 0"),
+        "{err}"
+    );
 }
 
 /// Unmounts on drop.
