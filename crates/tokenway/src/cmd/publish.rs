@@ -54,14 +54,14 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<()> {
     .await
     .with_context(|| format!("publishing {}", args.dir.display()))?;
     eprintln!(
-        "published {}@{}: {} files, {} bytes, {} blobs and {} outboards uploaded, {} blobs already in the origin{}",
+        "published {}@{}: {} files, {} bytes, {} blobs uploaded, {} already in the origin, {} outboards uploaded{}",
         args.model,
         args.revision,
         report.files,
         report.bytes_hashed,
         report.blobs_uploaded,
-        report.outboards_uploaded,
         report.blobs_skipped,
+        report.outboards_uploaded,
         args.tag
             .map(|t| format!(", tag {t} -> {}", args.revision))
             .unwrap_or_default()

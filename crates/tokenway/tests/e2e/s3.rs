@@ -237,6 +237,14 @@ fn s3_origin_publish_then_pull_is_byte_identical_and_bad_access_fails_clearly() 
         4,
         "{keys:?}"
     );
+    // One outboard per blob (bao-tree, 64 KiB groups), beside the blobs.
+    assert_eq!(
+        keys.iter()
+            .filter(|k| k.starts_with("models/v1/outboards/") && k.ends_with("-65536"))
+            .count(),
+        4,
+        "{keys:?}"
+    );
     assert!(
         keys.contains(&"models/v1/models/org/tiny/tags/latest"),
         "{keys:?}"
@@ -246,7 +254,7 @@ fn s3_origin_publish_then_pull_is_byte_identical_and_bad_access_fails_clearly() 
     let out = tokenway(&publish_args, &good);
     assert!(out.status.success(), "republish failed: {}", stderr(&out));
     assert!(
-        stderr(&out).contains("0 blobs uploaded"),
+        stderr(&out).contains("0 blobs uploaded") && stderr(&out).contains("0 outboards uploaded"),
         "{}",
         stderr(&out)
     );

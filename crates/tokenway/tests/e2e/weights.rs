@@ -579,6 +579,67 @@ async fn four_pullers_sharing_as_peers_cost_the_origin_about_one_copy() {
 }
 
 #[tokio::test]
+async fn four_pullers_started_together_behind_a_capped_mirror_take_most_pieces_from_each_other() {
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let cache = TempDir::new("w-crowd");
+    // An uplink of 100 MiB/s: the mirror, not loopback, is the limit, as in front of a rack.
+    let m = start_mirror(
+        &fx.origin_url(),
+        &cache.0,
+        &["--region", "eu", "--limit-rate", "100M"],
+    );
+    let url = m.url();
+    let outs: Vec<TempDir> = (0..4).map(|i| TempDir::new(&format!("w-c{i}"))).collect();
+    let pulls: Vec<Pull> = outs
+        .iter()
+        .map(|o| {
+            Pull::start(&[
+                fx.big.name,
+                "--mirror",
+                &url,
+                "--out",
+                &s(&o.0),
+                "--serve",
+                "127.0.0.1:0",
+                "--region",
+                "eu",
+            ])
+        })
+        .collect();
+    let mut from_peers = 0;
+    for p in &pulls {
+        let err = p.wait_for("pull complete", Duration::from_secs(120)).await;
+        from_peers += field(&err, "bytes_from_peers");
+    }
+    for o in &outs {
+        assert_same_tree(&fx.big.src, &o.0);
+    }
+    let text = metrics(&m).await;
+    let served = metric_sum(&text, "tokenway_mirror_bytes_served_total");
+    let origin = metric_sum(&text, "tokenway_mirror_bytes_from_origin_total");
+    let size = fx.big.size as f64;
+    eprintln!(
+        "four pullers at once: origin {:.2}x, mirror served {:.2}x, peers {:.2}x",
+        origin / size,
+        served / size,
+        from_peers as f64 / size
+    );
+    assert!(origin <= 1.1 * size, "origin egress {origin}");
+    // In file order (`--sequential`) all four ask for the same pieces at once and the mirror
+    // sends about 4 copies (measured: 3.91x, and this assertion fails); each in an order of
+    // its own, taking what peers hold first, they leave it about one and a half (measured:
+    // 1.45-1.54x).
+    assert!(
+        served <= 2.5 * size,
+        "mirror served {:.2}x the model: the pullers did not spread",
+        served / size
+    );
+    assert!(from_peers as f64 >= 1.5 * size, "peers served {from_peers}");
+    drop(pulls);
+}
+
+#[tokio::test]
 async fn a_mirror_cache_smaller_than_the_model_evicts_and_stays_within_its_bound() {
     let _turn = crate::harness::HEAVY.lock().await;
     let fx = fixture();
