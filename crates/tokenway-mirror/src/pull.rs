@@ -358,6 +358,17 @@ pub async fn pull_from(
             report.files_already_present += paths.len();
             prog.files_done += paths.len();
             prog.bytes_done += entry.size * paths.len() as u64;
+            // An earlier run that stopped between placing the file and removing its record
+            // (a process exiting while a blob was being finished) leaves these behind.
+            let hex = hash.to_hex();
+            for leftover in [
+                hex.clone(),
+                format!("{hex}.progress"),
+                format!("{hex}.progress.tmp"),
+                format!("{hex}.copy"),
+            ] {
+                let _ = tokio::fs::remove_file(partial_dir.join(leftover)).await;
+            }
             continue;
         }
         let partial = partial_dir.join(hash.to_hex());

@@ -138,6 +138,12 @@ async fn publish_then_pull_is_byte_identical_and_repeats_are_free() {
     .await
     .unwrap();
     assert_eq!((again.blobs_uploaded, again.blobs_skipped), (0, 5));
+    // What a run that exited while finishing a blob leaves behind is cleared by the next.
+    let stale = s.out.join(".partial");
+    std::fs::create_dir_all(&stale).unwrap();
+    let hex = s.manifest.files[0].hash.to_hex();
+    std::fs::write(stale.join(format!("{hex}.progress")), b"{}").unwrap();
+    std::fs::write(stale.join(format!("{hex}.progress.tmp")), b"").unwrap();
     let r2 = pull(
         Arc::clone(&s.origin),
         &ModelRef::parse("org/tiny@r1").unwrap(),
@@ -148,6 +154,10 @@ async fn publish_then_pull_is_byte_identical_and_repeats_are_free() {
     .unwrap();
     assert!(r2.complete);
     assert_eq!((r2.files_already_present, r2.pieces_fetched), (5, 0));
+    assert!(
+        !stale.exists(),
+        "stale records removed with the partial dir"
+    );
 }
 
 #[tokio::test]
