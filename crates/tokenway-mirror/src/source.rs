@@ -115,22 +115,7 @@ impl Source {
         let bytes = match self {
             Self::Origin(store) => {
                 let key = StorePath::from(blob_key(&entry.hash));
-                match tokio::time::timeout(PIECE_TIMEOUT, store.get_range(&key, range.clone()))
-                    .await
-                {
-                    Ok(Ok(b)) => b,
-                    Ok(Err(e @ object_store::Error::NotFound { .. })) => {
-                        return Err(FetchError::NotFound(format!(
-                            "blob {key} missing in the origin: {e}"
-                        )))
-                    }
-                    Ok(Err(e)) => return Err(FetchError::Unavailable(format!("origin: {e}"))),
-                    Err(_) => {
-                        return Err(FetchError::Unavailable(format!(
-                            "origin: no answer within {PIECE_TIMEOUT:?}"
-                        )))
-                    }
-                }
+                origin_get(&key, store.get_range(&key, range.clone())).await?
             }
             Self::Http { base, client, .. } => {
                 let url = format!(
@@ -180,23 +165,7 @@ impl Source {
         let bytes = match self {
             Self::Origin(store) => {
                 let path = StorePath::from(key.as_str());
-                let got = tokio::time::timeout(PIECE_TIMEOUT, async {
-                    store.get(&path).await?.bytes().await
-                });
-                match got.await {
-                    Ok(Ok(b)) => b,
-                    Ok(Err(e @ object_store::Error::NotFound { .. })) => {
-                        return Err(FetchError::NotFound(format!(
-                            "{key} missing in the origin: {e}"
-                        )))
-                    }
-                    Ok(Err(e)) => return Err(FetchError::Unavailable(format!("origin: {e}"))),
-                    Err(_) => {
-                        return Err(FetchError::Unavailable(format!(
-                            "origin: no answer within {PIECE_TIMEOUT:?}"
-                        )))
-                    }
-                }
+                origin_get(&path, async { store.get(&path).await?.bytes().await }).await?
             }
             Self::Http { base, client, .. } => {
                 let url = format!(
@@ -272,6 +241,23 @@ impl Source {
             }
         }
         best
+    }
+}
+
+/// Awaits an origin read of `key` for at most [`PIECE_TIMEOUT`], mapping its failures.
+async fn origin_get(
+    key: &StorePath,
+    read: impl std::future::Future<Output = object_store::Result<Bytes>>,
+) -> Result<Bytes, FetchError> {
+    match tokio::time::timeout(PIECE_TIMEOUT, read).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e @ object_store::Error::NotFound { .. })) => Err(FetchError::NotFound(format!(
+            "{key} missing in the origin: {e}"
+        ))),
+        Ok(Err(e)) => Err(FetchError::Unavailable(format!("origin: {e}"))),
+        Err(_) => Err(FetchError::Unavailable(format!(
+            "origin: no answer within {PIECE_TIMEOUT:?}"
+        ))),
     }
 }
 
