@@ -234,8 +234,9 @@ impl ManifestCache {
 
 /// Best effort: a failed copy only means asking the origin again next time.
 async fn write_atomic(path: &Path, bytes: &[u8]) {
-    // `~` never appears in a name, so this cannot clash with a real tag or revision.
-    let tmp = PathBuf::from(format!("{}~tmp", path.display()));
+    // `~` never appears in a name, so this cannot clash with a real tag or revision; the
+    // random part keeps two requests that load the same manifest at once apart.
+    let tmp = PathBuf::from(format!("{}~{:016x}", path.display(), rand::random::<u64>()));
     let res = async {
         if let Some(p) = path.parent() {
             tokio::fs::create_dir_all(p).await?;
@@ -245,6 +246,7 @@ async fn write_atomic(path: &Path, bytes: &[u8]) {
     }
     .await;
     if let Err(e) = res {
+        let _ = tokio::fs::remove_file(&tmp).await;
         tracing::warn!(error = %e, path = %path.display(), "cannot keep a copy of a manifest or tag");
     }
 }
