@@ -55,6 +55,8 @@ pub struct QuicMetrics {
     pub path_mtu: Family<PeerLabels, Gauge>,
     /// `tokenway_quic_cwnd_bytes{peer}`: congestion window.
     pub cwnd: Family<PeerLabels, Gauge>,
+    /// `tokenway_quic_sent_packets_total{peer}`: with the lost packets, QUIC's loss rate.
+    pub sent_packets: Family<PeerLabels, Counter>,
     /// `tokenway_quic_lost_packets_total{peer}`.
     pub lost_packets: Family<PeerLabels, Counter>,
     /// `tokenway_quic_congestion_events_total{peer}`.
@@ -83,6 +85,7 @@ impl QuicMetrics {
             rtt_samples: Family::new_with_constructor(LatencyHistogram),
             path_mtu: Family::default(),
             cwnd: Family::default(),
+            sent_packets: Family::default(),
             lost_packets: Family::default(),
             congestion_events: Family::default(),
             zero_rtt: Family::default(),
@@ -112,6 +115,11 @@ impl QuicMetrics {
             m.path_mtu.clone(),
         );
         registry.register("quic_cwnd_bytes", "QUIC congestion window", m.cwnd.clone());
+        registry.register(
+            "quic_sent_packets",
+            "QUIC packets sent",
+            m.sent_packets.clone(),
+        );
         registry.register(
             "quic_lost_packets",
             "QUIC packets declared lost",

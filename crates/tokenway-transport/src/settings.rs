@@ -387,7 +387,7 @@ impl Default for DatagramSettings {
             fec_scope: FecScopeSetting::Interactive,
             fec_k_max: 16,
             fec_max_overhead: 0.5,
-            fec_bulk_above: Bandwidth(250_000),
+            fec_bulk_above: Bandwidth(1_000_000),
             obfs: None,
             cc: None,
             bandwidth: BandwidthSettings::default(),

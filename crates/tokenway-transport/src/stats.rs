@@ -42,6 +42,7 @@ pub async fn sample_connection(
     every: Duration,
 ) {
     let labels = PeerLabels { peer };
+    let mut last_sent = 0u64;
     let mut last_lost = 0u64;
     let mut last_cong = 0u64;
     let mut tracker = RttTracker::default();
@@ -79,6 +80,10 @@ pub async fn sample_connection(
             .get_or_create(&labels)
             .set(i64::try_from(s.path.cwnd).unwrap_or(i64::MAX));
         metrics
+            .sent_packets
+            .get_or_create(&labels)
+            .inc_by(s.path.sent_packets.saturating_sub(last_sent));
+        metrics
             .lost_packets
             .get_or_create(&labels)
             .inc_by(s.path.lost_packets.saturating_sub(last_lost));
@@ -86,6 +91,7 @@ pub async fn sample_connection(
             .congestion_events
             .get_or_create(&labels)
             .inc_by(s.path.congestion_events.saturating_sub(last_cong));
+        last_sent = s.path.sent_packets;
         last_lost = s.path.lost_packets;
         last_cong = s.path.congestion_events;
     }
