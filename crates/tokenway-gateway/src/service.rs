@@ -11,6 +11,7 @@ use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
+use subtle::ConstantTimeEq;
 use tokenway_router::{prompt_blocks, Route, RouteError, RouteRequest, SessionKind};
 
 use crate::error::{full, ApiError, ResponseBody};
@@ -285,7 +286,7 @@ fn authenticate<B>(shared: &Shared, req: &Request<B>) -> Result<(), ApiError> {
         Some(p)
             if keys
                 .iter()
-                .any(|k| constant_time_eq(k.as_bytes(), p.as_bytes())) =>
+                .any(|k| bool::from(k.as_bytes().ct_eq(p.as_bytes()))) =>
         {
             Ok(())
         }
@@ -302,13 +303,6 @@ fn authenticate<B>(shared: &Shared, req: &Request<B>) -> Result<(), ApiError> {
             "missing API key: send `Authorization: Bearer <key>`",
         )),
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Reads the whole body under the size limit and the client read timeout.

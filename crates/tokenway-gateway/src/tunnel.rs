@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use http::{HeaderMap, StatusCode};
+use subtle::ConstantTimeEq;
 
 use crate::config::TunnelConfig;
 use crate::error::ApiError;
@@ -49,7 +50,7 @@ impl TunnelState {
         let presented = presented.as_bytes();
         self.tokens
             .iter()
-            .fold(false, |ok, t| ok | constant_time_eq(t, presented))
+            .fold(false, |ok, t| ok | bool::from(t.ct_eq(presented)))
     }
 
     /// Removes the tunnel headers and admits the idempotency key, refusing replays.
@@ -91,13 +92,6 @@ impl TunnelState {
     pub fn may_forward_to(&self, target: &str) -> bool {
         self.forward_allow.contains(target)
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]

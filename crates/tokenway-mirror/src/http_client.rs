@@ -1,5 +1,7 @@
 //! The HTTP client pullers and `tokenway preheat` use to talk to mirrors and peers: plain
-//! HTTP/1.1 with a connection pool, and helpers that bound how much of a body is read.
+//! HTTP/1.1 with a connection pool that sends the weights tier's access token (if one is
+//! configured, see [`crate::auth`]) with every request, and helpers that bound how much of a
+//! body is read.
 
 use std::time::Duration;
 
@@ -11,17 +13,25 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
-/// A pooled client.
-pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+use crate::auth::AccessToken;
 
-/// A new pooled client (TCP_NODELAY, idle connections kept 30 s).
-pub fn client() -> HttpClient {
+/// A pooled client and the access token it sends.
+pub struct HttpClient {
+    pool: Client<HttpConnector, Full<Bytes>>,
+    token: Option<AccessToken>,
+}
+
+/// A new pooled client (TCP_NODELAY, idle connections kept 30 s) that sends `token`.
+pub fn client(token: Option<AccessToken>) -> HttpClient {
     let mut c = HttpConnector::new();
     c.set_nodelay(true);
     c.set_connect_timeout(Some(Duration::from_secs(5)));
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(30))
-        .build(c)
+    HttpClient {
+        pool: Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(c),
+        token,
+    }
 }
 
 /// Checks a base URL (`http://host:port`, no path) and returns it without a trailing `/`.
@@ -62,16 +72,22 @@ impl std::fmt::Display for HttpError {
     }
 }
 
-/// Sends `req` and reads at most `limit` body bytes, all within `timeout`.
+/// Sends `req` (with the client's token) and reads at most `limit` body bytes, all within
+/// `timeout`.
 pub async fn send(
     client: &HttpClient,
-    req: Request<Full<Bytes>>,
+    mut req: Request<Full<Bytes>>,
     limit: usize,
     timeout: Duration,
 ) -> Result<(Response<()>, Bytes), HttpError> {
     let uri = req.uri().clone();
+    if let Some(t) = &client.token {
+        req.headers_mut()
+            .insert(http::header::AUTHORIZATION, t.header_value().clone());
+    }
     let fut = async {
         let resp: Response<Incoming> = client
+            .pool
             .request(req)
             .await
             .map_err(|e| HttpError::Transport(format!("{uri}: {e}")))?;

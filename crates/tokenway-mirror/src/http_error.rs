@@ -61,7 +61,7 @@ impl ServeError {
         }
     }
 
-    /// The JSON response.
+    /// The JSON response (a 401 names the scheme in `WWW-Authenticate`).
     pub fn response<B: From<Bytes>>(&self) -> Response<B> {
         let body = serde_json::json!({
             "error": {"kind": self.kind, "message": self.message}
@@ -72,6 +72,12 @@ impl ServeError {
             header::CONTENT_TYPE,
             header::HeaderValue::from_static("application/json"),
         );
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+        }
         r
     }
 }

@@ -16,11 +16,14 @@
 //! - [`piece_buffers`]: reused piece-sized receive buffers.
 //! - [`piece_writer`]: writes verified pieces with `O_DIRECT` when aligned.
 //! - [`piece_tree`]: the whole-file BLAKE3 from the pieces' chaining values (sans-IO).
+//! - [`outboard`]: bao-tree outboards, any byte range verified against the file hash.
+//! - [`auth`]: the access token mirrors and peers ask for and pullers send.
 //! - [`faults`]: test-only fault injection (corrupt pieces on purpose).
 //!
-//! Not here yet (see `docs/weights.md`): bao-tree outboards, `gs://` and `az://` origins.
+//! Not here yet (see `docs/weights.md`): `gs://` and `az://` origins, TLS between nodes.
 
 pub mod announce;
+pub mod auth;
 pub mod display;
 pub mod faults;
 pub mod holdings;

@@ -13,6 +13,7 @@ use http::{header, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use tokio::net::TcpListener;
 
+use crate::auth::AccessToken;
 use crate::faults::Faults;
 use crate::holdings::Holdings;
 use crate::http_error::ServeError;
@@ -25,16 +26,19 @@ pub const MAX_CONNECTIONS: usize = 1024;
 /// A peer server's shared state.
 pub struct PeerServer {
     holdings: Arc<Holdings>,
+    token: Option<AccessToken>,
     faults: Faults,
     /// Body bytes served to other peers.
     pub bytes_served: AtomicU64,
 }
 
 impl PeerServer {
-    /// Serves what `holdings` holds; `faults` is the test-only corruption setting.
-    pub fn new(holdings: Arc<Holdings>, faults: Faults) -> Arc<Self> {
+    /// Serves what `holdings` holds to requests carrying `token` (everyone without one);
+    /// `faults` is the test-only corruption setting.
+    pub fn new(holdings: Arc<Holdings>, token: Option<AccessToken>, faults: Faults) -> Arc<Self> {
         Arc::new(Self {
             holdings,
+            token,
             faults,
             bytes_served: AtomicU64::new(0),
         })
@@ -74,6 +78,9 @@ impl PeerServer {
         let path = req.uri().path();
         if req.method() == Method::GET && path == "/healthz" {
             return Response::new(full("ok\n"));
+        }
+        if let Err(e) = crate::auth::check(self.token.as_ref(), req.headers()) {
+            return error_response(&e);
         }
         let Some(hex) = path.strip_prefix("/v1/blobs/") else {
             return error_response(&ServeError::not_found(format!("no route {path}")));

@@ -10,7 +10,7 @@ use http::StatusCode;
 use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use crate::http_client::{client, get, send, HttpClient, HttpError};
+use crate::http_client::{get, send, HttpClient, HttpError};
 use crate::http_range::range_header;
 use crate::manifest::{blob_key, FileEntry, Manifest, ModelRef, Selector};
 use crate::MirrorError;
@@ -80,19 +80,16 @@ pub enum Source {
         kind: SourceKind,
         /// Base URL.
         base: String,
-        /// Pooled client (boxed in an `Arc`: it is large and may be shared).
+        /// The pull's pooled client, shared by all its HTTP sources.
         client: Arc<HttpClient>,
     },
 }
 
 impl Source {
-    /// A mirror or peer at `base` (already checked with [`crate::http_client::base_url`]).
-    pub fn http(kind: SourceKind, base: String) -> Self {
-        Self::Http {
-            kind,
-            base,
-            client: Arc::new(client()),
-        }
+    /// A mirror or peer at `base` (already checked with [`crate::http_client::base_url`]),
+    /// asked through `client`.
+    pub fn http(kind: SourceKind, base: String, client: Arc<HttpClient>) -> Self {
+        Self::Http { kind, base, client }
     }
 
     /// Its kind.

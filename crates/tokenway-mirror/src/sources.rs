@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use object_store::ObjectStore;
 
-use crate::http_client::base_url;
+use crate::auth::AccessToken;
+use crate::http_client::{base_url, client, HttpClient};
 use crate::manifest::{Blake3Hash, Manifest, ModelRef};
 use crate::mirror::peers::PeerView;
 use crate::piece_bits::PieceBits;
@@ -99,6 +100,8 @@ pub struct SourceSet {
     rotate: AtomicUsize,
     /// Address of this node's own peer server, never used as a source.
     own_addr: Option<String>,
+    /// The client every HTTP source (mirrors, peers) is asked through.
+    client: Arc<HttpClient>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -118,15 +121,18 @@ impl SourceSet {
             retired: Mutex::new(Vec::new()),
             rotate: AtomicUsize::new(0),
             own_addr: None,
+            client: Arc::new(client(None)),
         }
     }
 
-    /// Mirrors (RTT measured now, with `probes` requests each) and an optional origin.
+    /// Mirrors (RTT measured now, with `probes` requests each) and an optional origin; mirrors
+    /// and peers are sent `token`.
     pub async fn new(
         mirrors: &[String],
         origin: Option<Arc<dyn ObjectStore>>,
         probes: u32,
         own_addr: Option<String>,
+        token: Option<AccessToken>,
     ) -> Result<Self, MirrorError> {
         if mirrors.is_empty() && origin.is_none() {
             return Err(MirrorError::Config {
@@ -134,13 +140,14 @@ impl SourceSet {
                 reason: "give at least one mirror or an origin".into(),
             });
         }
+        let http = Arc::new(client(token));
         let mut ms = Vec::new();
         for m in mirrors {
             let base = base_url(m).map_err(|reason| MirrorError::Config {
                 field: "--mirror".into(),
                 reason,
             })?;
-            ms.push(Source::http(SourceKind::Mirror, base));
+            ms.push(Source::http(SourceKind::Mirror, base, http.clone()));
         }
         let rtts = futures_util::future::join_all(ms.iter().map(|s| s.rtt(probes))).await;
         let mut fixed: Vec<Arc<SourceState>> = ms
@@ -164,6 +171,7 @@ impl SourceSet {
             retired: Mutex::new(Vec::new()),
             rotate: AtomicUsize::new(0),
             own_addr,
+            client: http,
         })
     }
 
@@ -275,7 +283,7 @@ impl SourceSet {
                 Some(p) => p.state,
                 None => SourceState::new(
                     format!("peer {base}"),
-                    Source::http(SourceKind::Peer, base.clone()),
+                    Source::http(SourceKind::Peer, base.clone(), self.client.clone()),
                     None,
                 ),
             };
@@ -364,10 +372,11 @@ mod tests {
     use super::*;
 
     fn set() -> SourceSet {
+        let http = Arc::new(client(None));
         let mirror = |base: &str, rtt_ms| {
             SourceState::new(
                 format!("mirror {base}"),
-                Source::http(SourceKind::Mirror, base.into()),
+                Source::http(SourceKind::Mirror, base.into(), http.clone()),
                 Some(Duration::from_millis(rtt_ms)),
             )
         };
@@ -382,6 +391,7 @@ mod tests {
             retired: Mutex::new(Vec::new()),
             rotate: AtomicUsize::new(0),
             own_addr: Some("127.0.0.1:9".into()),
+            client: http.clone(),
         }
     }
 

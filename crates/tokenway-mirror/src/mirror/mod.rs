@@ -71,6 +71,8 @@ pub struct MirrorConfig {
     /// uplink this mirror may use. Peers are not limited by it, so a crowd that shares
     /// gets its pieces from each other while the mirror's share stays within the cap.
     pub limit_rate: Option<u64>,
+    /// The access token every `/v1/` request must carry; `None` serves everyone.
+    pub token: Option<crate::auth::AccessToken>,
     /// Test only: corrupt every Nth piece served (0 = off).
     pub test_corrupt_every: u64,
     /// Test only: stall every Nth piece served (0 = off) for `test_stall_ms`, at most 3 times.
@@ -122,6 +124,7 @@ pub struct Mirror {
     preheat_parallel: usize,
     preheats: Arc<tokio::sync::Semaphore>,
     uplink: Option<Mutex<RateLimit>>,
+    token: Option<crate::auth::AccessToken>,
 }
 
 impl Mirror {
@@ -172,7 +175,13 @@ impl Mirror {
             preheat_parallel: config.preheat_parallel,
             preheats: Arc::new(tokio::sync::Semaphore::new(MAX_PREHEATS)),
             uplink: config.limit_rate.map(|r| Mutex::new(RateLimit::new(r))),
+            token: config.token.clone(),
         }))
+    }
+
+    /// The access token requests must carry, if any.
+    pub fn token(&self) -> Option<&crate::auth::AccessToken> {
+        self.token.as_ref()
     }
 
     /// The metrics.

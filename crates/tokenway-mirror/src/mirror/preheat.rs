@@ -88,10 +88,12 @@ pub async fn preheat(mirror: &Arc<Mirror>, model: &str) -> Result<PreheatReport,
     Ok(report)
 }
 
-/// Asks the mirror at `mirror_url` (`http://HOST:PORT`) to preheat `model` and waits for it.
+/// Asks the mirror at `mirror_url` (`http://HOST:PORT`) to preheat `model` and waits for it,
+/// sending `token` if the mirror needs one.
 pub async fn preheat_remote(
     mirror_url: &str,
     model: &str,
+    token: Option<crate::auth::AccessToken>,
     timeout: std::time::Duration,
 ) -> Result<PreheatReport, crate::MirrorError> {
     use crate::http_client::{base_url, client, post_json, send};
@@ -107,7 +109,7 @@ pub async fn preheat_remote(
     })
     .expect("invariant: a preheat request serializes");
     let req = post_json(&url, body).map_err(|e| remote(e.to_string()))?;
-    let (_, bytes) = send(&client(), req, 1 << 20, timeout)
+    let (_, bytes) = send(&client(token), req, 1 << 20, timeout)
         .await
         .map_err(|e| remote(format!("preheat of {model}: {e}")))?;
     serde_json::from_slice(&bytes).map_err(|e| remote(format!("unexpected preheat answer: {e}")))

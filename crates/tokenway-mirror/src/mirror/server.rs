@@ -112,6 +112,11 @@ async fn read_json<T: serde::de::DeserializeOwned>(
 async fn route(m: Arc<Mirror>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
+    if path.starts_with("/v1/") {
+        if let Err(e) = crate::auth::check(m.token(), req.headers()) {
+            return error_response(&e);
+        }
+    }
     let res = match (method.clone(), path.as_str()) {
         (Method::GET, "/healthz") => Ok(Response::new(full("ok\n"))),
         (Method::GET, "/metrics") => {

@@ -33,6 +33,8 @@ pub struct MirrorArgs {
     /// this mirror may use (pullers sharing as peers take the rest from each other).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub limit_rate: Option<u64>,
+    #[command(flatten)]
+    pub token: crate::cmd::access_token::TokenArg,
     /// TESTING ONLY: corrupt one byte of every Nth piece served (0 = off).
     #[arg(long, value_name = "N", default_value_t = 0, hide = true)]
     pub test_corrupt_every: u64,
@@ -53,6 +55,7 @@ pub async fn run(args: MirrorArgs) -> anyhow::Result<()> {
         region: args.region,
         preheat_parallel: args.preheat_parallel,
         limit_rate: args.limit_rate,
+        token: args.token.get()?,
         test_corrupt_every: args.test_corrupt_every,
         test_stall_every: args.test_stall_every,
         test_stall_ms: args.test_stall_ms,

@@ -1,5 +1,6 @@
 //! One module per subcommand: flags, config loading, wiring.
 
+pub mod access_token;
 pub mod bench;
 pub mod demo;
 pub mod edge;

@@ -18,6 +18,8 @@ pub struct PreheatArgs {
     /// Give up after this many seconds.
     #[arg(long, value_name = "SECS", default_value_t = 3600)]
     pub timeout_secs: u64,
+    #[command(flatten)]
+    pub token: crate::cmd::access_token::TokenArg,
 }
 
 /// Runs `tokenway preheat`.
@@ -25,6 +27,7 @@ pub async fn run(args: PreheatArgs) -> anyhow::Result<()> {
     let r = preheat_remote(
         &args.mirror,
         &args.model,
+        args.token.get()?,
         Duration::from_secs(args.timeout_secs.max(1)),
     )
     .await

@@ -57,6 +57,8 @@ pub struct PullArgs {
     /// Requests per mirror to measure its RTT.
     #[arg(long, value_name = "N", default_value_t = 3)]
     pub rtt_probes: u32,
+    #[command(flatten)]
+    pub token: crate::cmd::access_token::TokenArg,
     /// TESTING ONLY: as a peer, corrupt one byte of every Nth piece served (0 = off).
     #[arg(long, value_name = "N", default_value_t = 0, hide = true)]
     pub test_corrupt_every: u64,
@@ -103,6 +105,7 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
         anyhow::bail!("--serve needs --mirror: peers find each other through a mirror");
     }
     let origin = args.origin.as_deref().map(open_origin).transpose()?;
+    let token = args.token.get()?;
     let started = Instant::now();
 
     let listener = match args.serve {
@@ -118,9 +121,15 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
     };
     let own_addr = listener.as_ref().map(|(_, a)| a.to_string());
     let sources = Arc::new(
-        SourceSet::new(&args.mirror, origin, args.rtt_probes, own_addr.clone())
-            .await
-            .context("setting up the sources")?,
+        SourceSet::new(
+            &args.mirror,
+            origin,
+            args.rtt_probes,
+            own_addr.clone(),
+            token.clone(),
+        )
+        .await
+        .context("setting up the sources")?,
     );
     for m in sources.mirrors() {
         match m.rtt {
@@ -152,6 +161,7 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
     if let Some((listener, _)) = listener {
         let server = PeerServer::new(
             Arc::clone(&holdings),
+            token.clone(),
             Faults::corrupt_every(args.test_corrupt_every),
         );
         tokio::spawn(server.serve(listener, std::future::pending::<()>()));

@@ -234,10 +234,15 @@ struct Pull {
 
 impl Pull {
     fn start(args: &[&str]) -> Self {
+        Self::start_with_env(args, &[])
+    }
+
+    fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(bin())
             .arg("pull")
             .args(args)
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -748,6 +753,108 @@ fn curl_bytes(args: &[&str], dir: &Path) -> Vec<u8> {
         String::from_utf8_lossy(&out.stderr)
     );
     std::fs::read(&to).expect("curl output")
+}
+
+/// curl's status code and its output (with `-i`, the headers too).
+fn curl_status(args: &[&str]) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "-w", "\n%{http_code}"])
+        .args(args)
+        .output()
+        .expect("curl runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').expect("curl printed the status");
+    (
+        code.trim().parse().expect("a status code"),
+        body.to_string(),
+    )
+}
+
+/// A mirror and a `--serve` peer given an access token: curl without it gets 401 with
+/// `WWW-Authenticate: Bearer` and a message that says what to send, a wrong token is named as
+/// wrong, health and metrics stay open; a pull without the token fails saying so; pullers with
+/// it (from the environment or `--token`) pull, share and take pieces from the peer.
+#[tokio::test]
+async fn a_mirror_and_peers_with_an_access_token_admit_only_requests_that_carry_it() {
+    const TOKEN: &str = "weights-test-token-0123456789";
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let tmp = TempDir::new("w-token");
+    let m = start_mirror(&fx.origin_url(), &tmp.0.join("cache"), &["--token", TOKEN]);
+    let url = m.url();
+    let tag = format!("{url}/v1/models/{}/tags/latest", fx.small.name);
+    let bearer = format!("Authorization: Bearer {TOKEN}");
+
+    let (code, out) = curl_status(&["-i", &tag]);
+    assert_eq!(code, 401, "{out}");
+    assert!(
+        out.to_ascii_lowercase()
+            .contains("www-authenticate: bearer"),
+        "{out}"
+    );
+    assert!(out.contains("TOKENWAY_WEIGHTS_TOKEN"), "{out}");
+    let (code, out) = curl_status(&["-H", "Authorization: Bearer not-the-token-0123456", &tag]);
+    assert_eq!(code, 401, "{out}");
+    assert!(out.contains("wrong access token"), "{out}");
+    let (code, manifest) = curl_status(&["-H", &bearer, &tag]);
+    assert_eq!(code, 200, "{manifest}");
+    for open in ["/healthz", "/metrics"] {
+        let (code, out) = curl_status(&[&format!("{url}{open}")]);
+        assert_eq!(code, 200, "{open}: {out}");
+    }
+
+    let (o1, o2, o3) = (tmp.0.join("o1"), tmp.0.join("o2"), tmp.0.join("o3"));
+    let (ok, err) = Pull::start(&[fx.small.name, "--mirror", &url, "--out", &s(&o1)])
+        .wait(Duration::from_secs(60))
+        .await;
+    assert!(!ok, "a pull without the token must fail");
+    assert!(
+        err.contains("HTTP 401") && err.contains("access token"),
+        "{err}"
+    );
+
+    let peer = Pull::start_with_env(
+        &[
+            fx.small.name,
+            "--mirror",
+            &url,
+            "--out",
+            &s(&o2),
+            "--serve",
+            "127.0.0.1:0",
+        ],
+        &[("TOKENWAY_WEIGHTS_TOKEN", TOKEN)],
+    );
+    let peer_addr = peer
+        .serving
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the peer announces its address");
+    peer.wait_for("pull complete", Duration::from_secs(60))
+        .await;
+    assert_same_tree(&fx.small.src, &o2);
+    let hash = serde_json::from_str::<serde_json::Value>(&manifest).expect("manifest JSON")
+        ["files"][0]["hash"]
+        .as_str()
+        .expect("a file hash")
+        .to_string();
+    let blob = format!("http://{peer_addr}/v1/blobs/{hash}");
+    let (code, out) = curl_status(&["-r", "0-99", &blob]);
+    assert_eq!(code, 401, "the peer asks for the token too: {out}");
+    let (code, out) = curl_status(&["-r", "0-99", "-H", &bearer, "-o", "/dev/null", &blob]);
+    assert_eq!(code, 206, "{out}");
+
+    let err = pull_ok(&[
+        fx.small.name,
+        "--mirror",
+        &url,
+        "--out",
+        &s(&o3),
+        "--token",
+        TOKEN,
+    ])
+    .await;
+    assert_same_tree(&fx.small.src, &o3);
+    assert!(field(&err, "bytes_from_peers") > 0, "{err}");
 }
 
 #[tokio::test]
