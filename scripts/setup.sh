@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs what the tests need that a fresh machine may lack: curl, aria2 (compared with in
-# bench weights), iproute2 (as root, for the netlab tests), and the Python packages `openai`
-# (the official client), `aioquic` (an independent HTTP/3 client) and `moto[server]` (an
-# S3-compatible server). Safe to run repeatedly; does nothing when everything is present.
+# bench weights), iproute2 (as root, for the netlab tests), the Python packages `openai`
+# (the official client), `aioquic` (an independent HTTP/3 client), `moto[server]` (an
+# S3-compatible server) and `azure-storage-blob` (the Azure SDK, to set up and check the az://
+# origin test), and Azurite (Microsoft's Azure Storage emulator, from npm; Node.js from Debian
+# when missing). Safe to run repeatedly; does nothing when everything is present.
 set -euo pipefail
 
 need_apt=()
@@ -12,6 +14,8 @@ command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-pip)
 command -v aria2c >/dev/null 2>&1 || need_apt+=(aria2)
 # The netlab tests (root only) build namespaces with iproute2's `ip`.
 if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null 2>&1; then need_apt+=(iproute2); fi
+# Azurite runs on Node.js and comes from npm.
+command -v npm >/dev/null 2>&1 || need_apt+=(nodejs npm)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
@@ -33,3 +37,23 @@ if ! python3 -c "import moto.server, boto3" >/dev/null 2>&1; then
     || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages 'moto[server]'
 fi
 python3 -c 'import moto, moto.server, boto3; print("setup: moto", moto.__version__)'
+
+# The Azure SDK creates and lists the container of the az:// origin test.
+if ! python3 -c "import azure.storage.blob" >/dev/null 2>&1; then
+  python3 -m pip install --quiet --disable-pip-version-check azure-storage-blob \
+    || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages azure-storage-blob
+fi
+python3 -c 'import azure.storage.blob as b; print("setup: azure-storage-blob", b.__version__)'
+
+# Azurite's blob service is the Azure Blob Storage endpoint the az:// origin test starts on
+# loopback.
+# Not root: into ~/.local (scripts/test.sh puts ~/.local/bin on the PATH).
+if ! command -v azurite-blob >/dev/null 2>&1 && ! [ -x "$HOME/.local/bin/azurite-blob" ]; then
+  if [ "$(id -u)" = 0 ]; then
+    npm install --global --silent --no-audit --no-fund azurite
+  else
+    npm install --global --prefix "$HOME/.local" --silent --no-audit --no-fund azurite
+  fi
+fi
+export PATH="$PATH:$HOME/.local/bin"
+echo "setup: azurite $(azurite-blob --version)"

@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 export TOKENWAY_REQUIRE_PYTHON=1
+# Where setup.sh installs npm tools when not root.
+export PATH="$PATH:$HOME/.local/bin"
 cargo test --workspace --locked "$@"

@@ -2,7 +2,7 @@
 //! resumable, parallel pulls.
 //!
 //! - [`manifest`]: the model format (sans-IO): manifests, tags, names, object layout.
-//! - [`origin`]: opens an object store from a URL (`file://`, `s3://`).
+//! - [`origin`]: opens an object store from a URL (`file://`, `s3://`, `az://`).
 //! - [`publish`]: hashes a directory and uploads blobs, manifest and tag.
 //! - [`pull`]: downloads pieces in parallel with ranged GETs, verifies each, writes in place,
 //!   records progress for resume, verifies the whole file and renames it atomically.
@@ -20,7 +20,7 @@
 //! - [`auth`]: the access token mirrors and peers ask for and pullers send.
 //! - [`faults`]: test-only fault injection (corrupt pieces on purpose).
 //!
-//! Not here yet (see `docs/weights.md`): `gs://` and `az://` origins, TLS between nodes.
+//! Not here yet (see `docs/weights.md`): `gs://` origins, TLS between nodes.
 
 pub mod announce;
 pub mod auth;

@@ -11,7 +11,9 @@ use tokenway_mirror::{open_origin, publish, PublishOptions};
 pub struct PublishArgs {
     /// Directory holding the model files (every regular file under it is published).
     pub dir: PathBuf,
-    /// Origin object store, e.g. `file:///srv/models` or `s3://bucket/prefix` (credentials from the AWS_* environment, docs/weights.md).
+    /// Origin object store, e.g. `file:///srv/models`, `s3://bucket/prefix` or
+    /// `az://container/prefix` (credentials from the AWS_* or AZURE_* environment,
+    /// docs/weights.md).
     #[arg(long, value_name = "URL")]
     pub origin: String,
     /// Model name: `[A-Za-z0-9._-]`, optionally `org/name`.

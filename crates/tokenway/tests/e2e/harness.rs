@@ -363,6 +363,26 @@ pub fn python_has(module: &str) -> bool {
     ok
 }
 
+/// Whether the command `cmd` runs (`cmd --version`); otherwise prints SKIP, or fails when
+/// `TOKENWAY_REQUIRE_PYTHON` is set (as `scripts/test.sh` does: setup.sh installs the tools).
+pub fn command_has(cmd: &str) -> bool {
+    let ok = std::process::Command::new(cmd)
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        assert!(
+            std::env::var_os("TOKENWAY_REQUIRE_PYTHON").is_none(),
+            "TOKENWAY_REQUIRE_PYTHON is set but `{cmd} --version` fails (scripts/setup.sh \
+             installs it)"
+        );
+        eprintln!("SKIP: `{cmd}` is not installed (scripts/setup.sh installs it)");
+    }
+    ok
+}
+
 /// Runs tests/python/openai_client.py against `api` (an OpenAI base URL ending in /v1),
 /// comparing with `backend`'s own answers, with API key `key`.
 pub fn openai_check(api: &str, backend: &str, key: &str) {

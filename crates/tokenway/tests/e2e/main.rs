@@ -3,6 +3,7 @@
 //!
 //! One test binary for the crate; each file below is one concern.
 
+mod azure;
 mod bad_input;
 mod bench;
 mod clients;

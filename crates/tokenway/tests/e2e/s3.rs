@@ -31,7 +31,7 @@ impl Moto {
     }
 }
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("an ephemeral loopback port")
@@ -98,7 +98,7 @@ for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
         print(o["Key"])
 "#;
 
-fn python(script: &str, args: &[&str]) -> String {
+pub(crate) fn python(script: &str, args: &[&str]) -> String {
     let out = Command::new("python3")
         .arg("-c")
         .arg(script)
@@ -126,7 +126,7 @@ fn tokenway(args: &[&str], aws: &[(&str, &str)]) -> Output {
     cmd.output().expect("tokenway binary runs")
 }
 
-fn stderr(out: &Output) -> String {
+pub(crate) fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
@@ -147,7 +147,7 @@ fn noise(len: usize, seed: u64) -> Vec<u8> {
 
 /// A small safetensors-like model: two multi-piece shards (one over S3's 5 MiB part minimum,
 /// one under), a config, and an empty file.
-fn write_model(dir: &Path) -> Vec<(String, Vec<u8>)> {
+pub(crate) fn write_model(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let header = br#"{"w":{"dtype":"F16","shape":[1024,1024],"data_offsets":[0,2097152]}}"#;
     let shard = |body_len: usize, seed: u64| {
         let mut b = (header.len() as u64).to_le_bytes().to_vec();
