@@ -1,53 +1,77 @@
-//! The HTTP client pullers and `tokenway preheat` use to talk to mirrors and peers: plain
-//! HTTP/1.1 with a connection pool that sends the weights tier's access token (if one is
-//! configured, see [`crate::auth`]) with every request, and helpers that bound how much of a
-//! body is read.
+//! The HTTP client pullers and `tokenway preheat` use to talk to mirrors and peers: HTTP/1.1
+//! (over TLS for `https://` mirrors, see [`crate::tls`]) with a connection pool that sends the
+//! weights tier's access token (if one is configured, see [`crate::auth`]) with every request,
+//! and helpers that bound how much of a body is read.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use rustls::ClientConfig;
 
 use crate::auth::AccessToken;
 
 /// A pooled client and the access token it sends.
 pub struct HttpClient {
-    pool: Client<HttpConnector, Full<Bytes>>,
+    pool: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     token: Option<AccessToken>,
 }
 
-/// A new pooled client (TCP_NODELAY, idle connections kept 30 s) that sends `token`.
-pub fn client(token: Option<AccessToken>) -> HttpClient {
+/// A new pooled client (TCP_NODELAY, idle connections kept 30 s) that sends `token` and speaks
+/// TLS to `https://` URLs with `tls` (without it, such URLs fail: no certificate is trusted).
+pub fn client(token: Option<AccessToken>, tls: Option<Arc<ClientConfig>>) -> HttpClient {
     let mut c = HttpConnector::new();
     c.set_nodelay(true);
     c.set_connect_timeout(Some(Duration::from_secs(5)));
+    c.enforce_http(false);
+    let tls = tls.map_or_else(untrusting, |t| t.as_ref().clone());
+    let https = HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(c);
     HttpClient {
         pool: Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
-            .build(c),
+            .build(https),
         token,
     }
 }
 
-/// Checks a base URL (`http://host:port`, no path) and returns it without a trailing `/`.
+/// A TLS configuration that trusts no certificate, for clients that never ask an `https://`
+/// URL (peers are plain HTTP).
+fn untrusting() -> ClientConfig {
+    ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("invariant: ring supports the default protocol versions")
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth()
+}
+
+/// Whether any of `urls` is an `https://` one (and a TLS configuration is needed).
+pub fn any_https(urls: &[String]) -> bool {
+    urls.iter().any(|u| u.trim().starts_with("https://"))
+}
+
+/// Checks a base URL (`http://host:port` or `https://host[:port]`, no path) and returns it
+/// without a trailing `/`.
 pub fn base_url(url: &str) -> Result<String, String> {
     let u = url.trim().trim_end_matches('/');
-    let rest = u.strip_prefix("http://").ok_or_else(|| {
-        if u.starts_with("https://") {
-            format!(
-                "{url:?}: https is not supported for mirrors and peers in this build; use http://"
-            )
-        } else {
-            format!("{url:?}: expected http://HOST:PORT")
-        }
-    })?;
+    let rest = u
+        .strip_prefix("http://")
+        .or_else(|| u.strip_prefix("https://"))
+        .ok_or_else(|| format!("{url:?}: expected http://HOST:PORT or https://HOST[:PORT]"))?;
     if rest.is_empty() || rest.contains('/') || rest.contains('?') {
-        return Err(format!("{url:?}: expected http://HOST:PORT without a path"));
+        return Err(format!(
+            "{url:?}: expected http://HOST:PORT or https://HOST[:PORT] without a path"
+        ));
     }
     u.parse::<http::Uri>()
         .map_err(|e| format!("{url:?}: {e}"))?;
@@ -90,7 +114,7 @@ pub async fn send(
             .pool
             .request(req)
             .await
-            .map_err(|e| HttpError::Transport(format!("{uri}: {e}")))?;
+            .map_err(|e| HttpError::Transport(format!("{uri}: {}", with_causes(&e))))?;
         let (parts, mut body) = resp.into_parts();
         // Read into one buffer sized from Content-Length (from the pool: pieces are large
         // and many, see `piece_buffers`), instead of collecting frames and copying them.
@@ -121,6 +145,22 @@ pub async fn send(
         return Err(HttpError::Status(resp.status(), error_message(&body)));
     }
     Ok((resp, body))
+}
+
+/// `e` and its causes, `: `-separated (hyper's own text says only "client error (Connect)"; the
+/// cause says which: refused, timed out, a certificate not trusted).
+fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let s = c.to_string();
+        if !text.contains(&s) {
+            text.push_str(": ");
+            text.push_str(&s);
+        }
+        cur = c.source();
+    }
+    text
 }
 
 /// The `message` of a JSON error body, or the body itself.
@@ -156,7 +196,11 @@ mod tests {
             base_url("http://127.0.0.1:80/").unwrap(),
             "http://127.0.0.1:80"
         );
-        assert!(base_url("https://x:1").unwrap_err().contains("https"));
+        assert_eq!(
+            base_url("https://mirror.example:8443/").unwrap(),
+            "https://mirror.example:8443"
+        );
+        assert!(base_url("ftp://x:1").is_err());
         assert!(base_url("127.0.0.1:80").is_err());
         assert!(base_url("http://x:1/path").is_err());
     }

@@ -1,6 +1,6 @@
 //! The accept loop the mirror and the peer server share: HTTP/1.1 and HTTP/2 on one port,
-//! TCP_NODELAY, at most `max_connections` open (a further one is closed at once, not queued),
-//! and on shutdown a drain of open connections for at most `grace`.
+//! optionally over TLS, TCP_NODELAY, at most `max_connections` open (a further one is closed at
+//! once, not queued), and on shutdown a drain of open connections for at most `grace`.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -14,12 +14,18 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 
 use crate::range_server::Body;
 
-/// Serves `handler` on `listener` until `shutdown` resolves; `what` names the server in logs.
+/// Longest a TLS handshake may take before the connection is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves `handler` on `listener` (over TLS with `tls`) until `shutdown` resolves; `what` names
+/// the server in logs.
 pub async fn serve<H, Fut>(
     listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
     what: &'static str,
     max_connections: usize,
     grace: Duration,
@@ -31,6 +37,7 @@ pub async fn serve<H, Fut>(
 {
     let graceful = GracefulShutdown::new();
     let builder = auto::Builder::new(TokioExecutor::new());
+    let acceptor = tls.map(TlsAcceptor::from);
     let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
     tokio::pin!(shutdown);
     loop {
@@ -55,12 +62,40 @@ pub async fn serve<H, Fut>(
             let response = handler(req);
             async move { Ok::<_, Infallible>(response.await) }
         });
-        let conn = builder
-            .serve_connection(TokioIo::new(stream), svc)
-            .into_owned();
-        let conn = graceful.watch(conn);
+        let Some(acceptor) = acceptor.clone() else {
+            let conn = builder
+                .serve_connection(TokioIo::new(stream), svc)
+                .into_owned();
+            let conn = graceful.watch(conn);
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "{what}: connection ended with an error");
+                }
+                drop(permit);
+            });
+            continue;
+        };
+        // The handshake runs on the connection's own task, so a slow client holds up no one;
+        // the drain on shutdown covers connections that got past it.
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            let stream =
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "{what}: TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!("{what}: TLS handshake timed out");
+                        return;
+                    }
+                };
+            let conn = builder
+                .serve_connection(TokioIo::new(stream), svc)
+                .into_owned();
+            if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(error = %e, "{what}: connection ended with an error");
             }
             drop(permit);

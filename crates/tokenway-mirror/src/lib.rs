@@ -18,9 +18,10 @@
 //! - [`piece_tree`]: the whole-file BLAKE3 from the pieces' chaining values (sans-IO).
 //! - [`outboard`]: bao-tree outboards, any byte range verified against the file hash.
 //! - [`auth`]: the access token mirrors and peers ask for and pullers send.
+//! - [`tls`]: HTTPS for mirrors (server certificates, the trust of pullers).
 //! - [`faults`]: test-only fault injection (corrupt pieces on purpose).
 //!
-//! Not here yet (see `docs/weights.md`): `gs://` origins, TLS between nodes.
+//! Not here yet (see `docs/weights.md`): `gs://` origins, TLS between peers.
 
 pub mod announce;
 pub mod auth;
@@ -50,6 +51,7 @@ pub mod size;
 pub mod source;
 pub mod sources;
 pub mod straggler;
+pub mod tls;
 
 pub use manifest::{Blake3Hash, FileEntry, Manifest, ModelRef, Selector};
 pub use origin::open_origin;

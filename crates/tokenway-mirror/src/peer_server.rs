@@ -124,6 +124,7 @@ impl PeerServer {
         let handler = move |req| Arc::clone(&self).route(req);
         crate::http_serve::serve(
             listener,
+            None,
             "peer",
             MAX_CONNECTIONS,
             Duration::from_secs(2),

@@ -14,12 +14,13 @@ use std::time::Duration;
 use object_store::ObjectStore;
 
 use crate::auth::AccessToken;
-use crate::http_client::{base_url, client, HttpClient};
+use crate::http_client::{any_https, base_url, client, HttpClient};
 use crate::manifest::{Blake3Hash, Manifest, ModelRef};
 use crate::mirror::peers::PeerView;
 use crate::piece_bits::PieceBits;
 use crate::pull;
 use crate::source::{manifest_error, FetchError, Source, SourceKind};
+use crate::tls::ClientTrust;
 use crate::MirrorError;
 
 /// Corrupt pieces after which a source is a last resort.
@@ -121,18 +122,19 @@ impl SourceSet {
             retired: Mutex::new(Vec::new()),
             rotate: AtomicUsize::new(0),
             own_addr: None,
-            client: Arc::new(client(None)),
+            client: Arc::new(client(None, None)),
         }
     }
 
     /// Mirrors (RTT measured now, with `probes` requests each) and an optional origin; mirrors
-    /// and peers are sent `token`.
+    /// and peers are sent `token`, `https://` mirrors checked against `trust`.
     pub async fn new(
         mirrors: &[String],
         origin: Option<Arc<dyn ObjectStore>>,
         probes: u32,
         own_addr: Option<String>,
         token: Option<AccessToken>,
+        trust: &ClientTrust,
     ) -> Result<Self, MirrorError> {
         if mirrors.is_empty() && origin.is_none() {
             return Err(MirrorError::Config {
@@ -140,7 +142,10 @@ impl SourceSet {
                 reason: "give at least one mirror or an origin".into(),
             });
         }
-        let http = Arc::new(client(token));
+        let tls = any_https(mirrors)
+            .then(|| trust.client_config())
+            .transpose()?;
+        let http = Arc::new(client(token, tls));
         let mut ms = Vec::new();
         for m in mirrors {
             let base = base_url(m).map_err(|reason| MirrorError::Config {
@@ -372,7 +377,7 @@ mod tests {
     use super::*;
 
     fn set() -> SourceSet {
-        let http = Arc::new(client(None));
+        let http = Arc::new(client(None, None));
         let mirror = |base: &str, rtt_ms| {
             SourceState::new(
                 format!("mirror {base}"),

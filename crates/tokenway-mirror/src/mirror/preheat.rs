@@ -89,11 +89,12 @@ pub async fn preheat(mirror: &Arc<Mirror>, model: &str) -> Result<PreheatReport,
 }
 
 /// Asks the mirror at `mirror_url` (`http://HOST:PORT`) to preheat `model` and waits for it,
-/// sending `token` if the mirror needs one.
+/// sending `token` if the mirror needs one and checking an `https://` mirror against `trust`.
 pub async fn preheat_remote(
     mirror_url: &str,
     model: &str,
     token: Option<crate::auth::AccessToken>,
+    trust: &crate::tls::ClientTrust,
     timeout: std::time::Duration,
 ) -> Result<PreheatReport, crate::MirrorError> {
     use crate::http_client::{base_url, client, post_json, send};
@@ -103,13 +104,17 @@ pub async fn preheat_remote(
         reason,
     };
     let base = base_url(mirror_url).map_err(remote)?;
+    let tls = base
+        .starts_with("https://")
+        .then(|| trust.client_config())
+        .transpose()?;
     let url = format!("{base}/v1/preheat");
     let body = serde_json::to_vec(&PreheatRequest {
         model: model.to_string(),
     })
     .expect("invariant: a preheat request serializes");
     let req = post_json(&url, body).map_err(|e| remote(e.to_string()))?;
-    let (_, bytes) = send(&client(token), req, 1 << 20, timeout)
+    let (_, bytes) = send(&client(token, tls), req, 1 << 20, timeout)
         .await
         .map_err(|e| remote(format!("preheat of {model}: {e}")))?;
     serde_json::from_slice(&bytes).map_err(|e| remote(format!("unexpected preheat answer: {e}")))

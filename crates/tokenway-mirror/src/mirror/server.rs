@@ -39,15 +39,17 @@ pub const MAX_CONNECTIONS: usize = 4096;
 /// How long open responses may finish after shutdown.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
-/// Serves `mirror` on `listener` until `shutdown` resolves.
+/// Serves `mirror` on `listener` (HTTPS with `tls`) until `shutdown` resolves.
 pub async fn serve(
     mirror: Arc<Mirror>,
     listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     let handler = move |req| route(Arc::clone(&mirror), req);
     crate::http_serve::serve(
         listener,
+        tls,
         "mirror",
         MAX_CONNECTIONS,
         SHUTDOWN_GRACE,

@@ -34,7 +34,9 @@ pub struct MirrorArgs {
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub limit_rate: Option<u64>,
     #[command(flatten)]
-    pub token: crate::cmd::access_token::TokenArg,
+    pub token: crate::cmd::weights_access::TokenArg,
+    #[command(flatten)]
+    pub tls: crate::cmd::weights_access::ServerTlsArgs,
     /// TESTING ONLY: corrupt one byte of every Nth piece served (0 = off).
     #[arg(long, value_name = "N", default_value_t = 0, hide = true)]
     pub test_corrupt_every: u64,
@@ -60,6 +62,7 @@ pub async fn run(args: MirrorArgs) -> anyhow::Result<()> {
         test_stall_every: args.test_stall_every,
         test_stall_ms: args.test_stall_ms,
     };
+    let tls = args.tls.get()?;
     let mirror = Mirror::open(&config).context("starting the mirror")?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -68,7 +71,8 @@ pub async fn run(args: MirrorArgs) -> anyhow::Result<()> {
     if config.test_corrupt_every > 0 || config.test_stall_every > 0 {
         eprintln!("warning: --test-* flags inject faults on purpose (testing only)");
     }
-    println!("tokenway mirror listening on http://{addr}");
-    server::serve(mirror, listener, crate::cmd::signal::shutdown()).await?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    println!("tokenway mirror listening on {scheme}://{addr}");
+    server::serve(mirror, listener, tls, crate::cmd::signal::shutdown()).await?;
     Ok(())
 }

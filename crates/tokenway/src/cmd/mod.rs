@@ -1,6 +1,5 @@
 //! One module per subcommand: flags, config loading, wiring.
 
-pub mod access_token;
 pub mod bench;
 pub mod demo;
 pub mod edge;
@@ -13,3 +12,4 @@ pub mod pull;
 pub mod signal;
 pub mod sim;
 pub mod smoke;
+pub mod weights_access;

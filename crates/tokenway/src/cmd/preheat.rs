@@ -12,14 +12,16 @@ pub struct PreheatArgs {
     /// What to preheat: `NAME` (tag latest), `NAME:TAG` or `NAME@REVISION`.
     #[arg(value_name = "MODEL")]
     pub model: String,
-    /// The mirror, `http://HOST:PORT`.
+    /// The mirror, `http://HOST:PORT` or `https://HOST[:PORT]`.
     #[arg(long, value_name = "URL")]
     pub mirror: String,
     /// Give up after this many seconds.
     #[arg(long, value_name = "SECS", default_value_t = 3600)]
     pub timeout_secs: u64,
     #[command(flatten)]
-    pub token: crate::cmd::access_token::TokenArg,
+    pub token: crate::cmd::weights_access::TokenArg,
+    #[command(flatten)]
+    pub tls: crate::cmd::weights_access::ClientTlsArgs,
 }
 
 /// Runs `tokenway preheat`.
@@ -28,6 +30,7 @@ pub async fn run(args: PreheatArgs) -> anyhow::Result<()> {
         &args.mirror,
         &args.model,
         args.token.get()?,
+        &args.tls.trust(),
         Duration::from_secs(args.timeout_secs.max(1)),
     )
     .await

@@ -23,8 +23,8 @@ pub struct PullArgs {
     /// What to pull: `NAME` (tag latest), `NAME:TAG` or `NAME@REVISION`.
     #[arg(value_name = "MODEL")]
     pub model: String,
-    /// Mirrors, `http://HOST:PORT`, comma-separated; the lowest RTT is preferred, the
-    /// others are fallbacks.
+    /// Mirrors, `http://HOST:PORT` or `https://HOST[:PORT]`, comma-separated; the lowest RTT
+    /// is preferred, the others are fallbacks.
     #[arg(long, value_name = "URL[,URL...]", value_delimiter = ',')]
     pub mirror: Vec<String>,
     /// Origin object store, e.g. `file:///srv/models`: the last fallback after the mirrors
@@ -58,7 +58,9 @@ pub struct PullArgs {
     #[arg(long, value_name = "N", default_value_t = 3)]
     pub rtt_probes: u32,
     #[command(flatten)]
-    pub token: crate::cmd::access_token::TokenArg,
+    pub token: crate::cmd::weights_access::TokenArg,
+    #[command(flatten)]
+    pub tls: crate::cmd::weights_access::ClientTlsArgs,
     /// TESTING ONLY: as a peer, corrupt one byte of every Nth piece served (0 = off).
     #[arg(long, value_name = "N", default_value_t = 0, hide = true)]
     pub test_corrupt_every: u64,
@@ -127,6 +129,7 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
             args.rtt_probes,
             own_addr.clone(),
             token.clone(),
+            &args.tls.trust(),
         )
         .await
         .context("setting up the sources")?,

@@ -764,10 +764,8 @@ fn curl_status(args: &[&str]) -> (u16, String) {
         .expect("curl runs");
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let (body, code) = text.rsplit_once('\n').expect("curl printed the status");
-    (
-        code.trim().parse().expect("a status code"),
-        body.to_string(),
-    )
+    let body = format!("{body}{}", String::from_utf8_lossy(&out.stderr));
+    (code.trim().parse().expect("a status code"), body)
 }
 
 /// A mirror and a `--serve` peer given an access token: curl without it gets 401 with
@@ -855,6 +853,164 @@ async fn a_mirror_and_peers_with_an_access_token_admit_only_requests_that_carry_
     .await;
     assert_same_tree(&fx.small.src, &o3);
     assert!(field(&err, "bytes_from_peers") > 0, "{err}");
+}
+
+/// A CA and a certificate it signed for 127.0.0.1 and localhost, as PEM files in `dir`:
+/// (ca.pem, cert.pem, key.pem).
+fn private_ca(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    // Names of their own: with rcgen's default for both, the leaf would look self-signed.
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "tokenway test CA");
+    let ca_key = KeyPair::generate().expect("CA key");
+    let ca = ca_params.self_signed(&ca_key).expect("CA certificate");
+    let leaf_key = KeyPair::generate().expect("leaf key");
+    let mut leaf_params =
+        CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+            .expect("leaf params");
+    leaf_params
+        .distinguished_name
+        .push(DnType::CommonName, "tokenway test mirror");
+    let leaf = leaf_params
+        .signed_by(&leaf_key, &ca, &ca_key)
+        .expect("leaf certificate");
+    std::fs::create_dir_all(dir).expect("mkdir");
+    let paths = (
+        dir.join("ca.pem"),
+        dir.join("cert.pem"),
+        dir.join("key.pem"),
+    );
+    std::fs::write(&paths.0, ca.pem()).expect("write CA");
+    std::fs::write(&paths.1, leaf.pem()).expect("write certificate");
+    std::fs::write(&paths.2, leaf_key.serialize_pem()).expect("write key");
+    paths
+}
+
+/// A child process killed when dropped.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A mirror serving HTTPS only: its process and `https://ADDR`.
+fn start_tls_mirror(origin: &str, cache: &Path, extra: &[&str]) -> (KillOnDrop, String) {
+    let mut child = Command::new(bin())
+        .args([
+            "mirror",
+            "--origin",
+            origin,
+            "--cache",
+            &s(cache),
+            "--max-size",
+            "1G",
+        ])
+        .args(["--listen", "127.0.0.1:0"])
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("tokenway mirror starts");
+    let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+    let line = lines
+        .next()
+        .and_then(Result::ok)
+        .expect("the mirror prints its address");
+    let url = line
+        .split("listening on ")
+        .nth(1)
+        .expect("an address line")
+        .trim()
+        .to_string();
+    // Keep draining stdout.
+    std::thread::spawn(move || for _ in lines.map_while(Result::ok) {});
+    (KillOnDrop(child), url)
+}
+
+/// A mirror with a certificate from a private CA: curl trusts it only with the CA, a pull
+/// with `--ca-cert` (and the access token) is byte-identical, a pull that does not trust the
+/// CA fails naming the certificate, and preheat works over HTTPS too.
+#[tokio::test]
+async fn a_mirror_over_https_is_pulled_from_with_the_ca_and_refused_without_it() {
+    const TOKEN: &str = "weights-tls-token-0123456789";
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let tmp = TempDir::new("w-tls");
+    let (ca, cert, key) = private_ca(&tmp.0.join("pki"));
+    let (_mirror, url) = start_tls_mirror(
+        &fx.origin_url(),
+        &tmp.0.join("cache"),
+        &[
+            "--tls-cert",
+            &s(&cert),
+            "--tls-key",
+            &s(&key),
+            "--token",
+            TOKEN,
+        ],
+    );
+    assert!(url.starts_with("https://127.0.0.1:"), "{url}");
+
+    let (code, out) = curl_status(&["--cacert", &s(&ca), &format!("{url}/healthz")]);
+    assert_eq!(code, 200, "{out}");
+    let (code, _) = curl_status(&[&format!("{url}/healthz")]);
+    assert_eq!(code, 0, "curl must refuse a certificate from an unknown CA");
+
+    let out1 = tmp.0.join("o1");
+    let err = pull_ok(&[
+        fx.small.name,
+        "--mirror",
+        &url,
+        "--ca-cert",
+        &s(&ca),
+        "--token",
+        TOKEN,
+        "--out",
+        &s(&out1),
+    ])
+    .await;
+    assert_same_tree(&fx.small.src, &out1);
+    assert!(field(&err, "bytes_from_mirrors") > 0, "{err}");
+
+    let (ok, err) = Pull::start(&[
+        fx.small.name,
+        "--mirror",
+        &url,
+        "--token",
+        TOKEN,
+        "--out",
+        &s(&tmp.0.join("o2")),
+    ])
+    .wait(Duration::from_secs(60))
+    .await;
+    assert!(!ok, "a pull that does not trust the CA must fail");
+    assert!(err.contains("certificate"), "{err}");
+    eprintln!("a pull without the CA: {}", err.trim());
+
+    let out = Command::new(bin())
+        .args([
+            "preheat",
+            fx.small.name,
+            "--mirror",
+            &url,
+            "--ca-cert",
+            &s(&ca),
+        ])
+        .env("TOKENWAY_WEIGHTS_TOKEN", TOKEN)
+        .output()
+        .expect("preheat runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[tokio::test]
@@ -996,10 +1152,13 @@ async fn bad_names_unknown_tags_and_truncated_manifests_give_clear_errors() {
         assert!(!ok, "{model} must fail");
         assert!(err.contains(want), "{model}: expected {want:?} in:\n{err}");
     }
-    let (ok, err) = Pull::start(&["org/small", "--mirror", "https://x:1", "--out", &out])
+    let (ok, err) = Pull::start(&["org/small", "--mirror", "ftp://127.0.0.1:1", "--out", &out])
         .wait(Duration::from_secs(30))
         .await;
-    assert!(!ok && err.contains("https is not supported"), "{err}");
+    assert!(
+        !ok && err.contains("expected http://HOST:PORT or https://HOST[:PORT]"),
+        "{err}"
+    );
     let out = Command::new(bin())
         .args(["mirror", "--origin", "file:///tmp/x", "--cache", "/tmp/y"])
         .args(["--max-size", "10X"])
