@@ -1,10 +1,14 @@
 //! Telling the mirror what this node holds and learning which peers hold what it wants.
 //!
 //! Every [`INTERVAL`] the puller posts its holdings (and, with `--serve`, its address) to
-//! the best mirror that answers; the answer's peers become sources of the pull. The
-//! cumulative count of bytes taken from peers rides along, so the mirror's
-//! `bytes_from_peers` metric shows how much load peers took off it.
+//! every mirror it knows: first to the best one that answers, whose answer settles the region
+//! when the puller has none, then to the others at once, in that region. So pullers that prefer
+//! different mirrors of a region (two mirrors behind one name, a mirror that failed over)
+//! still find each other. The union of the answers' peers becomes sources of the pull. The
+//! cumulative count of bytes taken from peers rides along to the first mirror only, so the
+//! `bytes_from_peers` metrics of a region's mirrors do not count the same bytes twice.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,34 +42,73 @@ pub struct Announcer {
 }
 
 impl Announcer {
-    /// One announcement to the first mirror that answers; the error lists the failures.
+    /// One round of announcements (see the module docs); returns how many peers were learnt,
+    /// or, when no mirror answered, the failures.
     pub async fn once(&self) -> Result<usize, String> {
-        let (have, taking) = self.holdings.wire();
-        let body = serde_json::to_vec(&Announce {
-            id: self.id.clone(),
-            region: self.region.clone(),
-            addr: self.addr.clone(),
-            have,
-            taking,
-            want: self.want.clone(),
-            bytes_from_peers: self.peer_bytes.load(Ordering::Relaxed),
-        })
-        .expect("invariant: an announcement serializes");
+        let mirrors: Vec<(String, Arc<HttpClient>)> = self
+            .sources
+            .mirrors()
+            .iter()
+            .filter_map(|m| match &m.source {
+                Source::Http { base, client, .. } => Some((base.clone(), Arc::clone(client))),
+                Source::Origin(_) => None,
+            })
+            .collect();
         let mut failures = Vec::new();
-        for m in self.sources.mirrors() {
-            let Source::Http { base, client, .. } = &m.source else {
-                continue;
-            };
-            match post(client, base, body.clone()).await {
+        let mut answered = None;
+        for (i, (base, client)) in mirrors.iter().enumerate() {
+            match post(client, base, self.body(&self.region, true)).await {
                 Ok(reply) => {
-                    let n = reply.peers.len();
-                    self.sources.set_peers(reply.peers);
-                    return Ok(n);
+                    answered = Some((i, reply));
+                    break;
                 }
                 Err(e) => failures.push(format!("{base}: {e}")),
             }
         }
-        Err(failures.join("; "))
+        let Some((first, reply)) = answered else {
+            return Err(failures.join("; "));
+        };
+        let region = if self.region.is_empty() {
+            reply.region.clone()
+        } else {
+            self.region.clone()
+        };
+        let others = mirrors[first + 1..]
+            .iter()
+            .map(|(base, client)| post(client, base, self.body(&region, false)));
+        let mut peers = reply.peers;
+        // A mirror further down the list that does not answer costs nothing: the first did.
+        for r in futures_util::future::join_all(others)
+            .await
+            .into_iter()
+            .flatten()
+        {
+            peers.extend(r.peers);
+        }
+        let mut seen = HashSet::new();
+        peers.retain(|p| seen.insert(p.addr.clone()));
+        let n = peers.len();
+        self.sources.set_peers(peers);
+        Ok(n)
+    }
+
+    /// The announcement, filed under `region`, with the bytes taken from peers when `count`.
+    fn body(&self, region: &str, count: bool) -> Vec<u8> {
+        let (have, taking) = self.holdings.wire();
+        serde_json::to_vec(&Announce {
+            id: self.id.clone(),
+            region: region.to_string(),
+            addr: self.addr.clone(),
+            have,
+            taking,
+            want: self.want.clone(),
+            bytes_from_peers: if count {
+                self.peer_bytes.load(Ordering::Relaxed)
+            } else {
+                0
+            },
+        })
+        .expect("invariant: an announcement serializes")
     }
 
     /// Announces every [`INTERVAL`] until dropped (run it on its own task).

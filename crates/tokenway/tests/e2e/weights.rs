@@ -485,6 +485,45 @@ async fn corrupt_pieces_from_a_mirror_or_a_peer_are_refetched_elsewhere_and_pena
     );
 }
 
+/// Two mirrors of one region: a `--serve` puller that lists both announces to both, so a
+/// puller that knows only the second mirror still finds it and takes pieces from it.
+#[tokio::test]
+async fn a_peer_announces_to_every_mirror_it_lists_and_is_found_through_either() {
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let origin = fx.origin_url();
+    let tmp = TempDir::new("w-2m");
+    let m1 = start_mirror(&origin, &tmp.0.join("c1"), &["--region", "eu"]);
+    let m2 = start_mirror(&origin, &tmp.0.join("c2"), &["--region", "eu"]);
+    let both = format!("{},{}", m1.url(), m2.url());
+    let peer = Pull::start(&[
+        fx.small.name,
+        "--mirror",
+        &both,
+        "--out",
+        &s(&tmp.0.join("p1")),
+        "--serve",
+        "127.0.0.1:0",
+    ]);
+    peer.serving
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the peer announces its address");
+    peer.wait_for("pull complete", Duration::from_secs(60))
+        .await;
+    for m in [&m1, &m2] {
+        assert_eq!(
+            metric(m, "tokenway_mirror_peers").await,
+            1,
+            "{} knows the peer",
+            m.url()
+        );
+    }
+    let out = tmp.0.join("p2");
+    let err = pull_ok(&[fx.small.name, "--mirror", &m2.url(), "--out", &s(&out)]).await;
+    assert_same_tree(&fx.small.src, &out);
+    assert!(field(&err, "bytes_from_peers") > 0, "{err}");
+}
+
 #[tokio::test]
 async fn a_straggling_piece_is_hedged_to_another_source() {
     let _turn = crate::harness::HEAVY.lock().await;
