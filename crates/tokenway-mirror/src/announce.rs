@@ -4,17 +4,21 @@
 //! every mirror it knows: first to the best one that answers, whose answer settles the region
 //! when the puller has none, then to the others at once, in that region. So pullers that prefer
 //! different mirrors of a region (two mirrors behind one name, a mirror that failed over)
-//! still find each other. The union of the answers' peers becomes sources of the pull. The
-//! cumulative count of bytes taken from peers rides along to the first mirror only, so the
-//! `bytes_from_peers` metrics of a region's mirrors do not count the same bytes twice.
+//! still find each other. The union of the answers' peers becomes sources of the pull. A
+//! mirror further down the list gets [`SECONDARY_TIMEOUT`] to answer, so one that is down does
+//! not slow the rounds. The count of bytes taken from peers rides along: each new byte is
+//! reported to the first mirror that answered at the time, and every mirror is sent the
+//! cumulative share it was given, so the `bytes_from_peers` metrics of a region's mirrors add
+//! up to the bytes taken, also when the first mirror changes.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::holdings::Holdings;
 use crate::http_client::{post_json, send, HttpClient};
+use crate::lock;
 use crate::manifest::Blake3Hash;
 use crate::mirror::peers::{Announce, AnnounceReply};
 use crate::source::Source;
@@ -22,6 +26,18 @@ use crate::sources::SourceSet;
 
 /// Time between announcements.
 pub const INTERVAL: Duration = Duration::from_millis(300);
+
+/// How long a mirror after the first that answered has to answer an announcement.
+pub const SECONDARY_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Which mirror was told about which bytes taken from peers.
+#[derive(Debug, Default)]
+pub struct ByteShares {
+    /// Bytes already reported to some mirror.
+    given: u64,
+    /// Per mirror base URL, the cumulative count it was sent.
+    per_mirror: HashMap<String, u64>,
+}
 
 /// One node's announcer.
 pub struct Announcer {
@@ -39,6 +55,8 @@ pub struct Announcer {
     pub peer_bytes: Arc<AtomicU64>,
     /// The pull's sources (peers are updated here).
     pub sources: Arc<SourceSet>,
+    /// What each mirror was told of `peer_bytes`.
+    pub shares: Mutex<ByteShares>,
 }
 
 impl Announcer {
@@ -57,8 +75,16 @@ impl Announcer {
         let mut failures = Vec::new();
         let mut answered = None;
         for (i, (base, client)) in mirrors.iter().enumerate() {
-            match post(client, base, self.body(&self.region, true)).await {
+            let total = self.peer_bytes.load(Ordering::Relaxed);
+            let share = {
+                let s = lock(&self.shares);
+                s.per_mirror.get(base).copied().unwrap_or(0) + total.saturating_sub(s.given)
+            };
+            match post(client, base, self.body(&self.region, share)).await {
                 Ok(reply) => {
+                    let mut s = lock(&self.shares);
+                    s.per_mirror.insert(base.clone(), share);
+                    s.given = s.given.max(total);
                     answered = Some((i, reply));
                     break;
                 }
@@ -73,17 +99,24 @@ impl Announcer {
         } else {
             self.region.clone()
         };
-        let others = mirrors[first + 1..]
-            .iter()
-            .map(|(base, client)| post(client, base, self.body(&region, false)));
+        let others = mirrors[first + 1..].iter().map(|(base, client)| {
+            let share = lock(&self.shares)
+                .per_mirror
+                .get(base)
+                .copied()
+                .unwrap_or(0);
+            tokio::time::timeout(
+                SECONDARY_TIMEOUT,
+                post(client, base, self.body(&region, share)),
+            )
+        });
         let mut peers = reply.peers;
-        // A mirror further down the list that does not answer costs nothing: the first did.
-        for r in futures_util::future::join_all(others)
-            .await
-            .into_iter()
-            .flatten()
-        {
-            peers.extend(r.peers);
+        // A mirror further down the list that does not answer in time is left out of this
+        // round: the first one answered.
+        for r in futures_util::future::join_all(others).await {
+            if let Ok(Ok(r)) = r {
+                peers.extend(r.peers);
+            }
         }
         let mut seen = HashSet::new();
         peers.retain(|p| seen.insert(p.addr.clone()));
@@ -92,8 +125,8 @@ impl Announcer {
         Ok(n)
     }
 
-    /// The announcement, filed under `region`, with the bytes taken from peers when `count`.
-    fn body(&self, region: &str, count: bool) -> Vec<u8> {
+    /// The announcement, filed under `region`, with `bytes_from_peers` as the cumulative count.
+    fn body(&self, region: &str, bytes_from_peers: u64) -> Vec<u8> {
         let (have, taking) = self.holdings.wire();
         serde_json::to_vec(&Announce {
             id: self.id.clone(),
@@ -102,11 +135,7 @@ impl Announcer {
             have,
             taking,
             want: self.want.clone(),
-            bytes_from_peers: if count {
-                self.peer_bytes.load(Ordering::Relaxed)
-            } else {
-                0
-            },
+            bytes_from_peers,
         })
         .expect("invariant: an announcement serializes")
     }

@@ -73,11 +73,16 @@ impl AccessToken {
         &self.header
     }
 
-    /// Whether `headers` carry this token.
+    /// Whether `headers` carry this token (`Bearer` in any case, RFC 7235).
     pub fn admits(&self, headers: &HeaderMap) -> bool {
-        headers
-            .get(header::AUTHORIZATION)
-            .is_some_and(|v| bool::from(v.as_bytes().ct_eq(self.header.as_bytes())))
+        let Some(v) = headers.get(header::AUTHORIZATION) else {
+            return false;
+        };
+        let (v, ours) = (v.as_bytes(), self.header.as_bytes());
+        const SCHEME: usize = b"Bearer ".len();
+        v.len() > SCHEME
+            && v[..SCHEME].eq_ignore_ascii_case(&ours[..SCHEME])
+            && bool::from(v[SCHEME..].ct_eq(&ours[SCHEME..]))
     }
 }
 
@@ -134,13 +139,15 @@ mod tests {
     fn only_the_exact_bearer_token_is_admitted() {
         let t = AccessToken::new(GOOD, "--token").unwrap();
         assert!(check(Some(&t), &headers(&format!("Bearer {GOOD}"))).is_ok());
+        assert!(check(Some(&t), &headers(&format!("bearer {GOOD}"))).is_ok());
         assert!(check(None, &HeaderMap::new()).is_ok());
         let missing = check(Some(&t), &HeaderMap::new()).unwrap_err();
         assert_eq!(missing.status, StatusCode::UNAUTHORIZED);
         assert!(missing.message.contains("Bearer"), "{}", missing.message);
         for wrong in [
             format!("Bearer {GOOD}x"),
-            format!("bearer {GOOD}"),
+            format!("Basic {GOOD}"),
+            format!("Bearer  {GOOD}"),
             GOOD.to_string(),
             "Bearer 0123456789abcdef-tokeN".into(),
         ] {

@@ -4,8 +4,9 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
+use crate::lock;
 use crate::manifest::{Blake3Hash, FileEntry};
 use crate::piece_bits::{PieceBits, PieceBitsWire};
 
@@ -24,10 +25,6 @@ struct Held {
 #[derive(Default)]
 pub struct Holdings {
     blobs: Mutex<HashMap<Blake3Hash, Held>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Holdings {

@@ -76,7 +76,8 @@ pub async fn serve<H, Fut>(
             continue;
         };
         // The handshake runs on the connection's own task, so a slow client holds up no one;
-        // the drain on shutdown covers connections that got past it.
+        // the drain on shutdown waits for handshakes in progress too (the watcher is taken
+        // first), within the grace period.
         let builder = builder.clone();
         let watcher = graceful.watcher();
         tokio::spawn(async move {

@@ -207,3 +207,9 @@ impl MirrorError {
         }
     }
 }
+
+/// Locks `m`, taking the data of a poisoned lock as it is (a panic elsewhere leaves counters
+/// and maps usable).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -8,13 +8,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use object_store::ObjectStore;
 
 use crate::auth::AccessToken;
 use crate::http_client::{any_https, base_url, client, HttpClient};
+use crate::lock;
 use crate::manifest::{Blake3Hash, Manifest, ModelRef};
 use crate::mirror::peers::PeerView;
 use crate::piece_bits::PieceBits;
@@ -103,10 +104,6 @@ pub struct SourceSet {
     own_addr: Option<String>,
     /// The client every HTTP source (mirrors, peers) is asked through.
     client: Arc<HttpClient>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl SourceSet {

@@ -23,10 +23,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::Mutex;
 
 use bytes::Bytes;
 
+use crate::lock;
 use crate::manifest::Blake3Hash;
 use crate::piece_writer::DIRECT_ALIGN;
 
@@ -316,10 +317,6 @@ pub struct PieceCache {
     dir: PathBuf,
     index: Mutex<LruIndex<PieceKey>>,
     max_bytes: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl PieceCache {

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use object_store::path::Path as StorePath;
@@ -21,6 +21,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use tokenway_telemetry::Counter;
 
 use crate::http_error::ServeError;
+use crate::lock;
 use crate::manifest::{
     manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
 };
@@ -44,10 +45,6 @@ pub struct ManifestCache {
     /// Outboard bytes fetched from the origin (verified).
     outboard_from_origin: Counter,
     memo: Mutex<HashMap<(String, String), Arc<Manifest>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 enum Got {

@@ -10,9 +10,11 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::Hash;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
+
+use crate::lock;
 
 /// Why a call got no result.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,10 +43,6 @@ struct Flight<V> {
 pub struct SingleFlight<K, V> {
     inflight: Mutex<HashMap<K, Flight<V>>>,
     max_keys: usize,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Removes the key when the work ends, however it ends.

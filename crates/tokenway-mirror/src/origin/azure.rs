@@ -177,7 +177,7 @@ pub(super) fn explain(
         (None, object_store::Error::Unauthenticated { .. }) => rejected(),
         (None, object_store::Error::PermissionDenied { .. }) => rejected(),
         // No HTTP answer at all: connection refused, DNS, TLS, timeout.
-        (None, object_store::Error::Generic { .. }) if !text.contains("status") => format!(
+        (None, object_store::Error::Generic { .. }) if !text.contains("status code") => format!(
             "cannot reach {endpoint} for container {container:?} (is the endpoint reachable? \
              AZURE_STORAGE_ENDPOINT sets it; AZURITE_BLOB_STORAGE_URL for Azurite)"
         ),

@@ -178,6 +178,7 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
             holdings: Arc::clone(&holdings),
             peer_bytes: Arc::clone(&opts.peer_bytes),
             sources: Arc::clone(&sources),
+            shares: Default::default(),
         })
     });
 

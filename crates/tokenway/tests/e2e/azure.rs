@@ -227,7 +227,7 @@ fn azure_origin_publish_then_pull_is_byte_identical_and_bad_access_fails_clearly
     fails("az://no-such-container/models", &good, "does not exist");
     // No credentials at all, or no account: refused before any request.
     fails(&origin, &good[2..], "no Azure credentials");
-    fails(&origin, &good[1..], "AZURE_STORAGE_ACCOUNT_NAME");
+    fails(&origin, &good[1..], "no storage account");
     // A plain http endpoint without AZURE_ALLOW_HTTP.
     fails(&origin, &good[..3], "AZURE_ALLOW_HTTP");
     // Nothing listens on the endpoint.

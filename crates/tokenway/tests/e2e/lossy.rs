@@ -159,7 +159,7 @@ fn lab_up(prefix: &str, profile: &Profile, seed: u64) -> Lab {
 /// lower with FEC by more than three standard deviations of the two binomial rates. Counts of
 /// lost packets are not comparable between the runs: without FEC every loss stalls the streams
 /// behind it and tokens pile up into fewer, fuller packets (about 3,000 QUIC packets against
-/// some 20,000 with FEC, where each token leaves in its own).
+/// up to 14,000 with FEC, where each token leaves in its own).
 #[test]
 fn fec_on_the_lossy_profile_recovers_packets_and_spares_quic_losses() {
     if !tokenway_netlab::is_root() {
