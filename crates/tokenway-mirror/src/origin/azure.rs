@@ -4,14 +4,14 @@
 //! first request's failure needs explaining ([`CheckedOrigin`]).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
-use object_store::path::Path as StorePath;
-use object_store::prefix::PrefixStore;
-use object_store::{BackoffConfig, ClientConfigKey, ObjectStore, ObjectStoreScheme, RetryConfig};
+use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 
-use super::{innermost, truthy, xml_field, CheckedOrigin, Provider};
+use super::{
+    bounded_retry, innermost, parse_cloud_url, truthy, under_prefix, xml_field, CheckedOrigin,
+    Provider,
+};
 use crate::MirrorError;
 
 /// Variables that each name a credential source (alone or with the account name and, for a
@@ -67,20 +67,12 @@ pub(super) fn open(
         url: url.into(),
         reason,
     };
-    let parsed = url::Url::parse(url).map_err(|e| refuse(format!("not a valid URL: {e}")))?;
-    let container = parsed.host_str().unwrap_or_default().to_string();
-    if container.is_empty() {
-        return Err(refuse(
-            "no container: expected az://container/prefix".into(),
-        ));
-    }
-    let (scheme, prefix) = ObjectStoreScheme::parse(&parsed)
-        .map_err(|e| refuse(format!("not an Azure URL object_store understands: {e}")))?;
-    if scheme != ObjectStoreScheme::MicrosoftAzure {
-        return Err(refuse("not an Azure URL".into()));
-    }
-    let prefix = StorePath::parse(prefix.as_ref())
-        .map_err(|e| refuse(format!("bad prefix {:?}: {e}", prefix.as_ref())))?;
+    let (container, prefix) = parse_cloud_url(
+        url,
+        ObjectStoreScheme::MicrosoftAzure,
+        "container",
+        "az://container/prefix",
+    )?;
 
     let set = |key: &str| env(key).is_some_and(|v| !v.is_empty());
     let flag = |key: &str| env(key).is_some_and(|v| truthy(&v));
@@ -105,13 +97,7 @@ pub(super) fn open(
 
     let builder = MicrosoftAzureBuilder::from_env()
         .with_url(url)
-        // Bounded so an unreachable endpoint fails in seconds, not after the default three
-        // minutes, while a transient 5xx during a long publish is still retried.
-        .with_retry(RetryConfig {
-            backoff: BackoffConfig::default(),
-            max_retries: 5,
-            retry_timeout: Duration::from_secs(60),
-        });
+        .with_retry(bounded_retry());
     let endpoint = builder.get_config_value(&AzureConfigKey::Endpoint);
     let allow_http = builder
         .get_config_value(&AzureConfigKey::Client(ClientConfigKey::AllowHttp))
@@ -126,11 +112,7 @@ pub(super) fn open(
     let azure = builder
         .build()
         .map_err(|e| refuse(format!("cannot configure Azure: {e}")))?;
-    let inner: Arc<dyn ObjectStore> = if prefix.as_ref().is_empty() {
-        Arc::new(azure)
-    } else {
-        Arc::new(PrefixStore::new(azure, prefix))
-    };
+    let inner = under_prefix(azure, prefix);
     let endpoint = match (emulator, endpoint, account) {
         (true, _, _) => {
             env("AZURITE_BLOB_STORAGE_URL").unwrap_or_else(|| AZURITE_DEFAULT.to_string())

@@ -34,9 +34,9 @@ use futures_util::stream::BoxStream;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as StorePath;
 use object_store::{
-    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
-    ObjectStoreExt as _, PutMultipartOptions, PutOptions, PutPayload, PutPayloadMut, PutResult,
-    RenameOptions, UploadPart,
+    BackoffConfig, CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta,
+    ObjectStore, ObjectStoreExt as _, ObjectStoreScheme, PutMultipartOptions, PutOptions,
+    PutPayload, PutPayloadMut, PutResult, RenameOptions, RetryConfig, UploadPart,
 };
 
 use crate::MirrorError;
@@ -75,6 +75,52 @@ pub fn open_origin(url: &str) -> Result<Arc<dyn ObjectStore>, MirrorError> {
             "expected a URL like file:///srv/models, s3://bucket/prefix or \
              az://container/prefix",
         )),
+    }
+}
+
+/// A cloud URL split into its bucket (or container) and prefix; errors name `noun` and the
+/// expected form, e.g. ("bucket", "s3://bucket/prefix").
+fn parse_cloud_url(
+    url: &str,
+    scheme: ObjectStoreScheme,
+    noun: &str,
+    form: &str,
+) -> Result<(String, StorePath), MirrorError> {
+    let refuse = |reason: String| MirrorError::Origin {
+        url: url.into(),
+        reason,
+    };
+    let parsed = url::Url::parse(url).map_err(|e| refuse(format!("not a valid URL: {e}")))?;
+    let name = parsed.host_str().unwrap_or_default().to_string();
+    if name.is_empty() {
+        return Err(refuse(format!("no {noun}: expected {form}")));
+    }
+    let (found, prefix) = ObjectStoreScheme::parse(&parsed)
+        .map_err(|e| refuse(format!("not a URL object_store understands: {e}")))?;
+    if found != scheme {
+        return Err(refuse(format!("expected {form}")));
+    }
+    let prefix = StorePath::parse(prefix.as_ref())
+        .map_err(|e| refuse(format!("bad prefix {:?}: {e}", prefix.as_ref())))?;
+    Ok((name, prefix))
+}
+
+/// Retries of a cloud origin, bounded so an unreachable endpoint fails in seconds, not after
+/// the default three minutes, while a transient 5xx during a long publish is still retried.
+fn bounded_retry() -> RetryConfig {
+    RetryConfig {
+        backoff: BackoffConfig::default(),
+        max_retries: 5,
+        retry_timeout: std::time::Duration::from_secs(60),
+    }
+}
+
+/// `store` seen from under `prefix` (as is for an empty one).
+fn under_prefix<S: ObjectStore>(store: S, prefix: StorePath) -> Arc<dyn ObjectStore> {
+    if prefix.as_ref().is_empty() {
+        Arc::new(store)
+    } else {
+        Arc::new(object_store::prefix::PrefixStore::new(store, prefix))
     }
 }
 

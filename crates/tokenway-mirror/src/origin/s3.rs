@@ -4,14 +4,14 @@
 //! first request's failure is explained by [`CheckedOrigin`].
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
-use object_store::path::Path as StorePath;
-use object_store::prefix::PrefixStore;
-use object_store::{BackoffConfig, ClientConfigKey, ObjectStore, ObjectStoreScheme, RetryConfig};
+use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 
-use super::{innermost, truthy, xml_field, CheckedOrigin, Provider};
+use super::{
+    bounded_retry, innermost, parse_cloud_url, truthy, under_prefix, xml_field, CheckedOrigin,
+    Provider,
+};
 use crate::MirrorError;
 
 /// Smallest part S3 accepts in a multipart upload, except the last (AWS S3 quotas).
@@ -48,18 +48,12 @@ pub(super) fn open(
         url: url.into(),
         reason,
     };
-    let parsed = url::Url::parse(url).map_err(|e| refuse(format!("not a valid URL: {e}")))?;
-    let bucket = parsed.host_str().unwrap_or_default().to_string();
-    if bucket.is_empty() {
-        return Err(refuse("no bucket: expected s3://bucket/prefix".into()));
-    }
-    let (scheme, prefix) = ObjectStoreScheme::parse(&parsed)
-        .map_err(|e| refuse(format!("not an S3 URL object_store understands: {e}")))?;
-    if scheme != ObjectStoreScheme::AmazonS3 {
-        return Err(refuse("not an S3 URL".into()));
-    }
-    let prefix = StorePath::parse(prefix.as_ref())
-        .map_err(|e| refuse(format!("bad prefix {:?}: {e}", prefix.as_ref())))?;
+    let (bucket, prefix) = parse_cloud_url(
+        url,
+        ObjectStoreScheme::AmazonS3,
+        "bucket",
+        "s3://bucket/prefix",
+    )?;
 
     let set = |key: &str| env(key).is_some_and(|v| !v.is_empty());
     let skip_signature = env("AWS_SKIP_SIGNATURE").is_some_and(|v| truthy(&v));
@@ -83,13 +77,7 @@ pub(super) fn open(
 
     let builder = AmazonS3Builder::from_env()
         .with_url(url)
-        // Bounded so an unreachable endpoint fails in seconds, not after the default three
-        // minutes, while a transient 5xx during a long publish is still retried.
-        .with_retry(RetryConfig {
-            backoff: BackoffConfig::default(),
-            max_retries: 5,
-            retry_timeout: Duration::from_secs(60),
-        });
+        .with_retry(bounded_retry());
     let endpoint = builder.get_config_value(&AmazonS3ConfigKey::Endpoint);
     let allow_http = builder
         .get_config_value(&AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp))
@@ -104,11 +92,7 @@ pub(super) fn open(
     let s3 = builder
         .build()
         .map_err(|e| refuse(format!("cannot configure S3: {e}")))?;
-    let inner: Arc<dyn ObjectStore> = if prefix.as_ref().is_empty() {
-        Arc::new(s3)
-    } else {
-        Arc::new(PrefixStore::new(s3, prefix))
-    };
+    let inner = under_prefix(s3, prefix);
     let region = env("AWS_REGION")
         .or_else(|| env("AWS_DEFAULT_REGION"))
         .unwrap_or_else(|| "us-east-1".into());

@@ -8,8 +8,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::cloud_origin;
 use crate::harness::{command_has, python_has, TempDir};
-use crate::s3::{free_port, python, stderr, write_model};
+use crate::s3::{free_port, python};
 
 const ACCOUNT: &str = "weightsacct";
 const CONTAINER: &str = "weights";
@@ -85,15 +86,7 @@ for b in svc.get_container_client(container).list_blobs():
 
 /// Runs `tokenway ARGS` with only the given `AZURE_*` variables (none inherited).
 fn tokenway(args: &[&str], azure: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tokenway"));
-    cmd.args(args).env("RUST_LOG", "warn").stdin(Stdio::null());
-    for (k, _) in std::env::vars() {
-        if k.starts_with("AZURE_") || k.starts_with("AZURITE_") || k == "MSI_ENDPOINT" {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.envs(azure.iter().copied());
-    cmd.output().expect("tokenway binary runs")
+    cloud_origin::tokenway(args, azure, &["AZURE_", "AZURITE_", "MSI_ENDPOINT"])
 }
 
 /// The account's key (64 random bytes, base64, as Azure's are) and another one.
@@ -120,55 +113,11 @@ fn azure_origin_publish_then_pull_is_byte_identical_and_bad_access_fails_clearly
     ];
 
     let work = TempDir::new("azure");
-    let src = work.0.join("src");
-    let files = write_model(&src);
     let origin = format!("az://{CONTAINER}/models/v1");
-    let src_arg = src.display().to_string();
-    let publish_args = [
-        "publish",
-        &src_arg,
-        "--origin",
-        &origin,
-        "--model",
-        "org/tiny",
-        "--revision",
-        "r1",
-        "--tag",
-        "latest",
-        "--piece-size-kib",
-        "256",
-    ];
-    let out = tokenway(&publish_args, &good);
-    assert!(out.status.success(), "publish failed: {}", stderr(&out));
-    assert!(
-        stderr(&out).contains("4 blobs uploaded"),
-        "publish report: {}",
-        stderr(&out)
-    );
-
+    let files = cloud_origin::publish_twice(&tokenway, &good, &work.0, &origin);
     // Everything landed under the prefix, content addressed, as the Azure SDK sees it.
     let listed = python(LIST_PY, &[&endpoint, ACCOUNT, &key, CONTAINER]);
-    let names: Vec<&str> = listed.lines().collect();
-    assert!(
-        names.iter().all(|k| k.starts_with("models/v1/")),
-        "{names:?}"
-    );
-    let under = |p: &str| names.iter().filter(|k| k.starts_with(p)).count();
-    assert_eq!(under("models/v1/blobs/"), 4, "{names:?}");
-    assert_eq!(under("models/v1/outboards/"), 4, "{names:?}");
-    assert!(
-        names.contains(&"models/v1/models/org/tiny/tags/latest"),
-        "{names:?}"
-    );
-
-    // Publishing the same revision again uploads nothing.
-    let out = tokenway(&publish_args, &good);
-    assert!(out.status.success(), "republish failed: {}", stderr(&out));
-    assert!(
-        stderr(&out).contains("0 blobs uploaded") && stderr(&out).contains("0 outboards uploaded"),
-        "{}",
-        stderr(&out)
-    );
+    cloud_origin::assert_published_listing(&listed.lines().collect::<Vec<_>>());
 
     // Pulled back twice: with the account's endpoint, and in Azurite mode
     // (AZURE_STORAGE_USE_EMULATOR with AZURITE_BLOB_STORAGE_URL, as object_store knows it).
@@ -181,43 +130,11 @@ fn azure_origin_publish_then_pull_is_byte_identical_and_bad_access_fails_clearly
     ];
     for (name, env) in [("endpoint", &good[..]), ("emulator", &emulator[..])] {
         let dest = work.0.join(format!("dest-{name}"));
-        let dest_arg = dest.display().to_string();
-        let out = tokenway(
-            &["pull", "org/tiny", "--origin", &origin, "--out", &dest_arg],
-            env,
-        );
-        assert!(
-            out.status.success(),
-            "pull ({name}) failed: {}",
-            stderr(&out)
-        );
-        for (rel, want) in &files {
-            let got = std::fs::read(dest.join(rel)).expect("pulled file exists");
-            assert!(
-                got == *want,
-                "{rel}: pulled bytes differ from published ({name})"
-            );
-        }
+        cloud_origin::pull_and_compare(&tokenway, env, &origin, &dest, &files);
     }
 
     let fails = |origin: &str, env: &[(&str, &str)], want: &str| {
-        let out_dir = work.0.join("fail");
-        let out_arg = out_dir.display().to_string();
-        let t = Instant::now();
-        let out = tokenway(
-            &["pull", "org/tiny", "--origin", origin, "--out", &out_arg],
-            env,
-        );
-        let err = stderr(&out);
-        eprintln!("expected failure for {origin}: {}", err.trim());
-        assert!(!out.status.success(), "pull from {origin} should fail");
-        assert!(err.contains(want), "want {want:?} in: {err}");
-        assert!(!err.contains("panicked"), "{err}");
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "failing took {:?}",
-            t.elapsed()
-        );
+        cloud_origin::assert_pull_fails(&tokenway, env, origin, &work.0.join("fail"), want)
     };
     // Another key for the same account: refused, and the message says what to check.
     let mut wrong = good;

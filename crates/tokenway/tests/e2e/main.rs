@@ -7,6 +7,7 @@ mod azure;
 mod bad_input;
 mod bench;
 mod clients;
+mod cloud_origin;
 mod discovery;
 mod examples;
 mod failover;

@@ -8,6 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::cloud_origin;
 use crate::harness::{python_has, TempDir};
 
 const BUCKET: &str = "weights";
@@ -115,15 +116,7 @@ pub(crate) fn python(script: &str, args: &[&str]) -> String {
 
 /// Runs `tokenway ARGS` with only the given `AWS_*` variables (none inherited).
 fn tokenway(args: &[&str], aws: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tokenway"));
-    cmd.args(args).env("RUST_LOG", "warn").stdin(Stdio::null());
-    for (k, _) in std::env::vars() {
-        if k.starts_with("AWS_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.envs(aws.iter().copied());
-    cmd.output().expect("tokenway binary runs")
+    cloud_origin::tokenway(args, aws, &["AWS_"])
 }
 
 pub(crate) fn stderr(out: &Output) -> String {
@@ -200,95 +193,15 @@ fn s3_origin_publish_then_pull_is_byte_identical_and_bad_access_fails_clearly() 
     ];
 
     let work = TempDir::new("s3");
-    let src = work.0.join("src");
-    let files = write_model(&src);
     let origin = format!("s3://{BUCKET}/models/v1");
-    let src_arg = src.display().to_string();
-    let publish_args = [
-        "publish",
-        &src_arg,
-        "--origin",
-        &origin,
-        "--model",
-        "org/tiny",
-        "--revision",
-        "r1",
-        "--tag",
-        "latest",
-        "--piece-size-kib",
-        "256",
-    ];
-    let out = tokenway(&publish_args, &good);
-    assert!(out.status.success(), "publish failed: {}", stderr(&out));
-    assert!(
-        stderr(&out).contains("4 blobs uploaded"),
-        "publish report: {}",
-        stderr(&out)
-    );
-
+    let files = cloud_origin::publish_twice(&tokenway, &good, &work.0, &origin);
     // Everything landed under the prefix, content addressed.
     let listed = python(LIST_PY, &[&endpoint, BUCKET, key_id, secret]);
-    let keys: Vec<&str> = listed.lines().collect();
-    assert!(keys.iter().all(|k| k.starts_with("models/v1/")), "{keys:?}");
-    assert_eq!(
-        keys.iter()
-            .filter(|k| k.starts_with("models/v1/blobs/"))
-            .count(),
-        4,
-        "{keys:?}"
-    );
-    // One outboard per blob (bao-tree, 64 KiB groups), beside the blobs.
-    assert_eq!(
-        keys.iter()
-            .filter(|k| k.starts_with("models/v1/outboards/") && k.ends_with("-65536"))
-            .count(),
-        4,
-        "{keys:?}"
-    );
-    assert!(
-        keys.contains(&"models/v1/models/org/tiny/tags/latest"),
-        "{keys:?}"
-    );
-
-    // Publishing the same revision again uploads nothing.
-    let out = tokenway(&publish_args, &good);
-    assert!(out.status.success(), "republish failed: {}", stderr(&out));
-    assert!(
-        stderr(&out).contains("0 blobs uploaded") && stderr(&out).contains("0 outboards uploaded"),
-        "{}",
-        stderr(&out)
-    );
-
-    let dest = work.0.join("dest");
-    let dest_arg = dest.display().to_string();
-    let out = tokenway(
-        &["pull", "org/tiny", "--origin", &origin, "--out", &dest_arg],
-        &good,
-    );
-    assert!(out.status.success(), "pull failed: {}", stderr(&out));
-    for (rel, want) in &files {
-        let got = std::fs::read(dest.join(rel)).expect("pulled file exists");
-        assert!(got == *want, "{rel}: pulled bytes differ from published");
-    }
+    cloud_origin::assert_published_listing(&listed.lines().collect::<Vec<_>>());
+    cloud_origin::pull_and_compare(&tokenway, &good, &origin, &work.0.join("dest"), &files);
 
     let fails = |origin: &str, aws: &[(&str, &str)], want: &str| {
-        let out_dir = work.0.join("fail");
-        let out_arg = out_dir.display().to_string();
-        let t = Instant::now();
-        let out = tokenway(
-            &["pull", "org/tiny", "--origin", origin, "--out", &out_arg],
-            aws,
-        );
-        let err = stderr(&out);
-        eprintln!("expected failure for {origin}: {}", err.trim());
-        assert!(!out.status.success(), "pull from {origin} should fail");
-        assert!(err.contains(want), "want {want:?} in: {err}");
-        assert!(!err.contains("panicked"), "{err}");
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "failing took {:?}",
-            t.elapsed()
-        );
+        cloud_origin::assert_pull_fails(&tokenway, aws, origin, &work.0.join("fail"), want)
     };
     // Wrong key pair: the server refuses it; the message says to check the credentials.
     let mut wrong = good;

@@ -325,6 +325,16 @@ async fn pull_ok(args: &[&str]) -> String {
     err
 }
 
+/// Waits until every pull in `pulls` completed; the bytes they took from peers, summed.
+async fn bytes_from_peers_when_done(pulls: &[Pull]) -> u64 {
+    let mut sum = 0;
+    for p in pulls {
+        let err = p.wait_for("pull complete", Duration::from_secs(120)).await;
+        sum += field(&err, "bytes_from_peers");
+    }
+    sum
+}
+
 /// `key=value` from the `pull summary:` line.
 fn field(stderr: &str, key: &str) -> u64 {
     let line = stderr
@@ -586,11 +596,7 @@ async fn four_pullers_sharing_as_peers_cost_the_origin_about_one_copy() {
         .wait_for("pull complete", Duration::from_secs(120))
         .await;
     let others: Vec<Pull> = outs[1..].iter().map(start).collect();
-    let mut from_peers = 0;
-    for p in &others {
-        let err = p.wait_for("pull complete", Duration::from_secs(120)).await;
-        from_peers += field(&err, "bytes_from_peers");
-    }
+    let from_peers = bytes_from_peers_when_done(&others).await;
     for o in &outs {
         assert_same_tree(&fx.big.src, &o.0);
     }
@@ -651,11 +657,7 @@ async fn four_pullers_started_together_behind_a_capped_mirror_take_most_pieces_f
             ])
         })
         .collect();
-    let mut from_peers = 0;
-    for p in &pulls {
-        let err = p.wait_for("pull complete", Duration::from_secs(120)).await;
-        from_peers += field(&err, "bytes_from_peers");
-    }
+    let from_peers = bytes_from_peers_when_done(&pulls).await;
     for o in &outs {
         assert_same_tree(&fx.big.src, &o.0);
     }
