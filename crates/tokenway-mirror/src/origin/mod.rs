@@ -404,8 +404,19 @@ impl MultipartUpload for CoalescingUpload {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// An environment of fixed variables, for the providers' configuration checks.
+    pub(crate) fn env_of(
+        vars: &'static [(&'static str, &'static str)],
+    ) -> impl Fn(&str) -> Option<String> {
+        move |key| {
+            vars.iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| v.to_string())
+        }
+    }
     use object_store::memory::InMemory;
 
     #[test]

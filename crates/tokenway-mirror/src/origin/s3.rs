@@ -145,14 +145,7 @@ pub(super) fn explain(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env_of(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
-        move |key| {
-            vars.iter()
-                .find(|(k, _)| *k == key)
-                .map(|(_, v)| v.to_string())
-        }
-    }
+    use crate::origin::tests::env_of;
 
     #[test]
     fn s3_without_credentials_names_the_variables() {
