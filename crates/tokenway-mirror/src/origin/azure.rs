@@ -9,8 +9,8 @@ use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 
 use super::{
-    bounded_retry, innermost, parse_cloud_url, truthy, under_prefix, xml_field, CheckedOrigin,
-    Provider,
+    bounded_retry, innermost, parse_cloud_url, refuse_plain_http, truthy, under_prefix, xml_field,
+    CheckedOrigin, Provider,
 };
 use crate::MirrorError;
 
@@ -102,13 +102,13 @@ pub(super) fn open(
     let allow_http = builder
         .get_config_value(&AzureConfigKey::Client(ClientConfigKey::AllowHttp))
         .is_some_and(|v| truthy(&v));
-    if let Some(ep) = &endpoint {
-        if ep.starts_with("http://") && !allow_http && !emulator {
-            return Err(refuse(format!(
-                "endpoint {ep} is plain http; set AZURE_ALLOW_HTTP=true to allow it"
-            )));
-        }
-    }
+    // Azurite is plain http on loopback; object_store allows it in emulator mode.
+    refuse_plain_http(
+        endpoint.as_deref(),
+        allow_http || emulator,
+        "AZURE_ALLOW_HTTP",
+    )
+    .map_err(refuse)?;
     let azure = builder
         .build()
         .map_err(|e| refuse(format!("cannot configure Azure: {e}")))?;

@@ -115,6 +115,17 @@ fn bounded_retry() -> RetryConfig {
     }
 }
 
+/// Refuses a plain `http://` endpoint unless `allowed`; the message names the variable
+/// (`var`) that allows it.
+fn refuse_plain_http(endpoint: Option<&str>, allowed: bool, var: &str) -> Result<(), String> {
+    match endpoint {
+        Some(ep) if ep.starts_with("http://") && !allowed => Err(format!(
+            "endpoint {ep} is plain http; set {var}=true to allow it"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// `store` seen from under `prefix` (as is for an empty one).
 fn under_prefix<S: ObjectStore>(store: S, prefix: StorePath) -> Arc<dyn ObjectStore> {
     if prefix.as_ref().is_empty() {

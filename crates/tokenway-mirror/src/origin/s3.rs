@@ -9,8 +9,8 @@ use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 
 use super::{
-    bounded_retry, innermost, parse_cloud_url, truthy, under_prefix, xml_field, CheckedOrigin,
-    Provider,
+    bounded_retry, innermost, parse_cloud_url, refuse_plain_http, truthy, under_prefix, xml_field,
+    CheckedOrigin, Provider,
 };
 use crate::MirrorError;
 
@@ -82,13 +82,7 @@ pub(super) fn open(
     let allow_http = builder
         .get_config_value(&AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp))
         .is_some_and(|v| truthy(&v));
-    if let Some(ep) = &endpoint {
-        if ep.starts_with("http://") && !allow_http {
-            return Err(refuse(format!(
-                "endpoint {ep} is plain http; set AWS_ALLOW_HTTP=true to allow it"
-            )));
-        }
-    }
+    refuse_plain_http(endpoint.as_deref(), allow_http, "AWS_ALLOW_HTTP").map_err(refuse)?;
     let s3 = builder
         .build()
         .map_err(|e| refuse(format!("cannot configure S3: {e}")))?;

@@ -4,65 +4,31 @@
 //! SDK. Real `tokenway publish` / `tokenway pull` processes, configured only through the
 //! `AZURE_*` environment variables.
 
-use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Instant;
 
-use crate::cloud_origin;
+use crate::cloud_origin::{self, start_local_server, LocalServer};
 use crate::harness::{command_has, python_has, TempDir};
 use crate::s3::{free_port, python};
 
 const ACCOUNT: &str = "weightsacct";
 const CONTAINER: &str = "weights";
 
-/// Azurite's blob service, killed on drop.
-struct Azurite {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Azurite {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Azurite {
-    /// The account's blob endpoint (Azurite puts the account in the path).
-    fn endpoint(&self) -> String {
-        format!("http://{}/{ACCOUNT}", self.addr)
-    }
+/// The account's blob endpoint on `azurite` (Azurite puts the account in the path).
+fn endpoint(azurite: &LocalServer) -> String {
+    format!("http://{}/{ACCOUNT}", azurite.addr)
 }
 
 /// Starts `azurite-blob` (in memory) on a free loopback port with one account, `key`.
-fn start_azurite(key: &str) -> Azurite {
-    for _ in 0..3 {
-        let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-        let child = Command::new("azurite-blob")
-            .args(["--blobHost", "127.0.0.1", "--blobPort"])
-            .arg(addr.port().to_string())
+fn start_azurite(key: &str) -> LocalServer {
+    start_local_server("azurite-blob", |port| {
+        let mut c = Command::new("azurite-blob");
+        c.args(["--blobHost", "127.0.0.1", "--blobPort"])
+            .arg(port.to_string())
             .args(["--inMemoryPersistence", "--silent", "--skipApiVersionCheck"])
-            .env("AZURITE_ACCOUNTS", format!("{ACCOUNT}:{key}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("azurite-blob starts");
-        let mut azurite = Azurite { child, addr };
-        let end = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < end {
-            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-                return azurite;
-            }
-            if azurite.child.try_wait().ok().flatten().is_some() {
-                break; // lost the port race; try another
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = azurite.child.kill();
-    }
-    panic!("azurite did not start on loopback");
+            .env("AZURITE_ACCOUNTS", format!("{ACCOUNT}:{key}"));
+        c
+    })
 }
 
 /// Creates a container (argv: endpoint, account, key, container).
@@ -103,7 +69,7 @@ fn azure_origin_publish_then_pull_is_byte_identical_and_bad_access_fails_clearly
     let started = Instant::now();
     let key = KEY.to_string();
     let azurite = start_azurite(&key);
-    let endpoint = azurite.endpoint();
+    let endpoint = endpoint(&azurite);
     python(CREATE_PY, &[&endpoint, ACCOUNT, &key, CONTAINER]);
     let good = [
         ("AZURE_STORAGE_ACCOUNT_NAME", ACCOUNT),

@@ -2,11 +2,53 @@
 //! pull steps, the listing check and the "fails with this message" check, each run through a
 //! `tokenway` process that sees only the provider's variables the test gives it.
 
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::s3::{stderr, write_model};
+use crate::s3::{free_port, stderr, write_model};
+
+/// A storage server (moto, Azurite) on a loopback port, killed on drop.
+pub struct LocalServer {
+    child: Child,
+    /// Where it listens.
+    pub addr: SocketAddr,
+}
+
+impl Drop for LocalServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `command(port)` on a free loopback port and waits until it accepts; retries with
+/// another port when the server exits first (it lost the port to someone else).
+pub fn start_local_server(what: &str, command: impl Fn(u16) -> Command) -> LocalServer {
+    for _ in 0..3 {
+        let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+        let child = command(addr.port())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{what} starts: {e}"));
+        let mut server = LocalServer { child, addr };
+        let end = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < end {
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return server;
+            }
+            if server.child.try_wait().ok().flatten().is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = server.child.kill();
+    }
+    panic!("{what} did not start on loopback");
+}
 
 /// Runs `tokenway ARGS` with `env`, and none of the caller's variables that start with one of
 /// `scoped` (`AWS_`, `AZURE_`...).

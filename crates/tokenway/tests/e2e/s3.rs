@@ -3,34 +3,15 @@
 //! wrong credentials are refused as AWS would. Real `tokenway publish` / `tokenway pull`
 //! processes, configured only through the `AWS_*` environment variables.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Instant;
 
-use crate::cloud_origin;
+use crate::cloud_origin::{self, start_local_server, LocalServer};
 use crate::harness::{python_has, TempDir};
 
 const BUCKET: &str = "weights";
-
-/// moto's server, killed on drop.
-struct Moto {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Moto {
-    fn endpoint(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-}
 
 pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -40,31 +21,13 @@ pub(crate) fn free_port() -> u16 {
 }
 
 /// Starts `python3 -m moto.server` on a free loopback port and waits until it accepts.
-fn start_moto() -> Moto {
-    for _ in 0..3 {
-        let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-        let child = Command::new("python3")
-            .args(["-m", "moto.server", "-H", "127.0.0.1", "-p"])
-            .arg(addr.port().to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("python3 starts");
-        let mut moto = Moto { child, addr };
-        let end = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < end {
-            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-                return moto;
-            }
-            if moto.child.try_wait().ok().flatten().is_some() {
-                break; // lost the port race; try another
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = moto.child.kill();
-    }
-    panic!("moto server did not start on loopback");
+fn start_moto() -> LocalServer {
+    start_local_server("moto's server", |port| {
+        let mut c = Command::new("python3");
+        c.args(["-m", "moto.server", "-H", "127.0.0.1", "-p"])
+            .arg(port.to_string());
+        c
+    })
 }
 
 /// Creates the bucket and an IAM user allowed everything, then turns IAM authentication on
@@ -178,7 +141,7 @@ fn s3_origin_publish_then_pull_is_byte_identical_and_bad_access_fails_clearly() 
     }
     let started = Instant::now();
     let moto = start_moto();
-    let endpoint = moto.endpoint();
+    let endpoint = format!("http://{}", moto.addr);
     let keys = python(SETUP_PY, &[&endpoint, BUCKET]);
     let (key_id, secret) = keys
         .trim()
