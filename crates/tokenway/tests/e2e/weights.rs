@@ -335,6 +335,35 @@ async fn bytes_from_peers_when_done(pulls: &[Pull]) -> u64 {
     sum
 }
 
+/// After a crowd pulled `model` into `outs` through mirror `m`: checks every tree, prints the
+/// ratios to the model (origin, mirror served, peers as the pulls and the mirror count them)
+/// and returns the mirror's bytes from the origin, bytes served and peer bytes reported to it.
+async fn crowd_outcome(
+    what: &str,
+    m: &Proc,
+    model: &Model,
+    outs: &[TempDir],
+    from_peers: u64,
+) -> (f64, f64, f64) {
+    for o in outs {
+        assert_same_tree(&model.src, &o.0);
+    }
+    let text = metrics(m).await;
+    let origin = metric_sum(&text, "tokenway_mirror_bytes_from_origin_total");
+    let served = metric_sum(&text, "tokenway_mirror_bytes_served_total");
+    let reported = metric_sum(&text, "tokenway_mirror_bytes_from_peers_total");
+    let size = model.size as f64;
+    eprintln!(
+        "{what}: origin {:.2}x, mirror served {:.2}x, peers {:.2}x (reported {:.2}x) of {} bytes",
+        origin / size,
+        served / size,
+        from_peers as f64 / size,
+        reported / size,
+        model.size
+    );
+    (origin, served, reported)
+}
+
 /// `key=value` from the `pull summary:` line.
 fn field(stderr: &str, key: &str) -> u64 {
     let line = stderr
@@ -597,22 +626,9 @@ async fn four_pullers_sharing_as_peers_cost_the_origin_about_one_copy() {
         .await;
     let others: Vec<Pull> = outs[1..].iter().map(start).collect();
     let from_peers = bytes_from_peers_when_done(&others).await;
-    for o in &outs {
-        assert_same_tree(&fx.big.src, &o.0);
-    }
-    let text = metrics(&m).await;
-    let origin = metric_sum(&text, "tokenway_mirror_bytes_from_origin_total");
-    let served = metric_sum(&text, "tokenway_mirror_bytes_served_total");
-    let reported = metric_sum(&text, "tokenway_mirror_bytes_from_peers_total");
+    let (origin, served, reported) =
+        crowd_outcome("four peers", &m, &fx.big, &outs, from_peers).await;
     let size = fx.big.size as f64;
-    eprintln!(
-        "four peers: origin {:.2}x, mirror served {:.2}x, peers {:.2}x (reported {:.2}x) of {} bytes",
-        origin / size,
-        served / size,
-        from_peers as f64 / size,
-        reported / size,
-        fx.big.size
-    );
     assert!(
         origin <= 1.1 * size,
         "origin egress {origin} > 1.1 x {size}"
@@ -658,19 +674,9 @@ async fn four_pullers_started_together_behind_a_capped_mirror_take_most_pieces_f
         })
         .collect();
     let from_peers = bytes_from_peers_when_done(&pulls).await;
-    for o in &outs {
-        assert_same_tree(&fx.big.src, &o.0);
-    }
-    let text = metrics(&m).await;
-    let served = metric_sum(&text, "tokenway_mirror_bytes_served_total");
-    let origin = metric_sum(&text, "tokenway_mirror_bytes_from_origin_total");
+    let (origin, served, _) =
+        crowd_outcome("four pullers at once", &m, &fx.big, &outs, from_peers).await;
     let size = fx.big.size as f64;
-    eprintln!(
-        "four pullers at once: origin {:.2}x, mirror served {:.2}x, peers {:.2}x",
-        origin / size,
-        served / size,
-        from_peers as f64 / size
-    );
     assert!(origin <= 1.1 * size, "origin egress {origin}");
     // In file order (`--sequential`) all four ask for the same pieces at once and the mirror
     // sends about 4 copies (measured: 3.91x, and this assertion fails); each in an order of
