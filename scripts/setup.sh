@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the tests need that a fresh machine may lack: curl, aria2 (compared with in
-# bench weights), iproute2 (as root, for the netlab tests), the Python packages `openai`
+# bench weights), nginx (the reference proxy of bench gateway), iproute2 (as root, for the netlab tests), the Python packages `openai`
 # (the official client), `aioquic` (an independent HTTP/3 client), `moto[server]` (an
 # S3-compatible server) and `azure-storage-blob` (the Azure SDK, to set up and check the az://
 # origin test), and Azurite (Microsoft's Azure Storage emulator, from npm; Node.js from Debian
@@ -12,6 +12,9 @@ command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-pip)
 # aria2c (-x8) is the multi-connection downloader `tokenway bench weights` compares pulls with.
 command -v aria2c >/dev/null 2>&1 || need_apt+=(aria2)
+# nginx is the reference streaming proxy `tokenway bench gateway` measures the gateway against
+# (Debian installs it in /usr/sbin; the bench only runs it on a loopback port of its own).
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)
 # The netlab tests (root only) build namespaces with iproute2's `ip`.
 if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null 2>&1; then need_apt+=(iproute2); fi
 # Azurite runs on Node.js and comes from npm.

@@ -70,7 +70,7 @@ pub async fn run(opts: &GatewayBenchOptions) -> Result<GatewayBenchReport, Bench
         let found = nginx::find();
         if found.is_none() {
             let note = "nginx not found on PATH: nginx comparison skipped \
-                        (Debian/Ubuntu: apt-get install -y nginx)";
+                        (scripts/setup.sh installs it)";
             println!("note: {note}");
             notes.push(note.to_owned());
         }
