@@ -51,6 +51,17 @@ struct Entry {
     ready: bool,
 }
 
+/// What a verified read of the cache found.
+#[derive(Debug)]
+pub enum CachedPiece {
+    /// The piece, checked.
+    Hit(Bytes),
+    /// Not cached (or unreadable, now dropped).
+    Miss,
+    /// Cached but failed the check; now dropped.
+    Corrupt,
+}
+
 /// No room: everything that could be evicted is pinned.
 #[derive(Debug, PartialEq, Eq)]
 pub struct NoRoom;
@@ -403,26 +414,41 @@ impl PieceCache {
         lock(&self.index).has(k)
     }
 
-    /// Reads a cached piece, pinned while the read runs. `None` if not cached (or the file
-    /// turned out unreadable, which drops it from the index).
-    pub async fn read(&self, k: &PieceKey) -> Option<Bytes> {
+    /// Reads a cached piece, pinned while the read runs, and checks it with `verify` on the
+    /// same blocking thread. A piece that is unreadable or fails the check (bit rot, a file
+    /// changed or truncated behind the mirror's back) is dropped from the cache, so the
+    /// caller fetches it again.
+    pub async fn read_verified<F>(&self, k: &PieceKey, verify: F) -> CachedPiece
+    where
+        F: FnOnce(&[u8]) -> bool + Send + 'static,
+    {
         if !lock(&self.index).pin(k) {
-            return None;
+            return CachedPiece::Miss;
         }
         let path = self.path(k);
-        let res = tokio::task::spawn_blocking(move || read_pooled(&path))
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        let path2 = path.clone();
+        let res = tokio::task::spawn_blocking(move || {
+            read_pooled(&path2).map(|b| {
+                let ok = verify(&b);
+                (b, ok)
+            })
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
         let mut idx = lock(&self.index);
         idx.unpin(k);
-        match res {
-            Ok(b) => Some(b),
+        let found = match res {
+            Ok((b, true)) => return CachedPiece::Hit(b),
+            Ok((_, false)) => CachedPiece::Corrupt,
             Err(e) => {
-                tracing::warn!(error = %e, "cached piece unreadable, dropping it");
-                idx.remove(k);
-                None
+                tracing::warn!(error = %e, path = %path.display(), "cached piece unreadable, dropping it");
+                CachedPiece::Miss
             }
-        }
+        };
+        idx.remove(k);
+        drop(idx);
+        let _ = std::fs::remove_file(&path);
+        found
     }
 
     /// Stores a verified piece, evicting least recently used pieces to make room.
@@ -560,7 +586,9 @@ mod tests {
             assert!(cache.store(k, &piece).await.unwrap().cached);
             let on_disk = std::fs::metadata(cache.path(&k)).unwrap().len();
             assert_eq!(on_disk, piece.len() as u64);
-            assert_eq!(cache.read(&k).await.unwrap(), piece);
+            assert!(
+                matches!(cache.read_verified(&k, |_| true).await, CachedPiece::Hit(b) if b == piece)
+            );
         }
     }
 
@@ -606,8 +634,13 @@ mod tests {
         }
         assert_eq!(evicted, 3);
         assert_eq!(cache.used(), 200);
-        assert!(cache.read(&key(0)).await.is_none());
-        assert_eq!(cache.read(&key(4)).await.unwrap(), piece);
+        assert!(matches!(
+            cache.read_verified(&key(0), |_| true).await,
+            CachedPiece::Miss
+        ));
+        assert!(
+            matches!(cache.read_verified(&key(4), |_| true).await, CachedPiece::Hit(b) if b == piece)
+        );
         drop(cache);
         let again = PieceCache::open(dir.path(), 150).unwrap();
         assert_eq!(again.used(), 100);

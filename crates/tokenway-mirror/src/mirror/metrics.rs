@@ -34,6 +34,8 @@ pub struct MirrorMetrics {
     pub origin_errors: Counter,
     /// Origin pieces that failed verification.
     pub origin_corrupt: Counter,
+    /// Cached pieces that failed verification when read (dropped and fetched again).
+    pub cache_corrupt: Counter,
     /// Pieces served with a deliberate fault (test flag).
     pub faults_injected: Counter,
     /// Bytes in the cache (including writes in progress).
@@ -49,7 +51,7 @@ impl MirrorMetrics {
     pub fn register() -> (Self, Registry) {
         let m = Self::default();
         let mut r = new_registry();
-        let counters: [(&str, &str, &Counter); 14] = [
+        let counters: [(&str, &str, &Counter); 15] = [
             (
                 "mirror_bytes_from_origin",
                 "Verified piece bytes fetched from the origin",
@@ -114,6 +116,11 @@ impl MirrorMetrics {
                 "mirror_origin_corrupt",
                 "Origin pieces that failed verification",
                 &m.origin_corrupt,
+            ),
+            (
+                "mirror_cache_corrupt",
+                "Cached pieces that failed verification when read, dropped and fetched again",
+                &m.cache_corrupt,
             ),
             (
                 "mirror_faults_injected",

@@ -36,7 +36,7 @@ use crate::http_error::ServeError;
 use crate::manifest::{blob_key, FileEntry};
 use crate::rate_limit::RateLimit;
 use crate::MirrorError;
-use cache::{PieceCache, PieceKey};
+use cache::{CachedPiece, PieceCache, PieceKey};
 use manifests::{ManifestCache, ORIGIN_TIMEOUT};
 use metrics::MirrorMetrics;
 use peers::PeerDirectory;
@@ -220,7 +220,7 @@ impl Mirror {
             self.metrics.bytes_from_cache.inc_by(b.len() as u64);
             return Ok(b);
         }
-        if let Some(b) = self.cache.read(&key).await {
+        if let Some(b) = self.cached_piece(&entry, i).await {
             self.metrics.cache_hits.inc();
             self.metrics.bytes_from_cache.inc_by(b.len() as u64);
             return Ok(b);
@@ -244,6 +244,35 @@ impl Mirror {
             return Ok(true);
         }
         self.piece_from_origin(entry, i).await.map(|_| false)
+    }
+
+    /// Piece `i` from the disk cache, verified against the manifest as it is read: the cache
+    /// holds only verified pieces, but a disk can rot and a file can be changed behind the
+    /// mirror's back. A piece that fails is dropped (and counted), so it is fetched again.
+    async fn cached_piece(&self, entry: &Arc<FileEntry>, i: u64) -> Option<Bytes> {
+        let key = PieceKey {
+            hash: entry.hash,
+            piece_size: entry.piece_size,
+            index: i,
+        };
+        let e = Arc::clone(entry);
+        match self
+            .cache
+            .read_verified(&key, move |b| e.piece_matches(i, b))
+            .await
+        {
+            CachedPiece::Hit(b) => Some(b),
+            CachedPiece::Miss => None,
+            CachedPiece::Corrupt => {
+                self.metrics.cache_corrupt.inc();
+                tracing::warn!(
+                    blob = %entry.hash,
+                    piece = i,
+                    "a cached piece failed verification (disk corruption?): dropped, fetching it again"
+                );
+                None
+            }
+        }
     }
 
     fn recent_piece(&self, key: &PieceKey) -> Option<Bytes> {
@@ -296,7 +325,7 @@ impl Mirror {
         if let Some(b) = self.recent_piece(&key) {
             return Ok(b);
         }
-        if let Some(b) = self.cache.read(&key).await {
+        if let Some(b) = self.cached_piece(entry, i).await {
             return Ok(b);
         }
         let range = entry.piece_range(i);

@@ -786,6 +786,62 @@ async fn with_the_origin_down_a_mirror_serves_its_cache_and_a_clear_error_for_th
     assert!(err.contains("origin unavailable"), "{err}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_or_truncated_cached_piece_is_dropped_and_fetched_again() {
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let tmp = TempDir::new("w-rot");
+    let origin_url = format!("file://{}", fx.origin.display());
+    let cache = tmp.0.join("cache");
+    let mut m = start_mirror(&origin_url, &cache, &[]);
+    pull_ok(&[
+        fx.small.name,
+        "--mirror",
+        &m.url(),
+        "--out",
+        &s(&tmp.0.join("o1")),
+    ])
+    .await;
+    m.kill();
+
+    // Behind the stopped mirror's back: one piece file gets two bytes flipped, another is
+    // cut short.
+    let pieces: Vec<PathBuf> = files(&cache.join("pieces"))
+        .into_iter()
+        .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.len() == PIECE))
+        .collect();
+    assert!(pieces.len() >= 4, "{pieces:?}");
+    let mut rotten = std::fs::read(&pieces[1]).expect("read piece");
+    rotten[1000] ^= 0x55;
+    rotten[1001] ^= 0x55;
+    std::fs::write(&pieces[1], &rotten).expect("write piece");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&pieces[2])
+        .and_then(|f| f.set_len(1000))
+        .expect("truncate piece");
+
+    // The restarted mirror checks what it reads from disk: both are dropped and fetched from
+    // the origin again, and a pull that only knows the mirror gets every byte right.
+    let m = start_mirror(&origin_url, &cache, &[]);
+    let o2 = tmp.0.join("o2");
+    let err = pull_ok(&[fx.small.name, "--mirror", &m.url(), "--out", &s(&o2)]).await;
+    assert_same_tree(&fx.small.src, &o2);
+    assert_eq!(field(&err, "bytes_from_mirrors"), fx.small.size);
+    assert_eq!(metric(&m, "tokenway_mirror_cache_corrupt_total").await, 2);
+    let refetched = metric(&m, "tokenway_mirror_bytes_from_origin_total").await;
+    assert_eq!(refetched, 2 * PIECE, "the two pieces, nothing else");
+    // And the cache holds good copies again: a third pull reads them from disk.
+    let o3 = tmp.0.join("o3");
+    pull_ok(&[fx.small.name, "--mirror", &m.url(), "--out", &s(&o3)]).await;
+    assert_same_tree(&fx.small.src, &o3);
+    assert_eq!(metric(&m, "tokenway_mirror_cache_corrupt_total").await, 2);
+    assert_eq!(
+        metric(&m, "tokenway_mirror_bytes_from_origin_total").await,
+        refetched
+    );
+}
+
 /// Runs curl (a real HTTP client) and returns the body it wrote.
 fn curl_bytes(args: &[&str], dir: &Path) -> Vec<u8> {
     let to = dir.join("curl.out");
