@@ -43,6 +43,12 @@ impl<'a> RequestMeta<'a> {
                 "the request body is empty; expected a JSON object",
             ));
         }
+        // serde also reads a struct from a JSON array (`["m"]` would name model `m`).
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(ApiError::bad_request(
+                "the request body must be a JSON object",
+            ));
+        }
         let meta: RequestMeta<'a> = serde_json::from_slice(body).map_err(|e| {
             ApiError::bad_request(format!(
                 "the request body is not valid JSON for this route: {e}"
@@ -101,6 +107,15 @@ mod tests {
         for body in [&b"{"[..], b"", b"[1,2]", b"{\"model\": 3}", b"nul"] {
             let e = RequestMeta::parse(body).unwrap_err();
             assert_eq!(e.status, http::StatusCode::BAD_REQUEST, "{body:?}");
+        }
+        // An array would otherwise fill the struct's fields in order.
+        for body in [&br#"["sim-model"]"#[..], br#" ["m", true]"#, br#""str""#] {
+            let e = RequestMeta::parse(body).unwrap_err();
+            assert!(
+                e.message.contains("must be a JSON object"),
+                "{body:?}: {}",
+                e.message
+            );
         }
     }
 

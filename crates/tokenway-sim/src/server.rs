@@ -261,21 +261,20 @@ pub async fn serve(
                         continue;
                     }
                 };
-                if lock(&shared.faults).refuse_connections {
-                    // SO_LINGER 0 makes close() send RST instead of FIN.
-                    let _ = stream.set_zero_linger();
-                    drop(stream);
-                    continue;
-                }
+                let refusing = lock(&shared.faults).refuse_connections;
                 let _ = stream.set_nodelay(true);
                 let shared = shared.clone();
-                let service = service_fn(move |req| handle(shared.clone(), req));
-                let conn = builder
-                    .serve_connection(TokioIo::new(stream), service)
-                    .into_owned();
-                let conn = graceful.watch(conn);
+                let builder = builder.clone();
+                let watcher = graceful.watcher();
                 connections.spawn(async move {
-                    if let Err(e) = conn.await {
+                    if refusing && !is_admin_request(&stream).await {
+                        // SO_LINGER 0 makes close() send RST instead of FIN.
+                        let _ = stream.set_zero_linger();
+                        return;
+                    }
+                    let service = service_fn(move |req| handle(shared.clone(), req));
+                    let conn = builder.serve_connection(TokioIo::new(stream), service);
+                    if let Err(e) = watcher.watch(conn).await {
                         tracing::debug!(%peer, error = %e, "sim: connection ended with an error");
                     }
                 });
@@ -293,6 +292,33 @@ pub async fn serve(
     }
     connections.shutdown().await;
     Ok(())
+}
+
+/// Whether a connection accepted while refusing connections carries a request to
+/// `/admin/faults` (looked at without reading it, for up to a second): the fault must stay
+/// switchable off, so that one route is served; every other connection is reset.
+async fn is_admin_request(stream: &tokio::net::TcpStream) -> bool {
+    const ADMIN: [&[u8]; 2] = [b"GET /admin/faults", b"POST /admin/faults"];
+    let mut head = [0u8; 18];
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        let n = match tokio::time::timeout_at(deadline, stream.peek(&mut head)).await {
+            Ok(Ok(n)) if n > 0 => n,
+            _ => return false,
+        };
+        let seen = &head[..n];
+        if ADMIN
+            .iter()
+            .any(|a| seen.len() >= a.len() && seen.starts_with(a))
+        {
+            return true;
+        }
+        if !ADMIN.iter().any(|a| a.starts_with(seen)) {
+            return false;
+        }
+        // A prefix of an admin request so far: wait for more bytes.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 fn json_response(status: StatusCode, body: Bytes) -> Response<SimBody> {
@@ -424,6 +450,12 @@ async fn set_faults(shared: &Shared, req: Request<Incoming>) -> Response<SimBody
         Ok(b) => b,
         Err(e) => return error_response(&e),
     };
+    // serde would also read the struct from a JSON array (`[]` clearing every fault).
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return error_response(&ApiError::invalid_request(
+            "invalid faults JSON: expected a JSON object".to_string(),
+        ));
+    }
     let faults: Faults = match serde_json::from_slice(&body) {
         Ok(f) => f,
         Err(e) => {

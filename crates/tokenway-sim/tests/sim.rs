@@ -428,4 +428,27 @@ async fn refuse_connections_resets_every_connection() {
         .request(sim.request(Method::GET, "/health", Bytes::new()))
         .await;
     assert!(res.is_err(), "{res:?}");
+    // The admin route stays reachable, so the fault can be switched off again.
+    let fresh: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let res = fresh
+        .request(sim.request(Method::POST, "/admin/faults", Bytes::from_static(b"[]")))
+        .await
+        .expect("admin answers while refusing");
+    assert_eq!(
+        res.status(),
+        StatusCode::BAD_REQUEST,
+        "an array is not a faults object"
+    );
+    let res = fresh
+        .request(sim.request(Method::POST, "/admin/faults", Bytes::from_static(b"{}")))
+        .await
+        .expect("admin answers while refusing");
+    assert_eq!(res.status(), StatusCode::OK);
+    let res = Client::builder(TokioExecutor::new())
+        .build_http::<Full<Bytes>>()
+        .request(sim.request(Method::GET, "/health", Bytes::new()))
+        .await
+        .expect("connections are accepted again");
+    assert_eq!(res.status(), StatusCode::OK);
 }
