@@ -402,7 +402,22 @@ async fn accept_loop(
         tokio::spawn(async move {
             let _permit = permit;
             match tls {
-                None => serve_connection(stream, peer, shared, &drain).await,
+                None => {
+                    // hyper's header timeout runs from the start of each request head; the
+                    // look at the first bytes that tells HTTP/1.1 from h2c comes before it and
+                    // would wait for ever on a connection that sends nothing.
+                    // (`peek`, not `readable`: readiness may be reported before any byte.)
+                    let first = tokio::time::timeout(
+                        shared.config.timeouts.client_read(),
+                        stream.peek(&mut [0u8; 1]),
+                    )
+                    .await;
+                    if first.is_err() {
+                        tracing::debug!(%peer, "no request within timeouts.client_read_ms; closing");
+                        return;
+                    }
+                    serve_connection(stream, peer, shared, &drain).await
+                }
                 Some(acceptor) => {
                     let handshake = tokio::time::timeout(
                         shared.config.timeouts.client_read(),

@@ -137,6 +137,24 @@ async fn a_client_that_sends_its_request_too_slowly_is_timed_out() {
     let closed = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await;
     assert!(closed.is_ok(), "the gateway kept a half-sent request open");
 
+    // A connection that sends nothing at all is closed too (else a few of them fill
+    // `max_connections`), and so is one left idle after a request.
+    let mut silent = TcpStream::connect(gw.addr).await.expect("connect");
+    let mut buf = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), silent.read_to_end(&mut buf)).await;
+    assert!(closed.is_ok(), "the gateway kept a silent connection open");
+    let mut idle = TcpStream::connect(gw.addr).await.expect("connect");
+    idle.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), idle.read_to_end(&mut buf)).await;
+    assert!(
+        closed.is_ok(),
+        "the gateway kept an idle keep-alive connection open"
+    );
+    assert!(String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 200"));
+
     // A body that never completes gets 408.
     let mut s = TcpStream::connect(gw.addr).await.expect("connect");
     s.write_all(
