@@ -238,6 +238,7 @@ fn add_receiver(a: &mut ReceiverStats, b: &ReceiverStats) {
     a.plain_packets += b.plain_packets;
     a.source_packets += b.source_packets;
     a.late_sources += b.late_sources;
+    a.untracked_sources += b.untracked_sources;
     a.repair_packets += b.repair_packets;
     a.lost += b.lost;
     a.recovered += b.recovered;

@@ -18,10 +18,12 @@ use crate::packet::{
 
 /// Finalised blocks remembered (by id modulo this) to recognise duplicates and late repairs.
 const HISTORY: usize = 1024;
-/// A block this many ids behind the newest is stale: dropped, not tracked.
+/// A block this many ids behind the newest is stale: not tracked (its sources still go to
+/// QUIC, its repairs are dropped).
 const STALE_WINDOW: i32 = 512;
-/// After this many stale packets in a row the peer has restarted its block numbering (a new
-/// connection from the same address): forget everything and follow it.
+/// After this many packets in a row that contradict the receiver's state (stale block ids, or
+/// sources repeating an index of a finalised block) the peer has restarted its block
+/// numbering (a restarted process on the same address): forget everything and follow it.
 const STALE_RESYNC: u32 = 64;
 /// Most restored packets waiting for [`FecReceiver::pop_recovered`].
 const MAX_RECOVERED_QUEUE: usize = 2 * MAX_BLOCK_SOURCES;
@@ -93,12 +95,15 @@ pub enum DropReason {
     UnknownType,
     /// A header field out of range or inconsistent with its block, or an empty payload.
     Malformed,
-    /// A source or repair packet already seen (a network duplicate or a replay).
+    /// A source or repair packet already seen (a network duplicate or a replay), in an open
+    /// block or one finalised less than `max_block_age` ago. A source repeating an index of a
+    /// block finalised earlier is delivered instead ([`ReceiverStats::untracked_sources`]).
     Duplicate,
     /// A repair packet for a block that is already complete or given up. Normal in small
     /// numbers: once a block is restored, its remaining repairs are surplus.
     LateRepair,
-    /// A packet for a block too far behind the newest one.
+    /// A repair packet for a block too far behind the newest one (a source packet of such a
+    /// block is still delivered, see [`ReceiverStats::untracked_sources`]).
     Stale,
 }
 
@@ -158,6 +163,11 @@ pub struct ReceiverStats {
     pub source_packets: u64,
     /// Source packets that arrived after their block was finalised (still delivered).
     pub late_sources: u64,
+    /// Source packets delivered to QUIC without FEC state: their block id is stale, or their
+    /// index was already seen in a block finalised more than `max_block_age` ago. Either a duplicate or replay (QUIC
+    /// discards it by its packet number) or a peer that restarted its block numbering (its
+    /// packets must get through, or a new handshake with a restarted gateway is lost).
+    pub untracked_sources: u64,
     /// Repair packets accepted.
     pub repair_packets: u64,
     /// Source packets missing when their block was finalised, before recovery (losses seen).
@@ -223,6 +233,8 @@ struct Block {
 struct Finalised {
     id: BlockId,
     valid: bool,
+    /// When it was finalised, in ms since [`FecReceiver::epoch`] (saturating).
+    at_ms: u32,
     /// Source indices received or restored.
     have: u64,
 }
@@ -253,7 +265,8 @@ pub struct FecReceiver {
     buffered: usize,
     history: Vec<Finalised>,
     newest: Option<BlockId>,
-    stale_run: u32,
+    /// Packets in a row that contradicted the state ([`Self::suspect`]).
+    suspect_run: u32,
     recovered_q: VecDeque<Vec<u8>>,
     pool: Vec<Vec<u8>>,
     decoder: DecoderBox,
@@ -262,6 +275,8 @@ pub struct FecReceiver {
     last_report: Option<Instant>,
     /// The latest `now` seen, so that a due-at-once report has a deadline to give.
     last_now: Option<Instant>,
+    /// The first `now` seen: finalisation times are kept as milliseconds since it.
+    epoch: Option<Instant>,
     /// Version of the last well-framed packet from the peer; our loss reports use it.
     peer_version: u8,
     stats: ReceiverStats,
@@ -284,7 +299,7 @@ impl FecReceiver {
             buffered: 0,
             history: vec![Finalised::default(); HISTORY],
             newest: None,
-            stale_run: 0,
+            suspect_run: 0,
             recovered_q: VecDeque::new(),
             pool: Vec::new(),
             decoder: DecoderBox::default(),
@@ -292,6 +307,7 @@ impl FecReceiver {
             report_dirty: false,
             last_report: None,
             last_now: None,
+            epoch: None,
             peer_version: packet::VERSION,
             stats: ReceiverStats::default(),
         })
@@ -365,17 +381,15 @@ impl FecReceiver {
         }
     }
 
-    /// Finds the open block `id`, or where it was finalised; opens it if new. `Err` for a
-    /// stale id.
-    fn locate(&mut self, now: Instant, id: BlockId) -> Result<Slot, DropReason> {
+    /// Finds the open block `id`, or where it was finalised; opens it if new.
+    /// [`Slot::Stale`] for a stale id (counted towards a resync, which then tracks it).
+    fn locate(&mut self, now: Instant, id: BlockId) -> Slot {
         if let Some(newest) = self.newest {
             let d = id.distance_from(newest);
             if d < -STALE_WINDOW {
-                self.stale_run += 1;
-                if self.stale_run < STALE_RESYNC {
-                    return Err(DropReason::Stale);
+                if !self.suspect() {
+                    return Slot::Stale;
                 }
-                self.resync();
             } else if d > 0 {
                 self.newest = Some(id);
             }
@@ -383,13 +397,12 @@ impl FecReceiver {
         if self.newest.is_none() {
             self.newest = Some(id);
         }
-        self.stale_run = 0;
         if let Some(i) = self.blocks.iter().position(|b| b.id == id) {
-            return Ok(Slot::Open(i));
+            return Slot::Open(i);
         }
         let h = &self.history[usize::from(id.0) % HISTORY];
         if h.valid && h.id == id {
-            return Ok(Slot::Finalised);
+            return Slot::Finalised;
         }
         while self.blocks.len() >= self.config.max_open_blocks {
             self.finalise(0);
@@ -406,7 +419,18 @@ impl FecReceiver {
             repairs: Vec::new(),
             bytes: 0,
         });
-        Ok(Slot::Open(self.blocks.len() - 1))
+        Slot::Open(self.blocks.len() - 1)
+    }
+
+    /// Counts a packet that contradicts the receiver's state; after [`STALE_RESYNC`] in a
+    /// row, resyncs and returns `true` (the packet is then tracked afresh).
+    fn suspect(&mut self) -> bool {
+        self.suspect_run += 1;
+        if self.suspect_run < STALE_RESYNC {
+            return false;
+        }
+        self.resync();
+        true
     }
 
     fn on_source(
@@ -416,25 +440,41 @@ impl FecReceiver {
         packet: Vec<u8>,
         range: Range<usize>,
     ) -> Received {
+        // A source packet the FEC state cannot place (stale id, or an index its finalised
+        // block already had) still goes to QUIC, untracked: QUIC authenticates it and drops
+        // a duplicate by its packet number, while withholding it would lose every packet of
+        // a restarted peer (a new handshake) until the receiver resyncs. No state grows.
         let slot = self.locate(now, h.block);
         let bit = 1u64 << h.index;
         let i = match slot {
-            Err(reason) => {
+            Slot::Stale => {
                 self.pool.push(packet);
-                return Received::Dropped(reason);
+                self.stats.untracked_sources += 1;
+                return Received::Deliver(range);
             }
-            Ok(Slot::Finalised) => {
+            Slot::Finalised => {
                 self.pool.push(packet);
+                let now_ms = self.ms_since_epoch(now);
                 let f = &mut self.history[usize::from(h.block.0) % HISTORY];
                 if f.have & bit != 0 {
-                    return Received::Dropped(DropReason::Duplicate);
+                    // Soon after the block closed: a network duplicate, or the original of a
+                    // restored packet. Later: a replay, or a restarted peer reusing the id.
+                    let age = Duration::from_millis(u64::from(now_ms.saturating_sub(f.at_ms)));
+                    if age < self.config.max_block_age {
+                        return Received::Dropped(DropReason::Duplicate);
+                    }
+                    self.suspect();
+                    self.stats.untracked_sources += 1;
+                    return Received::Deliver(range);
                 }
                 f.have |= bit;
+                self.suspect_run = 0;
                 self.stats.late_sources += 1;
                 return Received::Deliver(range);
             }
-            Ok(Slot::Open(i)) => i,
+            Slot::Open(i) => i,
         };
+        self.suspect_run = 0;
         let b = &mut self.blocks[i];
         if (b.received | b.recovered) & bit != 0 {
             self.pool.push(packet);
@@ -459,16 +499,17 @@ impl FecReceiver {
 
     fn on_repair(&mut self, now: Instant, h: RepairHeader, shard: Vec<u8>) -> Received {
         let i = match self.locate(now, h.block) {
-            Err(reason) => {
+            Slot::Stale => {
                 self.pool.push(shard);
-                return Received::Dropped(reason);
+                return Received::Dropped(DropReason::Stale);
             }
-            Ok(Slot::Finalised) => {
+            Slot::Finalised => {
                 self.pool.push(shard);
                 return Received::Dropped(DropReason::LateRepair);
             }
-            Ok(Slot::Open(i)) => i,
+            Slot::Open(i) => i,
         };
+        self.suspect_run = 0;
         let b = &mut self.blocks[i];
         let consistent = match b.kr {
             Some(kr) => kr == (h.k, h.r) && b.shard_len == shard.len(),
@@ -566,9 +607,11 @@ impl FecReceiver {
                 run = 0;
             }
         }
+        let at_ms = self.last_now.map_or(0, |t| self.ms_since_epoch(t));
         self.history[usize::from(b.id.0) % HISTORY] = Finalised {
             id: b.id,
             valid: true,
+            at_ms,
             have: b.received | b.recovered,
         };
         self.buffered -= b.bytes;
@@ -591,7 +634,15 @@ impl FecReceiver {
         }
     }
 
+    fn ms_since_epoch(&self, t: Instant) -> u32 {
+        let since = self
+            .epoch
+            .map_or(Duration::ZERO, |e| t.saturating_duration_since(e));
+        u32::try_from(since.as_millis()).unwrap_or(u32::MAX)
+    }
+
     fn expire(&mut self, now: Instant) {
+        self.epoch.get_or_insert(now);
         self.last_now = Some(self.last_now.map_or(now, |t| t.max(now)));
         while let Some(b) = self.blocks.front() {
             if now.saturating_duration_since(b.opened) < self.config.max_block_age {
@@ -607,6 +658,7 @@ impl FecReceiver {
         }
         self.history.iter_mut().for_each(|h| h.valid = false);
         self.newest = None;
+        self.suspect_run = 0;
         self.stats.resyncs += 1;
     }
 
@@ -697,6 +749,8 @@ impl FecReceiver {
 enum Slot {
     Open(usize),
     Finalised,
+    /// More than [`STALE_WINDOW`] ids behind the newest.
+    Stale,
 }
 
 fn low_bits(k: usize) -> u64 {

@@ -367,6 +367,58 @@ async fn after_a_gateway_restart_the_edge_reconnects_and_in_flight_streams_end_c
     );
 }
 
+/// A gateway restarted on the same address numbers its FEC blocks from 0 again. The edge's
+/// datagram layer used to drop the new gateway's packets (stale block ids, or ids it had
+/// finalised before) until 64 in a row made it follow, so the new handshake was lost and
+/// the first request after the restart failed with `gateway_unreachable`.
+#[tokio::test]
+async fn after_a_gateway_restart_under_fec_and_obfuscation_the_next_request_succeeds() {
+    let dir = TempDir::new("restart-layer-cert");
+    let Some((cert, key)) = cert_files(&dir) else {
+        eprintln!("SKIP: openssl is not installed");
+        return;
+    };
+    let backend = sim(FAST_SIM);
+    let layer = "fec = \"auto\"\nobfs.psk = \"e2e-restart-psk-0123456789\"\n";
+    let tls = format!("[tls]\ncert = \"{cert}\"\nkey = \"{key}\"\n");
+    let start_gw = |listen: &str| {
+        gateway(
+            &[&backend],
+            "",
+            &format!(
+                "{tls}[tunnel]\nlisten = \"{listen}\"\ntokens = [\"{TOKEN}\"]\n\
+                 [tunnel.datagram]\n{layer}"
+            ),
+        )
+    };
+    let mut gw = start_gw("127.0.0.1:0");
+    let tunnel = tunnel_addr(&gw);
+    let edge = edge(&edge_config(
+        &fingerprint(&gw),
+        tunnel,
+        None,
+        "",
+        &format!("[quic]\nidle_timeout_ms = 1500\nkeep_alive_ms = 300\n[datagram]\n{layer}"),
+    ));
+    let url = format!("{}/v1/chat/completions", edge.url());
+    for i in 0..20 {
+        let r = post(&url, &chat(&format!("before {i}"), true, 32), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    for round in 0..2 {
+        gw.kill();
+        gw = start_gw(&tunnel.to_string());
+        let models = get(&format!("{}/v1/models", edge.url())).await;
+        assert_eq!(
+            models.status, 200,
+            "first request after restart {round}: {}",
+            models.body
+        );
+        let after = post(&url, &chat("after restart", true, 4), None).await;
+        assert_eq!(after.status, 200, "{}", after.body);
+    }
+}
+
 async fn echo_server() -> SocketAddr {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
