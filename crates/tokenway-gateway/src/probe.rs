@@ -14,6 +14,10 @@ use tokenway_router::{BackendId, LoadSignal};
 
 use crate::state::Shared;
 
+/// How often a backend's learned model list is fetched again (sooner after it was
+/// re-admitted or answered 404: see `Upstream::models_stale`).
+const MODELS_REFRESH: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Largest `/v1/models` answer read from a backend.
 const MODELS_BODY_LIMIT: usize = 1 << 20;
 
@@ -29,6 +33,7 @@ pub async fn run(
     let load_every =
         std::time::Duration::from_millis(shared.config.routing.load_signal_interval_ms);
     let mut last_load: Option<Instant> = None;
+    let mut models_at: Option<Instant> = None;
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
@@ -60,8 +65,15 @@ pub async fn run(
             }
         }
         let u = shared.upstream(id);
-        if ok && !u.models_configured && !u.models_known.load(Ordering::Relaxed) {
-            learn_models(&shared, id).await;
+        if ok && !u.models_configured {
+            let stale = u.models_stale.swap(false, Ordering::Relaxed);
+            if stale
+                || !u.models_known.load(Ordering::Relaxed)
+                || models_at.is_none_or(|t| now - t >= MODELS_REFRESH)
+            {
+                models_at = Some(now);
+                learn_models(&shared, id).await;
+            }
         }
     }
 }

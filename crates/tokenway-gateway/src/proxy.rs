@@ -6,6 +6,7 @@
 //! (for a stream that is its first token event, which is when a client can use it anyway).
 //! The request body was read whole to route it, so a retry resends the same bytes.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -58,13 +59,14 @@ enum Tried {
     Failed { backend: String, failure: Failure },
 }
 
-/// Sends `req` to one backend and waits for its first body frame. A 5xx answer counts as a
-/// failure unless `accept_5xx` (the last candidate: its own error goes to the client).
+/// Sends `req` to one backend and waits for its first body frame. A 5xx, 429 (busy) or 404
+/// (no such model: the backend may have restarted with another one) answer is tried on the
+/// next backend, unless `last` (the last candidate: its own answer goes to the client).
 async fn try_backend(
     shared: &Arc<Shared>,
     id: BackendId,
     req: &ProxyRequest<'_>,
-    accept_5xx: bool,
+    last: bool,
 ) -> Tried {
     let mut attempt = Attempt::start(shared.clone(), id, req.request.clone());
     let upstream = shared.upstream(id);
@@ -93,8 +95,15 @@ async fn try_backend(
         Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
         Ok(Ok(answer)) => answer,
     };
-    if parts.status.is_server_error() && !accept_5xx {
-        return fail(attempt, Failure::Status(parts.status));
+    let status = parts.status;
+    let elsewhere = status.is_server_error()
+        || status == StatusCode::TOO_MANY_REQUESTS
+        || status == StatusCode::NOT_FOUND;
+    if elsewhere && !last {
+        if status == StatusCode::NOT_FOUND {
+            upstream.models_stale.store(true, Ordering::Relaxed);
+        }
+        return fail(attempt, Failure::Status(status));
     }
     let first = match tokio::time::timeout_at(deadline, first_frame(&mut body)).await {
         Err(_) => return fail(attempt, Failure::Timeout),
@@ -272,7 +281,7 @@ fn respond(
         .unwrap_or(&shared.config.region);
     let [ttft, gap, duration] =
         shared.stream_histograms(id, req.route, req.transport, client_region);
-    let clock = StreamClock::new(
+    let mut clock = StreamClock::new(
         StreamHistograms {
             ttft,
             gap,
@@ -281,6 +290,9 @@ fn respond(
         req.start,
         is_event_stream(&parts.headers),
     );
+    if !parts.status.is_success() {
+        clock = clock.error_answer();
+    }
     let body = RelayBody::new(
         first,
         body,
@@ -331,7 +343,10 @@ impl Failure {
     fn outcome(&self) -> Outcome {
         match self {
             Failure::Connect(_) => Outcome::ConnectError,
-            Failure::Reset(_) | Failure::Status(_) => Outcome::ServerError,
+            Failure::Reset(_) => Outcome::ServerError,
+            Failure::Status(s) if s.is_server_error() => Outcome::ServerError,
+            // A busy or model-less backend answered; that says nothing about its health.
+            Failure::Status(_) => Outcome::Success,
             Failure::Timeout => Outcome::Timeout,
         }
     }

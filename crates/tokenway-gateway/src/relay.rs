@@ -115,6 +115,20 @@ impl RelayBody {
         Poll::Ready(None)
     }
 
+    /// Passes on a data frame; if the upstream body has ended with it, the response is
+    /// complete now. A body of known length is not polled again once its last byte is out
+    /// (the client connection knows the length), so the end must be seen here, or a
+    /// non-streaming answer would be counted as cancelled and its duration never recorded.
+    fn data(&mut self, data: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.clock.observe(&data);
+        if matches!(self.tail, Tail::Pending(None)) || self.upstream.is_end_stream() {
+            self.tail = Tail::Closed;
+            self.attempt.finish(Outcome::Success);
+            self.clock.finish();
+        }
+        Poll::Ready(Some(Ok(Frame::data(data))))
+    }
+
     /// Merges data frames that are ready right now onto `first`, up to [`COALESCE_BYTES`].
     fn coalesce(&mut self, cx: &mut Context<'_>, first: Bytes) -> Bytes {
         let mut merged: Option<BytesMut> = None;
@@ -172,8 +186,7 @@ impl Body for RelayBody {
                 Ok(data) => {
                     // What arrived behind the first frame leaves with it (and the head).
                     let data = this.coalesce(cx, data);
-                    this.clock.observe(&data);
-                    Poll::Ready(Some(Ok(Frame::data(data))))
+                    this.data(data)
                 }
                 Err(frame) => Poll::Ready(Some(Ok(frame))),
             };
@@ -197,8 +210,7 @@ impl Body for RelayBody {
                 match frame.into_data() {
                     Ok(data) => {
                         let data = this.coalesce(cx, data);
-                        this.clock.observe(&data);
-                        Poll::Ready(Some(Ok(Frame::data(data))))
+                        this.data(data)
                     }
                     Err(trailers) => Poll::Ready(Some(Ok(trailers))),
                 }

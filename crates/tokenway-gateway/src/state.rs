@@ -57,6 +57,9 @@ pub struct Upstream {
     pub models_known: AtomicBool,
     /// Whether models come from the config (then never re-learned).
     pub models_configured: bool,
+    /// Whether the learned list should be fetched again at the next good probe: the backend
+    /// was re-admitted (it may have restarted with other models) or answered 404.
+    pub models_stale: AtomicBool,
     /// The name as a response header value (`x-tokenway-backend`), when it is a valid one.
     pub name_header: Option<HeaderValue>,
     /// The configured URL, as given.
@@ -134,6 +137,7 @@ impl Upstream {
             model_entries: Mutex::new(entries),
             models_known: AtomicBool::new(!b.models.is_empty()),
             models_configured: !b.models.is_empty(),
+            models_stale: AtomicBool::new(false),
             url: b.url.clone(),
             source,
             removed: AtomicBool::new(false),
@@ -376,6 +380,7 @@ impl Shared {
             }
             HealthTransition::Readmitted => {
                 tracing::info!(backend = %u.name, "backend re-admitted");
+                u.models_stale.store(true, Ordering::Relaxed);
                 self.backend_metrics.healthy.get_or_create(&u.labels).set(1);
             }
         }

@@ -28,6 +28,8 @@ pub struct StreamClock {
     scanner: Option<SseScanner>,
     last_event: Option<Instant>,
     finished: bool,
+    /// False for an error answer: it has no tokens, only a duration.
+    tokens: bool,
 }
 
 impl StreamClock {
@@ -40,7 +42,16 @@ impl StreamClock {
             scanner: sse.then(SseScanner::new),
             last_event: None,
             finished: false,
+            tokens: true,
         }
+    }
+
+    /// Times an error answer (a 4xx or 5xx from the backend): its bytes are not tokens, so
+    /// they feed neither the time-to-first-token nor the gap histogram; the duration still
+    /// counts.
+    pub fn error_answer(mut self) -> Self {
+        self.tokens = false;
+        self
     }
 
     /// Whether the response is an event stream.
@@ -50,7 +61,7 @@ impl StreamClock {
 
     /// Notes body bytes as they are passed on.
     pub fn observe(&mut self, data: &[u8]) {
-        if data.is_empty() {
+        if data.is_empty() || !self.tokens {
             return;
         }
         let tokens = match self.scanner.as_mut() {
@@ -120,6 +131,17 @@ mod tests {
         clock.finish();
         assert_eq!(count(&h.ttft), 1);
         assert_eq!(count(&h.gap), 1);
+        assert_eq!(count(&h.duration), 1);
+    }
+
+    #[test]
+    fn an_error_answer_has_a_duration_but_no_tokens() {
+        let h = histograms();
+        let mut clock = StreamClock::new(h.clone(), Instant::now(), false).error_answer();
+        clock.observe(br#"{"error":{"message":"max_tokens must be at least 1"}}"#);
+        clock.finish();
+        assert_eq!(count(&h.ttft), 0);
+        assert_eq!(count(&h.gap), 0);
         assert_eq!(count(&h.duration), 1);
     }
 }

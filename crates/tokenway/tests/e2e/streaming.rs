@@ -173,4 +173,33 @@ async fn gateway_metrics_count_requests_and_measure_ttft() {
         0.0,
         "{text}"
     );
+
+    // Two non-streaming answers (a body of known length, which the client connection does
+    // not poll past its last byte) and an error answer from the backend: every one has a
+    // duration, only the two real answers have a first token.
+    for (body, status) in [
+        (chat("whole 1", false, 4), 200),
+        (chat("whole 2", false, 4), 200),
+        (
+            r#"{"model":"sim-model","max_tokens":0,"messages":[{"role":"user","content":"x"}]}"#
+                .to_string(),
+            400,
+        ),
+    ] {
+        let r = post(&format!("{}/v1/chat/completions", gw.url()), &body, None).await;
+        assert_eq!(r.status, status, "{}", r.body);
+    }
+    let text = get(&format!("{}/metrics", gw.url())).await.body;
+    let series = |name: &str| {
+        metric_sum(
+            &text,
+            &format!("{name}{{route=\"/v1/chat/completions\",backend=\"b0\",transport=\"h1\","),
+        )
+    };
+    assert_eq!(
+        series("tokenway_request_duration_seconds_count"),
+        6.0,
+        "{text}"
+    );
+    assert_eq!(series("tokenway_ttft_seconds_count"), 5.0, "{text}");
 }
