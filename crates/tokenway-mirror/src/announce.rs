@@ -6,7 +6,8 @@
 //! different mirrors of a region (two mirrors behind one name, a mirror that failed over)
 //! still find each other. The union of the answers' peers becomes sources of the pull. A
 //! mirror further down the list gets [`SECONDARY_TIMEOUT`] to answer, so one that is down does
-//! not slow the rounds. The count of bytes taken from peers rides along: each new byte is
+//! not slow the rounds; so does a mirror that is not answering (see
+//! [`crate::sources::SourceState::demoted`]), even when it comes first. The count of bytes taken from peers rides along: each new byte is
 //! reported to the first mirror that answered at the time, and every mirror is sent the
 //! cumulative share it was given, so the `bytes_from_peers` metrics of a region's mirrors add
 //! up to the bytes taken, also when the first mirror changes.
@@ -17,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::holdings::Holdings;
-use crate::http_client::{post_json, send, HttpClient};
+use crate::http_client::{post_json, send, HttpClient, Timeouts};
 use crate::lock;
 use crate::manifest::Blake3Hash;
 use crate::mirror::peers::{Announce, AnnounceReply};
@@ -27,7 +28,11 @@ use crate::sources::SourceSet;
 /// Time between announcements.
 pub const INTERVAL: Duration = Duration::from_millis(300);
 
-/// How long a mirror after the first that answered has to answer an announcement.
+/// How long the first mirror asked has to answer an announcement.
+pub const FIRST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a mirror after the first that answered, or one that is not answering requests,
+/// has to answer an announcement.
 pub const SECONDARY_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Which mirror was told about which bytes taken from peers.
@@ -63,24 +68,35 @@ impl Announcer {
     /// One round of announcements (see the module docs); returns how many peers were learnt,
     /// or, when no mirror answered, the failures.
     pub async fn once(&self) -> Result<usize, String> {
-        let mirrors: Vec<(String, Arc<HttpClient>)> = self
+        // A mirror that is not answering (no RTT, or failing requests) gets the short
+        // timeout even when it is first, so the pull does not wait for it before its first
+        // piece.
+        let mirrors: Vec<(String, Arc<HttpClient>, Duration)> = self
             .sources
             .mirrors()
             .iter()
             .filter_map(|m| match &m.source {
-                Source::Http { base, client, .. } => Some((base.clone(), Arc::clone(client))),
+                Source::Http { base, client, .. } => Some((
+                    base.clone(),
+                    Arc::clone(client),
+                    if m.demoted() {
+                        SECONDARY_TIMEOUT
+                    } else {
+                        FIRST_TIMEOUT
+                    },
+                )),
                 Source::Origin(_) => None,
             })
             .collect();
         let mut failures = Vec::new();
         let mut answered = None;
-        for (i, (base, client)) in mirrors.iter().enumerate() {
+        for (i, (base, client, within)) in mirrors.iter().enumerate() {
             let total = self.peer_bytes.load(Ordering::Relaxed);
             let share = {
                 let s = lock(&self.shares);
                 s.per_mirror.get(base).copied().unwrap_or(0) + total.saturating_sub(s.given)
             };
-            match post(client, base, self.body(&self.region, share)).await {
+            match post(client, base, self.body(&self.region, share), *within).await {
                 Ok(reply) => {
                     let mut s = lock(&self.shares);
                     s.per_mirror.insert(base.clone(), share);
@@ -99,24 +115,23 @@ impl Announcer {
         } else {
             self.region.clone()
         };
-        let others = mirrors[first + 1..].iter().map(|(base, client)| {
+        let others = mirrors[first + 1..].iter().map(|(base, client, _)| {
             let share = lock(&self.shares)
                 .per_mirror
                 .get(base)
                 .copied()
                 .unwrap_or(0);
-            tokio::time::timeout(
-                SECONDARY_TIMEOUT,
-                post(client, base, self.body(&region, share)),
-            )
+            post(client, base, self.body(&region, share), SECONDARY_TIMEOUT)
         });
         let mut peers = reply.peers;
         // A mirror further down the list that does not answer in time is left out of this
         // round: the first one answered.
-        for r in futures_util::future::join_all(others).await {
-            if let Ok(Ok(r)) = r {
-                peers.extend(r.peers);
-            }
+        for r in futures_util::future::join_all(others)
+            .await
+            .into_iter()
+            .flatten()
+        {
+            peers.extend(r.peers);
         }
         let mut seen = HashSet::new();
         peers.retain(|p| seen.insert(p.addr.clone()));
@@ -157,9 +172,14 @@ impl Announcer {
     }
 }
 
-async fn post(client: &HttpClient, base: &str, body: Vec<u8>) -> Result<AnnounceReply, String> {
+async fn post(
+    client: &HttpClient,
+    base: &str,
+    body: Vec<u8>,
+    within: Duration,
+) -> Result<AnnounceReply, String> {
     let req = post_json(&format!("{base}/v1/peers/announce"), body).map_err(|e| e.to_string())?;
-    let (_, bytes) = send(client, req, 16 << 20, Duration::from_secs(5))
+    let (_, bytes) = send(client, req, 16 << 20, Timeouts::all(within))
         .await
         .map_err(|e| e.to_string())?;
     serde_json::from_slice(&bytes).map_err(|e| format!("unexpected answer: {e}"))

@@ -1,8 +1,19 @@
 //! The HTTP client pullers and `tokenway preheat` use to talk to mirrors and peers: HTTP/1.1
 //! (over TLS for `https://` mirrors, see [`crate::tls`]) with a connection pool that sends the
 //! weights tier's access token (if one is configured, see [`crate::auth`]) with every request,
-//! and helpers that bound how much of a body is read.
+//! and helpers that bound how much of a body is read and how long a silent server is waited
+//! for.
+//!
+//! Three timeouts stop a pull from stalling on a mirror or peer that accepts connections and
+//! then says nothing (a hung process, a peer frozen with SIGSTOP, a forged peer address):
+//! [`CONNECT_TIMEOUT`] to set up TCP (and TLS), [`HEAD_TIMEOUT`] until the response head, and
+//! [`IDLE_TIMEOUT`] without a byte of the body. They are generous for a real WAN (a TCP SYN is
+//! retransmitted after 1 s and 3 s, a cold mirror answers once it has the piece from its
+//! origin, which for a 64 MiB piece from S3 is a few seconds) and short next to the minute a
+//! whole piece may take, so a silent source costs seconds, not minutes; the pull then asks the
+//! next source (see [`crate::sources`]).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,18 +29,57 @@ use rustls::ClientConfig;
 
 use crate::auth::AccessToken;
 
+/// Longest wait for a TCP (and TLS) connection to a mirror or peer.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait for the response head once the request is sent (connecting included).
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest wait for the next bytes of a response body.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long one request may wait: for its response head, between two pieces of its body, and
+/// in all.
+#[derive(Clone, Copy, Debug)]
+pub struct Timeouts {
+    /// Until the response head (connecting included).
+    pub head: Duration,
+    /// Without a body byte.
+    pub idle: Duration,
+    /// The whole request, body included.
+    pub total: Duration,
+}
+
+impl Timeouts {
+    /// [`HEAD_TIMEOUT`] and [`IDLE_TIMEOUT`], and `total` for the whole transfer.
+    pub const fn transfer(total: Duration) -> Self {
+        Self {
+            head: HEAD_TIMEOUT,
+            idle: IDLE_TIMEOUT,
+            total,
+        }
+    }
+
+    /// One bound for everything (small requests: RTT probes, announcements).
+    pub const fn all(d: Duration) -> Self {
+        Self {
+            head: d,
+            idle: d,
+            total: d,
+        }
+    }
+}
+
 /// A pooled client and the access token it sends.
 pub struct HttpClient {
     pool: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     token: Option<AccessToken>,
 }
 
-/// A new pooled client (TCP_NODELAY, idle connections kept 30 s) that sends `token` and speaks
+/// A new pooled client (TCP_NODELAY, [`CONNECT_TIMEOUT`], idle connections kept 30 s) that sends `token` and speaks
 /// TLS to `https://` URLs with `tls` (without it, such URLs fail: no certificate is trusted).
 pub fn client(token: Option<AccessToken>, tls: Option<Arc<ClientConfig>>) -> HttpClient {
     let mut c = HttpConnector::new();
     c.set_nodelay(true);
-    c.set_connect_timeout(Some(Duration::from_secs(5)));
+    c.set_connect_timeout(Some(CONNECT_TIMEOUT));
     c.enforce_http(false);
     let tls = tls.map_or_else(untrusting, |t| t.as_ref().clone());
     let https = HttpsConnectorBuilder::new()
@@ -96,13 +146,25 @@ impl std::fmt::Display for HttpError {
     }
 }
 
-/// Sends `req` (with the client's token) and reads at most `limit` body bytes, all within
-/// `timeout`.
+/// Sends `req` (with the client's token) and reads at most `limit` body bytes, within
+/// `timeouts`.
 pub async fn send(
+    client: &HttpClient,
+    req: Request<Full<Bytes>>,
+    limit: usize,
+    timeouts: Timeouts,
+) -> Result<(Response<()>, Bytes), HttpError> {
+    send_watched(client, req, limit, timeouts, None).await
+}
+
+/// [`send`], setting `heard` once the response head has arrived (so a caller waiting on it can
+/// tell a silent server from a slow transfer).
+pub async fn send_watched(
     client: &HttpClient,
     mut req: Request<Full<Bytes>>,
     limit: usize,
-    timeout: Duration,
+    timeouts: Timeouts,
+    heard: Option<&AtomicBool>,
 ) -> Result<(Response<()>, Bytes), HttpError> {
     let uri = req.uri().clone();
     if let Some(t) = &client.token {
@@ -110,11 +172,20 @@ pub async fn send(
             .insert(http::header::AUTHORIZATION, t.header_value().clone());
     }
     let fut = async {
-        let resp: Response<Incoming> = client
-            .pool
-            .request(req)
-            .await
-            .map_err(|e| HttpError::Transport(format!("{uri}: {}", with_causes(&e))))?;
+        let resp: Response<Incoming> =
+            tokio::time::timeout(timeouts.head, client.pool.request(req))
+                .await
+                .map_err(|_| {
+                    HttpError::Transport(format!(
+                        "{uri}: no response within {:?} (the server accepts connections but does \
+                     not answer)",
+                        timeouts.head
+                    ))
+                })?
+                .map_err(|e| HttpError::Transport(format!("{uri}: {}", with_causes(&e))))?;
+        if let Some(h) = heard {
+            h.store(true, Ordering::Relaxed);
+        }
         let (parts, mut body) = resp.into_parts();
         // Read into one buffer sized from Content-Length (from the pool: pieces are large
         // and many, see `piece_buffers`), instead of collecting frames and copying them.
@@ -124,7 +195,19 @@ pub async fn send(
             .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
             .unwrap_or(0);
         let mut buf = crate::piece_buffers::take(expected.min(limit));
-        while let Some(frame) = body.frame().await {
+        loop {
+            let Some(frame) = tokio::time::timeout(timeouts.idle, body.frame())
+                .await
+                .map_err(|_| {
+                    HttpError::Transport(format!(
+                        "{uri}: reading the body: no bytes for {:?} after {} received",
+                        timeouts.idle,
+                        buf.len()
+                    ))
+                })?
+            else {
+                break;
+            };
             let frame =
                 frame.map_err(|e| HttpError::Transport(format!("{uri}: reading the body: {e}")))?;
             if let Ok(data) = frame.into_data() {
@@ -138,9 +221,11 @@ pub async fn send(
         }
         Ok::<_, HttpError>((Response::from_parts(parts, ()), buf.freeze()))
     };
-    let (resp, body) = tokio::time::timeout(timeout, fut)
+    let (resp, body) = tokio::time::timeout(timeouts.total, fut)
         .await
-        .map_err(|_| HttpError::Transport(format!("{uri}: no answer within {timeout:?}")))??;
+        .map_err(|_| {
+            HttpError::Transport(format!("{uri}: not complete within {:?}", timeouts.total))
+        })??;
     if !resp.status().is_success() {
         return Err(HttpError::Status(resp.status(), error_message(&body)));
     }

@@ -50,7 +50,7 @@ use crate::publish::read_full;
 use crate::rate_limit::RateLimit;
 use crate::source::{FetchError, SourceKind};
 use crate::sources::{SourceSet, SourceState};
-use crate::straggler::{Straggler, FLOOR};
+use crate::straggler::{should_hedge, Straggler, FLOOR};
 use crate::MirrorError;
 
 /// Directory under the output directory that holds unfinished blobs.
@@ -166,6 +166,9 @@ pub struct PullReport {
     pub source_errors: u64,
     /// Sources that served corrupt pieces, with how many.
     pub sources_penalised: Vec<(String, u32)>,
+    /// Sources with failed requests (errors, timeouts, silences abandoned for a hedge), with
+    /// how many, the manifest's and outboards' included.
+    pub sources_failing: Vec<(String, u32)>,
 }
 
 /// Fetches and validates the manifest `mref` names.
@@ -320,6 +323,7 @@ pub async fn pull_from(
         bytes_from_peers: 0,
         source_errors: 0,
         sources_penalised: Vec::new(),
+        sources_failing: Vec::new(),
     };
     let mut prog = PullProgress {
         bytes_done: 0,
@@ -569,14 +573,18 @@ pub async fn pull_from(
         }
     }
 
-    report.sources_penalised = sources
-        .all()
-        .iter()
-        .filter_map(|s| {
-            let n = s.corrupt.load(Ordering::Relaxed);
-            (n > 0).then(|| (s.name.clone(), n))
-        })
-        .collect();
+    let counted = |counter: fn(&SourceState) -> u32| -> Vec<(String, u32)> {
+        sources
+            .all()
+            .iter()
+            .filter_map(|s| {
+                let n = counter(s);
+                (n > 0).then(|| (s.name.clone(), n))
+            })
+            .collect()
+    };
+    report.sources_penalised = counted(|s| s.corrupt.load(Ordering::Relaxed));
+    report.sources_failing = counted(|s| s.failures.load(Ordering::Relaxed));
     let count = errors.len();
     if let Some(first) = errors.into_iter().next() {
         return Err(MirrorError::PiecesFailed {
@@ -696,6 +704,7 @@ async fn fetch_verified(
     src: &Arc<SourceState>,
     entry: &FileEntry,
     i: u64,
+    heard: &AtomicBool,
 ) -> (Fetched, Duration) {
     let t = Instant::now();
     let r = entry.piece_range(i);
@@ -706,7 +715,7 @@ async fn fetch_verified(
             .reserve(r.end - r.start, Instant::now());
         tokio::time::sleep_until(at.into()).await;
     }
-    let bytes = match src.source.piece(&ctx.manifest, entry, i).await {
+    let bytes = match src.source.piece(&ctx.manifest, entry, i, heard).await {
         Ok(b) => b,
         Err(e) => return (Fetched::Failed(e), t.elapsed()),
     };
@@ -723,8 +732,11 @@ async fn fetch_verified(
     (out, t.elapsed())
 }
 
-/// Fetches from `primary`; if it straggles and `second` exists, from `second` too. Returns
-/// every finished fetch in order, the last one the winner if good, and whether it hedged.
+/// Fetches from `primary`; if it straggles or stays silent (see [`crate::straggler`]) and
+/// `second` exists, from `second` too. Returns every finished fetch in order, the last one the
+/// winner if good, and whether it hedged. A primary that never answered and was abandoned for
+/// the second's copy is returned as failed, so a silent source is demoted like one that
+/// errors.
 async fn hedged_fetch(
     ctx: &Ctx,
     primary: &Arc<SourceState>,
@@ -732,7 +744,8 @@ async fn hedged_fetch(
     entry: &FileEntry,
     i: u64,
 ) -> (Vec<(Arc<SourceState>, Fetched, Duration)>, bool) {
-    let a = fetch_verified(ctx, primary, entry, i);
+    let heard = AtomicBool::new(false);
+    let a = fetch_verified(ctx, primary, entry, i, &heard);
     tokio::pin!(a);
     let Some(second) = second.filter(|_| ctx.hedge) else {
         let (f, d) = a.await;
@@ -747,7 +760,7 @@ async fn hedged_fetch(
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .hedge_after();
-        if after.is_some_and(|d| started.elapsed() >= d) {
+        if should_hedge(after, started.elapsed(), heard.load(Ordering::Relaxed)) {
             break;
         }
         let wait = after.map_or(FLOOR, |d| d.saturating_sub(started.elapsed()).min(FLOOR));
@@ -756,7 +769,8 @@ async fn hedged_fetch(
             () = tokio::time::sleep(wait) => {}
         }
     }
-    let b = fetch_verified(ctx, second, entry, i);
+    let heard_b = AtomicBool::new(false);
+    let b = fetch_verified(ctx, second, entry, i, &heard_b);
     tokio::pin!(b);
     let mut done = Vec::new();
     tokio::select! {
@@ -770,6 +784,17 @@ async fn hedged_fetch(
         }
         (f, d) = &mut b => {
             let good = matches!(f, Fetched::Good(..));
+            if good && !heard.load(Ordering::Relaxed) {
+                let silent = started.elapsed();
+                done.push((
+                    Arc::clone(primary),
+                    Fetched::Failed(FetchError::Unavailable(format!(
+                        "no response in {silent:.1?}; abandoned for {}",
+                        second.name
+                    ))),
+                    silent,
+                ));
+            }
             done.push((Arc::clone(second), f, d));
             if !good {
                 let (f, d) = a.await;

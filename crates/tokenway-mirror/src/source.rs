@@ -2,6 +2,7 @@
 //! peers speak the same HTTP API (`docs/weights.md`); the origin is read with
 //! `object_store`. Nothing here trusts what it receives: callers verify every piece.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,14 +11,17 @@ use http::StatusCode;
 use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use crate::http_client::{get, send, HttpClient, HttpError};
+use crate::http_client::{get, send, send_watched, HttpClient, HttpError, Timeouts};
 use crate::http_range::range_header;
 use crate::manifest::{blob_key, FileEntry, Manifest, ModelRef, Selector};
 use crate::MirrorError;
 
 /// How long one piece request may take before it counts as failed (hedging reacts much
-/// sooner to a slow one).
+/// sooner to a slow one; a silent mirror or peer fails after
+/// [`crate::http_client::HEAD_TIMEOUT`] or [`crate::http_client::IDLE_TIMEOUT`]).
 pub const PIECE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long one RTT probe may take; a mirror that misses one is not probed again.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest manifest accepted from a mirror.
 pub const MAX_MANIFEST_BYTES: usize = 64 << 20;
 
@@ -100,17 +104,20 @@ impl Source {
         }
     }
 
-    /// Piece `i` of `entry` (of `manifest`), unverified.
+    /// Piece `i` of `entry` (of `manifest`), unverified. `heard` is set once the source
+    /// answered (the response head arrived; at once for the origin, whose client does not say).
     pub async fn piece(
         &self,
         manifest: &Manifest,
         entry: &FileEntry,
         i: u64,
+        heard: &AtomicBool,
     ) -> Result<Bytes, FetchError> {
         let range = entry.piece_range(i);
         let want = range.end - range.start;
         let bytes = match self {
             Self::Origin(store) => {
+                heard.store(true, Ordering::Relaxed);
                 let key = StorePath::from(blob_key(&entry.hash));
                 origin_get(&key, store.get_range(&key, range.clone())).await?
             }
@@ -123,9 +130,15 @@ impl Source {
                 let h = http::HeaderValue::from_str(&range_header(&range))
                     .expect("invariant: a numeric range is a valid header value");
                 req.headers_mut().insert(http::header::RANGE, h);
-                let (resp, body) = send(client, req, want as usize + 1, PIECE_TIMEOUT)
-                    .await
-                    .map_err(from_http)?;
+                let (resp, body) = send_watched(
+                    client,
+                    req,
+                    want as usize + 1,
+                    Timeouts::transfer(PIECE_TIMEOUT),
+                    Some(heard),
+                )
+                .await
+                .map_err(from_http)?;
                 let whole =
                     resp.status() == StatusCode::OK && range.start == 0 && range.end == entry.size;
                 if resp.status() != StatusCode::PARTIAL_CONTENT && !whole {
@@ -170,10 +183,15 @@ impl Source {
                     manifest.model, manifest.revision
                 );
                 let req = get(&url).map_err(from_http)?;
-                send(client, req, want as usize + 1, PIECE_TIMEOUT)
-                    .await
-                    .map_err(from_http)?
-                    .1
+                send(
+                    client,
+                    req,
+                    want as usize + 1,
+                    Timeouts::transfer(PIECE_TIMEOUT),
+                )
+                .await
+                .map_err(from_http)?
+                .1
             }
         };
         if bytes.len() as u64 != want {
@@ -200,7 +218,7 @@ impl Source {
             client,
             get(&url).map_err(from_http)?,
             MAX_MANIFEST_BYTES,
-            Duration::from_secs(60),
+            Timeouts::transfer(Duration::from_secs(60)),
         )
         .await
         .map_err(from_http)?;
@@ -219,7 +237,9 @@ impl Source {
         Ok(m)
     }
 
-    /// Round-trip time: the fastest of `probes` small requests, `None` if none answered.
+    /// Round-trip time: the fastest of `probes` small requests, `None` if one went unanswered
+    /// (within [`PROBE_TIMEOUT`]) before any answered: a mirror that is down or hung costs the
+    /// pull one probe, not `probes`.
     pub async fn rtt(&self, probes: u32) -> Option<Duration> {
         let Self::Http { base, client, .. } = self else {
             return None;
@@ -229,12 +249,14 @@ impl Source {
         for _ in 0..probes.max(1) {
             let t = Instant::now();
             let Ok(req) = get(&url) else { return None };
-            if send(client, req, 1024, Duration::from_secs(2))
+            if send(client, req, 1024, Timeouts::all(PROBE_TIMEOUT))
                 .await
                 .is_ok()
             {
                 let d = t.elapsed();
                 best = Some(best.map_or(d, |b| b.min(d)));
+            } else if best.is_none() {
+                break;
             }
         }
         best

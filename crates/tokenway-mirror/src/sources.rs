@@ -1,13 +1,16 @@
 //! The set of sources a pull draws from, and the order it tries them in.
 //!
 //! For each piece: peers that hold it first (rotating among them so load spreads), then
-//! mirrors by measured RTT, then the origin; a mirror failing repeatedly drops behind the
-//! origin until it answers again. A source that serves a corrupt piece is penalised; after [`BAN_AFTER_CORRUPT`]
-//! corrupt pieces it is only tried when nothing else is left. Peers come and go as the
-//! mirror's announcements say.
+//! mirrors by measured RTT, then the origin. A mirror that did not answer its RTT probes, and
+//! a mirror or peer that failed [`DEMOTE_AFTER_ERRORS`] requests in a row (a timeout, a
+//! silence abandoned for a hedge, an error status), is *demoted*: tried after every healthy
+//! source, the origin included, until it answers again. The manifest and outboards are asked
+//! in the same order. A source that serves a corrupt piece is penalised; after
+//! [`BAN_AFTER_CORRUPT`] corrupt pieces it is only tried when nothing else is left. Peers come
+//! and go as the mirror's announcements say.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,6 +46,10 @@ pub struct SourceState {
     pub corrupt: AtomicU32,
     /// Failed requests in a row.
     pub consecutive_errors: AtomicU32,
+    /// Failed requests in all, for the summary.
+    pub failures: AtomicU32,
+    /// A mirror that did not answer its RTT probes and has not answered since.
+    unresponsive: AtomicBool,
     /// Verified bytes taken from it.
     pub bytes: AtomicU64,
 }
@@ -50,12 +57,14 @@ pub struct SourceState {
 impl SourceState {
     fn new(name: String, source: Source, rtt: Option<Duration>) -> Arc<Self> {
         Arc::new(Self {
-            name,
-            source,
+            unresponsive: AtomicBool::new(source.kind() == SourceKind::Mirror && rtt.is_none()),
             rtt,
             corrupt: AtomicU32::new(0),
             consecutive_errors: AtomicU32::new(0),
+            failures: AtomicU32::new(0),
             bytes: AtomicU64::new(0),
+            name,
+            source,
         })
     }
 
@@ -68,15 +77,29 @@ impl SourceState {
         self.corrupt.load(Ordering::Relaxed) >= BAN_AFTER_CORRUPT
     }
 
+    /// Not answering: no RTT at start, or [`DEMOTE_AFTER_ERRORS`] failed requests in a row.
+    /// Tried after every healthy source until it answers again.
+    pub fn demoted(&self) -> bool {
+        self.unresponsive.load(Ordering::Relaxed)
+            || self.consecutive_errors.load(Ordering::Relaxed) >= DEMOTE_AFTER_ERRORS
+    }
+
     /// Records a verified piece.
     pub fn ok(&self, bytes: u64) {
-        self.consecutive_errors.store(0, Ordering::Relaxed);
+        self.answered();
         self.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Records an answer (a piece, a manifest, an outboard): the source is healthy again.
+    pub fn answered(&self) {
+        self.consecutive_errors.store(0, Ordering::Relaxed);
+        self.unresponsive.store(false, Ordering::Relaxed);
     }
 
     /// Records a failed request.
     pub fn failed(&self) {
         self.consecutive_errors.fetch_add(1, Ordering::Relaxed);
+        self.failures.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Records a piece that failed verification.
@@ -94,7 +117,7 @@ struct Peer {
 
 /// Every source of one pull.
 pub struct SourceSet {
-    /// Mirrors by RTT (unreachable last), then the origin.
+    /// Mirrors by RTT, then the origin, then mirrors that did not answer their RTT probes.
     fixed: Vec<Arc<SourceState>>,
     peers: Mutex<HashMap<String, Peer>>,
     /// Every peer ever used, for the summary (bounded by churn of MAX_PEERS at a time).
@@ -165,7 +188,11 @@ impl SourceSet {
             .collect();
         fixed.sort_by_key(|s| s.rtt.unwrap_or(Duration::MAX));
         if let Some(o) = origin {
-            fixed.push(SourceState::new("origin".into(), Source::Origin(o), None));
+            let at = fixed.iter().take_while(|s| s.rtt.is_some()).count();
+            fixed.insert(
+                at,
+                SourceState::new("origin".into(), Source::Origin(o), None),
+            );
         }
         Ok(Self {
             fixed,
@@ -177,13 +204,20 @@ impl SourceSet {
         })
     }
 
-    /// Mirrors in preference order.
+    /// Mirrors in preference order (demoted ones last).
     pub fn mirrors(&self) -> Vec<Arc<SourceState>> {
-        self.fixed
-            .iter()
+        self.fixed_in_order()
+            .into_iter()
             .filter(|s| s.kind() == SourceKind::Mirror)
-            .cloned()
             .collect()
+    }
+
+    /// Mirrors and the origin, best first: healthy mirrors by RTT, the origin, then demoted
+    /// mirrors (stable, so RTT order holds among equals).
+    fn fixed_in_order(&self) -> Vec<Arc<SourceState>> {
+        let mut v = self.fixed.to_vec();
+        v.sort_by_key(|s| (s.demoted(), s.kind() == SourceKind::Origin));
+        v
     }
 
     /// The manifest, its format-3 outboards attached ([`Self::attach_outboards`]): from the
@@ -205,10 +239,13 @@ impl SourceSet {
         };
         for f in m.files.iter_mut().filter(|f| f.needs_outboard()) {
             let mut failures = Vec::new();
-            for s in &self.fixed {
+            for s in &self.fixed_in_order() {
                 match s.source.outboard(&view, f).await {
                     Ok(ob) => match f.attach_outboard(&ob) {
-                        Ok(()) => break,
+                        Ok(()) => {
+                            s.answered();
+                            break;
+                        }
                         Err(e) => {
                             s.penalise();
                             failures.push(format!("{}: outboard does not verify: {e}", s.name));
@@ -237,7 +274,7 @@ impl SourceSet {
 
     async fn manifest(&self, mref: &ModelRef) -> Result<Manifest, MirrorError> {
         let mut failures = Vec::new();
-        for s in &self.fixed {
+        for s in &self.fixed_in_order() {
             match &s.source {
                 Source::Origin(store) => match pull::resolve(store.as_ref(), mref).await {
                     Ok(m) => return Ok(m),
@@ -247,7 +284,10 @@ impl SourceSet {
                     Err(e) => failures.push(format!("origin: {e}")),
                 },
                 Source::Http { .. } => match s.source.manifest(mref).await {
-                    Ok(m) => return Ok(m),
+                    Ok(m) => {
+                        s.answered();
+                        return Ok(m);
+                    }
                     Err(e @ (FetchError::NotFound(_) | FetchError::BadRequest(_))) => {
                         return Err(manifest_error(&s.name, mref, e))
                     }
@@ -317,7 +357,7 @@ impl SourceSet {
     pub fn peer_piece(&self, hash: &Blake3Hash, taken: &PieceBits, from: u64) -> Option<u64> {
         lock(&self.peers)
             .values()
-            .filter(|p| !p.state.banned())
+            .filter(|p| !p.state.banned() && !p.state.demoted())
             .find_map(|p| p.have.get(hash)?.first_not_in(taken, from))
             .filter(|i| *i < taken.count())
     }
@@ -341,22 +381,15 @@ impl SourceSet {
             let n = self.rotate.fetch_add(1, Ordering::Relaxed) % peers.len();
             peers.rotate_left(n);
         }
-        let mut mirrors: Vec<Arc<SourceState>> = self.fixed.to_vec();
-        // Stable: keeps RTT order among equals. Healthy mirrors, then the origin, then
-        // mirrors that keep failing.
-        mirrors.sort_by_key(|s| {
-            (
-                s.consecutive_errors.load(Ordering::Relaxed) >= DEMOTE_AFTER_ERRORS,
-                s.kind() == SourceKind::Origin,
-            )
-        });
         let mut all: Vec<Arc<SourceState>> = peers
             .into_iter()
-            .chain(mirrors)
+            .chain(self.fixed.iter().cloned())
             .filter(|s| !skip.contains(&s.name))
             .collect();
-        // Banned sources last, as a last resort.
-        all.sort_by_key(|s| s.banned());
+        // Stable: keeps the peers' rotation and the mirrors' RTT order among equals. Healthy
+        // peers and mirrors, the origin, demoted peers and mirrors, and banned sources as a
+        // last resort.
+        all.sort_by_key(|s| (s.banned(), s.demoted(), s.kind() == SourceKind::Origin));
         all
     }
 

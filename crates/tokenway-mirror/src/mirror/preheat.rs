@@ -97,7 +97,7 @@ pub async fn preheat_remote(
     trust: &crate::tls::ClientTrust,
     timeout: std::time::Duration,
 ) -> Result<PreheatReport, crate::MirrorError> {
-    use crate::http_client::{base_url, client, post_json, send};
+    use crate::http_client::{base_url, client, post_json, send, Timeouts, IDLE_TIMEOUT};
     ModelRef::parse(model)?;
     let remote = |reason: String| crate::MirrorError::Remote {
         url: mirror_url.to_string(),
@@ -114,7 +114,13 @@ pub async fn preheat_remote(
     })
     .expect("invariant: a preheat request serializes");
     let req = post_json(&url, body).map_err(|e| remote(e.to_string()))?;
-    let (_, bytes) = send(&client(token, tls), req, 1 << 20, timeout)
+    // The mirror answers when the preheat is done: the head may take up to `timeout`.
+    let timeouts = Timeouts {
+        head: timeout,
+        idle: IDLE_TIMEOUT,
+        total: timeout,
+    };
+    let (_, bytes) = send(&client(token, tls), req, 1 << 20, timeouts)
         .await
         .map_err(|e| remote(format!("preheat of {model}: {e}")))?;
     serde_json::from_slice(&bytes).map_err(|e| remote(format!("unexpected preheat answer: {e}")))

@@ -68,16 +68,18 @@ pub struct PullArgs {
 
 /// One line with every counter, for logs and tests.
 fn summary(r: &PullReport, secs: f64) -> String {
-    let penalised: Vec<String> = r
-        .sources_penalised
-        .iter()
-        .map(|(s, n)| format!("{}:{n}", s.replace(' ', "=")))
-        .collect();
+    let list = |v: &[(String, u32)]| -> String {
+        v.iter()
+            .map(|(s, n)| format!("{}:{n}", s.replace(' ', "=")))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
     format!(
         "pull summary: complete={} seconds={secs:.2} pieces_fetched={} bytes_fetched={} \
          bytes_from_origin={} bytes_from_mirrors={} bytes_from_peers={} pieces_written={} \
          pieces_resumed={} pieces_discarded_in_flight={} pieces_corrupt={} pieces_hedged={} \
-         hedge_wins={} source_errors={} files_already_present={} files_written={} penalised=[{}]",
+         hedge_wins={} source_errors={} files_already_present={} files_written={} penalised=[{}] \
+         failing=[{}]",
         r.complete,
         r.pieces_fetched,
         r.bytes_fetched,
@@ -93,7 +95,8 @@ fn summary(r: &PullReport, secs: f64) -> String {
         r.source_errors,
         r.files_already_present,
         r.files_written,
-        penalised.join(",")
+        list(&r.sources_penalised),
+        list(&r.sources_failing)
     )
 }
 
@@ -138,7 +141,7 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
         match m.rtt {
             Some(rtt) => eprintln!("{}: rtt {:.2} ms", m.name, rtt.as_secs_f64() * 1e3),
             None => eprintln!(
-                "{}: no answer to RTT probes (kept as a last resort)",
+                "{}: no answer to RTT probes (tried after the other sources until it answers)",
                 m.name
             ),
         }
