@@ -80,6 +80,10 @@ pub enum ZeroRtt {
     Accepted,
     /// The server rejected the early data (requests sent as early data were not processed).
     Rejected,
+    /// The handshake never completed (it timed out, or the connection was closed first): the
+    /// gateway was not reached, and requests sent as early data were not processed.
+    /// [`QuicClient::handshake_error`] tells why.
+    Failed,
 }
 
 /// What [`QuicClient::connect`] needs.
@@ -114,6 +118,9 @@ struct Inner {
     driver: Mutex<AbortHandle>,
     sampler: Option<AbortHandle>,
     zero_rtt: watch::Receiver<ZeroRtt>,
+    /// Why the handshake of a 0-RTT connection did not complete ([`ZeroRtt::Failed`]); set
+    /// before the verdict is sent.
+    handshake_error: Mutex<Option<String>>,
 }
 
 impl Drop for Inner {
@@ -200,32 +207,53 @@ impl QuicClient {
             driver: Mutex::new(driver),
             sampler,
             zero_rtt: zero_rx,
+            handshake_error: Mutex::new(None),
         });
-        if let Some(m) = &p.metrics {
-            m.connections
-                .get_or_create(&ConnectLabels {
-                    peer: p.peer.to_string(),
-                    transport: "quic".into(),
-                })
-                .inc();
+        let count_connection = |metrics: &Option<QuicMetrics>, peer: &str| {
+            if let Some(m) = metrics {
+                m.connections
+                    .get_or_create(&ConnectLabels {
+                        peer: peer.to_string(),
+                        transport: "quic".into(),
+                    })
+                    .inc();
+            }
+        };
+        if accepted.is_none() {
+            count_connection(&p.metrics, p.peer);
         }
         if let Some(accepted) = accepted {
             let weak = Arc::downgrade(&inner);
             let metrics = p.metrics.clone();
+            let peer = p.peer.to_string();
             let timeout = p.timeout;
             tokio::spawn(async move {
-                let ok = match tokio::time::timeout(timeout, accepted).await {
-                    Ok(ok) => ok,
+                // A 0-RTT connection is usable at once but not established: it counts as a
+                // connection only once the handshake completes.
+                let verdict = match tokio::time::timeout(timeout, accepted).await {
                     Err(_) => {
                         conn.close(0u32.into(), b"handshake timeout");
-                        let _ = zero_tx.send(ZeroRtt::Rejected);
+                        Err(format!(
+                            "QUIC handshake with {addr} did not finish within {timeout:?} \
+                             (the gateway is down or UDP does not get through)"
+                        ))
+                    }
+                    Ok(ok) => match conn.close_reason() {
+                        Some(reason) => Err(format!("QUIC handshake with {addr} failed: {reason}")),
+                        None => Ok(ok),
+                    },
+                };
+                let ok = match verdict {
+                    Err(message) => {
+                        if let Some(inner) = weak.upgrade() {
+                            *lock(&inner.handshake_error) = Some(message);
+                        }
+                        let _ = zero_tx.send(ZeroRtt::Failed);
                         return;
                     }
+                    Ok(ok) => ok,
                 };
-                if conn.close_reason().is_some() {
-                    let _ = zero_tx.send(ZeroRtt::Rejected);
-                    return;
-                }
+                count_connection(&metrics, &peer);
                 if let Some(m) = &metrics {
                     m.zero_rtt_result(ok);
                 }
@@ -269,6 +297,20 @@ impl QuicClient {
     /// Whether the connection has closed (for any reason).
     pub fn is_closed(&self) -> bool {
         self.inner.conn.close_reason().is_some()
+    }
+
+    /// Why the handshake of a 0-RTT connection did not complete, once it is known
+    /// ([`ZeroRtt::Failed`]); `None` while it is pending or when it completed.
+    pub fn handshake_error(&self) -> Option<String> {
+        lock(&self.inner.handshake_error).clone()
+    }
+
+    /// What a request sent as early data is told when its data was not processed.
+    fn early_data_lost(&self) -> String {
+        match self.handshake_error() {
+            Some(why) => format!("0-RTT early data was not processed: {why}"),
+            None => "0-RTT early data was rejected".to_string(),
+        }
     }
 
     /// Where the connection's 0-RTT attempt stands.
@@ -341,15 +383,17 @@ impl QuicClient {
             // drops the sender, and `wait_for` then errs, which must not read as "rejected"
             // (that re-sent every accepted early request).
             let rejected = async move {
-                if verdict.wait_for(|z| *z == ZeroRtt::Rejected).await.is_err() {
+                if verdict
+                    .wait_for(|z| matches!(z, ZeroRtt::Rejected | ZeroRtt::Failed))
+                    .await
+                    .is_err()
+                {
                     std::future::pending::<()>().await;
                 }
             };
             tokio::select! {
                 r = result => r,
-                () = rejected => {
-                    Err(("0-RTT early data was rejected".to_string(), true))
-                }
+                () = rejected => Err((self.early_data_lost(), true)),
             }
         } else {
             result.await
@@ -374,7 +418,11 @@ impl QuicClient {
                     )
                     .await;
                 }
-                let rejected = started_early && *self.inner.zero_rtt.borrow() == ZeroRtt::Rejected;
+                let rejected = started_early
+                    && matches!(
+                        *self.inner.zero_rtt.borrow(),
+                        ZeroRtt::Rejected | ZeroRtt::Failed
+                    );
                 Err(RequestError::new(
                     message,
                     retryable || rejected || self.is_closed(),
