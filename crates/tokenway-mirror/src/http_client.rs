@@ -8,10 +8,13 @@
 //! then says nothing (a hung process, a peer frozen with SIGSTOP, a forged peer address):
 //! [`CONNECT_TIMEOUT`] to set up TCP (and TLS), [`HEAD_TIMEOUT`] until the response head, and
 //! [`IDLE_TIMEOUT`] without a byte of the body. They are generous for a real WAN (a TCP SYN is
-//! retransmitted after 1 s and 3 s, a cold mirror answers once it has the piece from its
-//! origin, which for a 64 MiB piece from S3 is a few seconds) and short next to the minute a
-//! whole piece may take, so a silent source costs seconds, not minutes; the pull then asks the
-//! next source (see [`crate::sources`]).
+//! retransmitted after 1 s and 3 s) and short next to the minute a whole piece may take, so a
+//! silent source costs seconds, not minutes; the pull then asks the next source (see
+//! [`crate::sources`]). A piece is the exception for the idle bound ([`Timeouts::piece`]): a
+//! cold mirror sends the head of a slow piece within a second
+//! ([`crate::range_server::EARLY_HEAD_AFTER`]) and its body once it has the piece from its
+//! origin, which from a far or busy origin can take tens of seconds, so only the head is held
+//! to the short bound there.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -54,6 +57,17 @@ impl Timeouts {
         Self {
             head: HEAD_TIMEOUT,
             idle: IDLE_TIMEOUT,
+            total,
+        }
+    }
+
+    /// A piece: [`HEAD_TIMEOUT`] for the head, and `total` both for the whole transfer and
+    /// for silence within the body (a cold mirror sends the head at once and the piece when
+    /// its origin has delivered it; a source stuck mid-body is left by the straggler hedge).
+    pub const fn piece(total: Duration) -> Self {
+        Self {
+            head: HEAD_TIMEOUT,
+            idle: total,
             total,
         }
     }

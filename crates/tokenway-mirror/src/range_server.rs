@@ -1,15 +1,22 @@
 //! Answering `GET`/`HEAD` of a blob with byte ranges, piece by piece (shared by the mirror
 //! and by peers, which speak the same API).
 //!
-//! The first piece is obtained before the status line is sent, so a source that cannot
-//! deliver answers with a clean JSON error instead of a cut body; later pieces of a
-//! multi-piece range are fetched lazily as the body is read, so a response never holds more
-//! than one piece in memory. Blobs are immutable and named by their hash: the ETag is the
-//! hash and caches may keep them forever.
+//! The first piece is awaited for up to [`EARLY_HEAD_AFTER`] before the status line is sent,
+//! so a source that cannot deliver (a blob the origin lacks, an origin that refuses) answers
+//! with a clean JSON error instead of a cut body. A piece that takes longer (a cold mirror
+//! fetching it from a far or busy origin, which may take tens of seconds) gets its head then
+//! and its body when the piece is there: a puller can tell such a mirror, which answered at
+//! once, from one that is hung and never answers (see `crate::straggler::SILENT_AFTER` and
+//! `crate::http_client::HEAD_TIMEOUT`), and if the piece then fails the body is cut, which the
+//! puller counts as a failed fetch like any other. Later pieces of a multi-piece range are
+//! fetched lazily as the body is read, so a response never holds more than one piece in
+//! memory. Blobs are immutable and named by their hash: the ETag is the hash and caches may
+//! keep them forever.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::stream;
@@ -33,6 +40,12 @@ pub type PieceFuture = Pin<Box<dyn Future<Output = Result<Bytes, ServeError>> + 
 pub type PieceFetch = Arc<dyn Fn(u64) -> PieceFuture + Send + Sync>;
 /// Told how many body bytes were produced.
 pub type OnBytes = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// How long the first piece of a response is waited for before the head is sent without it.
+/// Well below `crate::straggler::SILENT_AFTER` (2 s), so a cold mirror is never taken for a
+/// silent one; long enough that a cache hit or a quick origin refusal still gets its exact
+/// status.
+pub const EARLY_HEAD_AFTER: Duration = Duration::from_secs(1);
 
 /// `Cache-Control` of blobs: content addressed, so never stale.
 pub const IMMUTABLE: &str = "public, max-age=31536000, immutable";
@@ -137,11 +150,35 @@ pub async fn blob_response(
         let b = range.end.min(pr.end) - pr.start;
         Ok(piece.slice(a as usize..b as usize))
     };
-    let head_piece = match fetch(first).await.and_then(|p| slice(first, p)) {
-        Ok(p) => p,
-        Err(e) => return error_response(&e),
+    let mut first_fetch = fetch(first);
+    let early = tokio::select! {
+        r = &mut first_fetch => Some(r),
+        () = tokio::time::sleep(EARLY_HEAD_AFTER) => None,
     };
-    on_bytes(head_piece.len() as u64);
+    let head_piece: PieceFuture = match early {
+        Some(r) => match r.and_then(|p| slice(first, p)) {
+            Ok(p) => Box::pin(std::future::ready(Ok(p))),
+            Err(e) => return error_response(&e),
+        },
+        // Slow: the head goes now, the piece when it is there.
+        None => {
+            let slice = slice.clone();
+            Box::pin(async move { first_fetch.await.and_then(|p| slice(first, p)) })
+        }
+    };
+    let on_first = Arc::clone(&on_bytes);
+    let head_item = stream::once(async move {
+        match head_piece.await {
+            Ok(b) => {
+                on_first(b.len() as u64);
+                Ok(Frame::data(b))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "a blob response lost its first piece after its head was sent; body cut");
+                Err(BoxError::from(e.to_string()))
+            }
+        }
+    });
     let rest = stream::unfold(first + 1, move |i| {
         let fetch = Arc::clone(&fetch);
         let slice = slice.clone();
@@ -160,7 +197,120 @@ pub async fn blob_response(
             Some((item, i + 1))
         }
     });
-    let body = stream::iter([Ok::<_, BoxError>(Frame::data(head_piece))]).chain(rest);
+    let body = head_item.chain(rest);
     *resp.body_mut() = BodyExt::boxed_unsync(StreamBody::new(body));
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::{Blake3Hash, PieceHashing};
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    const PIECE: u64 = 1024;
+
+    fn entry(data: &[u8]) -> Arc<FileEntry> {
+        Arc::new(FileEntry {
+            path: "w.bin".into(),
+            size: data.len() as u64,
+            hash: Blake3Hash::of(data),
+            piece_size: PIECE,
+            pieces: data.chunks(PIECE as usize).map(Blake3Hash::of).collect(),
+            group_size: None,
+            piece_hashing: PieceHashing::Standalone,
+        })
+    }
+
+    /// Serves `data`'s pieces after `delay`, or fails with `fail` after it.
+    fn fetch(data: Vec<u8>, delay: Duration, fail: Option<ServeError>) -> PieceFetch {
+        let data = Bytes::from(data);
+        Arc::new(move |i| {
+            let (data, fail) = (data.clone(), fail.clone());
+            Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                if let Some(e) = fail {
+                    return Err(e);
+                }
+                let a = (i * PIECE) as usize;
+                Ok(data.slice(a..(a + PIECE as usize).min(data.len())))
+            })
+        })
+    }
+
+    fn data() -> Vec<u8> {
+        (0..3 * PIECE).map(|i| (i % 251) as u8).collect()
+    }
+
+    fn no_count() -> OnBytes {
+        Arc::new(|_| {})
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_first_piece_gets_its_head_after_a_second_and_its_body_when_ready() {
+        let d = data();
+        let t = Instant::now();
+        let f = fetch(d.clone(), Duration::from_secs(30), None);
+        let resp = blob_response(entry(&d), Some("bytes=1000-2999"), false, f, no_count()).await;
+        assert_eq!(
+            t.elapsed(),
+            EARLY_HEAD_AFTER,
+            "the head waits one EARLY_HEAD_AFTER"
+        );
+        assert_eq!(resp.status(), StatusCode::PARTIAL_CONTENT);
+        assert_eq!(resp.headers()[header::CONTENT_LENGTH], "2000");
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        assert_eq!(&body[..], &d[1000..3000]);
+        // The first piece arrived at 30 s; the next two were fetched after it, 30 s each.
+        assert_eq!(t.elapsed(), Duration::from_secs(90));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_quick_failure_is_a_clean_error_and_a_late_one_cuts_the_body() {
+        let d = data();
+        let quick = fetch(
+            d.clone(),
+            Duration::from_millis(200),
+            Some(ServeError::origin("origin refused")),
+        );
+        let resp = blob_response(entry(&d), None, false, quick, no_count()).await;
+        assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        assert!(
+            String::from_utf8_lossy(&body).contains("origin refused"),
+            "{body:?}"
+        );
+
+        let late = fetch(
+            d.clone(),
+            Duration::from_secs(5),
+            Some(ServeError::origin("origin went away")),
+        );
+        let resp = blob_response(entry(&d), None, false, late, no_count()).await;
+        assert_eq!(
+            resp.status(),
+            StatusCode::OK,
+            "the head went before the failure"
+        );
+        let err = resp.into_body().collect().await.expect_err("a cut body");
+        assert!(err.to_string().contains("origin went away"), "{err}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fast_piece_is_answered_at_once_and_counted() {
+        let d = data();
+        let n = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = Arc::clone(&n);
+        let on_bytes: OnBytes = Arc::new(move |b| {
+            counted.fetch_add(b, std::sync::atomic::Ordering::Relaxed);
+        });
+        let t = Instant::now();
+        let f = fetch(d.clone(), Duration::ZERO, None);
+        let resp = blob_response(entry(&d), None, false, f, on_bytes).await;
+        assert_eq!(t.elapsed(), Duration::ZERO);
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        assert_eq!(&body[..], &d[..]);
+        assert_eq!(n.load(std::sync::atomic::Ordering::Relaxed), d.len() as u64);
+    }
 }

@@ -17,8 +17,8 @@ use crate::manifest::{blob_key, FileEntry, Manifest, ModelRef, Selector};
 use crate::MirrorError;
 
 /// How long one piece request may take before it counts as failed (hedging reacts much
-/// sooner to a slow one; a silent mirror or peer fails after
-/// [`crate::http_client::HEAD_TIMEOUT`] or [`crate::http_client::IDLE_TIMEOUT`]).
+/// sooner to a slow one; a mirror or peer that sends no response head fails after
+/// [`crate::http_client::HEAD_TIMEOUT`]).
 pub const PIECE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long one RTT probe may take; a mirror that misses one is not probed again.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -134,7 +134,7 @@ impl Source {
                     client,
                     req,
                     want as usize + 1,
-                    Timeouts::transfer(PIECE_TIMEOUT),
+                    Timeouts::piece(PIECE_TIMEOUT),
                     Some(heard),
                 )
                 .await

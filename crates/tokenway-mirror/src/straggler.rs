@@ -21,9 +21,9 @@ pub const FACTOR: u32 = 4;
 pub const FLOOR: Duration = Duration::from_millis(250);
 
 /// A piece whose source has not answered (no response head) for this long is hedged, with or
-/// without a baseline. A mirror answers once it has the piece (from its cache, or from its
-/// origin when cold: a fraction of a second for a 4 MiB piece from S3), so this rarely hedges
-/// a healthy one, and costs one duplicate piece request when it does.
+/// without a baseline. A live mirror or peer sends the head within
+/// [`crate::range_server::EARLY_HEAD_AFTER`] (1 s) even when the piece is still on its way
+/// from the origin, so this hedges sources that are hung or unreachable, not cold ones.
 pub const SILENT_AFTER: Duration = Duration::from_secs(2);
 
 /// When to hedge a piece that has been in flight for `elapsed`, given `hedge_after` (the

@@ -593,6 +593,41 @@ async fn a_straggling_piece_is_hedged_to_another_source() {
     assert!(field(&err, "hedge_wins") >= 1, "{err}");
 }
 
+/// Freezes (SIGSTOP) or thaws (SIGCONT) a process: it keeps its sockets, and the kernel keeps
+/// accepting connections for it, but it never answers: a hung mirror.
+fn signal(p: &Proc, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &p.child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(ok.success(), "kill {sig} failed");
+}
+
+#[tokio::test]
+async fn a_hung_mirror_listed_first_does_not_stall_the_pull() {
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let (c1, c2) = (TempDir::new("w-hung1"), TempDir::new("w-hung2"));
+    let hung = start_mirror(&fx.origin_url(), &c1.0, &[]);
+    let good = start_mirror(&fx.origin_url(), &c2.0, &[]);
+    signal(&hung, "-STOP");
+    let out = TempDir::new("w-hung-out");
+    let mirrors = format!("{},{}", hung.url(), good.url());
+    let (ok, err) = Pull::start(&[fx.small.name, "--mirror", &mirrors, "--out", &s(&out.0)])
+        .wait(Duration::from_secs(60))
+        .await;
+    signal(&hung, "-CONT");
+    assert!(ok, "{err}");
+    assert_same_tree(&fx.small.src, &out.0);
+    assert!(err.contains("no answer to RTT probes"), "{err}");
+    assert_eq!(field(&err, "bytes_from_mirrors"), fx.small.size, "{err}");
+    assert_eq!(
+        metric(&good, "tokenway_mirror_bytes_served_total").await,
+        fx.small.size
+    );
+    assert_eq!(metric(&hung, "tokenway_mirror_bytes_served_total").await, 0);
+}
+
 #[tokio::test]
 async fn four_pullers_sharing_as_peers_cost_the_origin_about_one_copy() {
     let _turn = crate::harness::HEAVY.lock().await;
