@@ -62,6 +62,9 @@ pub struct DatagramMetrics {
     pub lost: Family<SideLabels, Counter>,
     /// `tokenway_datagram_residual_loss_total{side}`: losses FEC could not restore.
     pub residual: Family<SideLabels, Counter>,
+    /// `tokenway_datagram_blocks_missing_total{side}`: whole FEC blocks that never arrived
+    /// (their packets are in neither the lost nor the residual count).
+    pub blocks_missing: Family<SideLabels, Counter>,
     /// `tokenway_datagram_loss_burst_packets{side}`: loss bursts by length (bucketed as the
     /// receiver counts them; a burst in the 5–8 bucket is observed as 8, and so on).
     pub bursts: Family<SideLabels, Histogram, BurstHistogram>,
@@ -83,6 +86,7 @@ impl Default for DatagramMetrics {
             recovered: Family::default(),
             lost: Family::default(),
             residual: Family::default(),
+            blocks_missing: Family::default(),
             bursts: Family::new_with_constructor(BurstHistogram),
             dropped: Family::default(),
             peers: Family::default(),
@@ -146,6 +150,11 @@ impl DatagramMetrics {
             "datagram_residual_loss",
             "Missing source packets FEC could not restore",
             self.residual.clone(),
+        );
+        r.register(
+            "datagram_blocks_missing",
+            "Whole FEC blocks that never arrived (sources and repairs all lost); not in the lost or residual counts",
+            self.blocks_missing.clone(),
         );
         r.register(
             "datagram_loss_burst_packets",

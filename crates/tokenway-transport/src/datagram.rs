@@ -243,6 +243,7 @@ fn add_receiver(a: &mut ReceiverStats, b: &ReceiverStats) {
     a.lost += b.lost;
     a.recovered += b.recovered;
     a.residual += b.residual;
+    a.blocks_missing += b.blocks_missing;
     for (x, y) in a.bursts.0.iter_mut().zip(b.bursts.0.iter()) {
         *x += y;
     }
@@ -712,6 +713,11 @@ impl State {
         inc(&m.recovered, t.received.recovered, p.received.recovered);
         inc(&m.lost, t.received.lost, p.received.lost);
         inc(&m.residual, t.received.residual, p.received.residual);
+        inc(
+            &m.blocks_missing,
+            t.received.blocks_missing,
+            p.received.blocks_missing,
+        );
         const BURST_VALUES: [f64; 8] = [1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0];
         let hist = m.bursts.get_or_create(&labels);
         for (i, v) in BURST_VALUES.iter().enumerate() {

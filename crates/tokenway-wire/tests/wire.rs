@@ -688,6 +688,46 @@ fn fec_off_and_out_of_scope_packets_go_out_plain() {
 }
 
 #[test]
+fn a_block_lost_whole_is_counted_missing_and_a_late_one_is_not() {
+    let t0 = Instant::now();
+    let (mut tx, mut rx) = pair(fixed(2, 1), None);
+    let blocks: Vec<Vec<Vec<u8>>> = (0..6)
+        .map(|i| {
+            send_block(
+                &mut tx,
+                t0,
+                &[quic_packet(2 * i, 300), quic_packet(2 * i + 1, 300)],
+            )
+        })
+        .collect();
+    let mut delivered = Vec::new();
+    // Block 1 never arrives (a burst took its two sources and its repair); block 3 arrives
+    // after block 4 (reordered).
+    for b in [0, 2, 4, 3, 5] {
+        for d in &blocks[b] {
+            receive(&mut rx, t0, d, &mut delivered);
+        }
+    }
+    assert_eq!(rx.stats().blocks_missing, 0, "not before max_block_age");
+    rx.on_timeout(t0 + Duration::from_secs(1));
+    let s = *rx.stats();
+    assert_eq!(s.blocks_missing, 1, "{s:?}");
+    // The whole lost block is not in the per-block counts: they saw nothing missing.
+    assert_eq!((s.lost, s.residual), (0, 0), "{s:?}");
+    assert_eq!(delivered.len(), 10);
+
+    // A jump over more ids than are tracked (an outage) counts them at once.
+    let (mut tx, mut rx) = pair(fixed(1, 1), None);
+    let mut wire = Vec::new();
+    for i in 0..100 {
+        wire.push(send_block(&mut tx, t0, &[quic_packet(i, 40)]));
+    }
+    receive(&mut rx, t0, &wire[0][0], &mut delivered);
+    receive(&mut rx, t0, &wire[99][0], &mut delivered);
+    assert_eq!(rx.stats().blocks_missing, 98);
+}
+
+#[test]
 fn receiver_follows_a_sender_that_restarted_its_block_numbers() {
     let now = Instant::now();
     let (mut tx, mut rx) = pair(fixed(1, 1), None);

@@ -101,13 +101,14 @@ pub fn section(r: &TransportReport, out: &mut String) {
                 "FEC repair bytes ≤ 30 % of the streaming workload's bytes (lossy)".into(),
                 format!(
                     "{:.1} % ({:.0} repair of {:.0} bytes; {:.0} packets outside FEC; {:.0} \
-                     recovered, {:.0} residual, QUIC lost {:.0})",
+                     recovered, {:.0} residual, {:.0} whole blocks missing, QUIC lost {:.0})",
                     100.0 * share,
                     c.repair_bytes,
                     total,
                     c.plain_packets,
                     c.recovered,
                     c.residual,
+                    c.blocks_missing,
                     c.quic_lost
                 ),
                 share <= 0.30,

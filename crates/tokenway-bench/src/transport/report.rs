@@ -112,13 +112,15 @@ pub struct LayerCounters {
     pub lost: f64,
     /// Missing source packets FEC could not restore.
     pub residual: f64,
+    /// Whole FEC blocks that never arrived (not in `lost` or `residual`).
+    pub blocks_missing: f64,
     /// Packets QUIC declared lost.
     pub quic_lost: f64,
 }
 
 impl LayerCounters {
     /// The metric names, in field order.
-    pub const METRICS: [&'static str; 9] = [
+    pub const METRICS: [&'static str; 10] = [
         "tokenway_datagram_source_packets_total",
         "tokenway_datagram_source_bytes_total",
         "tokenway_datagram_plain_packets_total",
@@ -128,10 +130,11 @@ impl LayerCounters {
         "tokenway_datagram_lost_packets_total",
         "tokenway_datagram_residual_loss_total",
         "tokenway_quic_lost_packets_total",
+        "tokenway_datagram_blocks_missing_total",
     ];
 
     /// From values in [`Self::METRICS`] order.
-    pub fn from_values(v: [f64; 9]) -> Self {
+    pub fn from_values(v: [f64; 10]) -> Self {
         Self {
             source_packets: v[0],
             source_bytes: v[1],
@@ -142,6 +145,7 @@ impl LayerCounters {
             lost: v[6],
             residual: v[7],
             quic_lost: v[8],
+            blocks_missing: v[9],
         }
     }
 
@@ -158,6 +162,7 @@ impl LayerCounters {
             lost: d(self.lost, before.lost),
             residual: d(self.residual, before.residual),
             quic_lost: d(self.quic_lost, before.quic_lost),
+            blocks_missing: d(self.blocks_missing, before.blocks_missing),
         }
     }
 }

@@ -25,6 +25,9 @@ const STALE_WINDOW: i32 = 512;
 /// sources repeating an index of a finalised block) the peer has restarted its block
 /// numbering (a restarted process on the same address): forget everything and follow it.
 const STALE_RESYNC: u32 = 64;
+/// Skipped block ids awaited at once (see [`FecReceiver::note_skipped`]); a jump over more
+/// ids than this counts them missing at once.
+const MAX_SKIPPED: usize = 64;
 /// Most restored packets waiting for [`FecReceiver::pop_recovered`].
 const MAX_RECOVERED_QUEUE: usize = 2 * MAX_BLOCK_SOURCES;
 
@@ -176,6 +179,11 @@ pub struct ReceiverStats {
     pub recovered: u64,
     /// Missing source packets FEC could not restore (residual loss).
     pub residual: u64,
+    /// Whole blocks never seen: block ids skipped by the peer's numbering whose packets did
+    /// not arrive within `max_block_age` (a burst that took a block's sources and repairs, or
+    /// a small block without repairs). Their packets are in neither `lost` nor `residual`,
+    /// which count only what is missing from blocks that were seen.
+    pub blocks_missing: u64,
     /// Loss bursts by length.
     pub bursts: BurstHistogram,
     /// Blocks finalised complete (all sources received or restored).
@@ -265,6 +273,9 @@ pub struct FecReceiver {
     buffered: usize,
     history: Vec<Finalised>,
     newest: Option<BlockId>,
+    /// Block ids jumped over by the newest, with when (ms since the epoch): missing unless a
+    /// packet of theirs arrives within `max_block_age` (reordering).
+    skipped: VecDeque<(BlockId, u32)>,
     /// Packets in a row that contradicted the state ([`Self::suspect`]).
     suspect_run: u32,
     recovered_q: VecDeque<Vec<u8>>,
@@ -299,6 +310,7 @@ impl FecReceiver {
             buffered: 0,
             history: vec![Finalised::default(); HISTORY],
             newest: None,
+            skipped: VecDeque::new(),
             suspect_run: 0,
             recovered_q: VecDeque::new(),
             pool: Vec::new(),
@@ -391,6 +403,7 @@ impl FecReceiver {
                     return Slot::Stale;
                 }
             } else if d > 0 {
+                self.note_skipped(now, newest, d);
                 self.newest = Some(id);
             }
         }
@@ -403,6 +416,11 @@ impl FecReceiver {
         let h = &self.history[usize::from(id.0) % HISTORY];
         if h.valid && h.id == id {
             return Slot::Finalised;
+        }
+        // A block opening behind the newest may be one that was jumped over: it was late,
+        // not missing.
+        if let Some(j) = self.skipped.iter().position(|(s, _)| *s == id) {
+            self.skipped.remove(j);
         }
         while self.blocks.len() >= self.config.max_open_blocks {
             self.finalise(0);
@@ -420,6 +438,30 @@ impl FecReceiver {
             bytes: 0,
         });
         Slot::Open(self.blocks.len() - 1)
+    }
+
+    /// Notes the `d - 1` block ids between `newest` and the block `d` ahead of it that just
+    /// arrived: each is missing unless one of its packets arrives within `max_block_age`
+    /// (see [`Self::expire`]). More than [`MAX_SKIPPED`] at once (an outage) count at once.
+    fn note_skipped(&mut self, now: Instant, newest: BlockId, d: i32) {
+        let gap = (d - 1) as usize;
+        if gap == 0 {
+            return;
+        }
+        if gap > MAX_SKIPPED {
+            self.stats.blocks_missing += gap as u64;
+            return;
+        }
+        let at = self.ms_since_epoch(now);
+        let mut id = newest;
+        for _ in 0..gap {
+            id = id.next();
+            if self.skipped.len() >= MAX_SKIPPED {
+                self.skipped.pop_front();
+                self.stats.blocks_missing += 1;
+            }
+            self.skipped.push_back((id, at));
+        }
     }
 
     /// Counts a packet that contradicts the receiver's state; after [`STALE_RESYNC`] in a
@@ -650,6 +692,15 @@ impl FecReceiver {
             }
             self.finalise(0);
         }
+        let now_ms = self.ms_since_epoch(now);
+        let age_ms = u32::try_from(self.config.max_block_age.as_millis()).unwrap_or(u32::MAX);
+        while let Some(&(_, at)) = self.skipped.front() {
+            if now_ms.saturating_sub(at) < age_ms {
+                break;
+            }
+            self.skipped.pop_front();
+            self.stats.blocks_missing += 1;
+        }
     }
 
     fn resync(&mut self) {
@@ -658,6 +709,7 @@ impl FecReceiver {
         }
         self.history.iter_mut().for_each(|h| h.valid = false);
         self.newest = None;
+        self.skipped.clear();
         self.suspect_run = 0;
         self.stats.resyncs += 1;
     }
