@@ -725,6 +725,17 @@ fn a_block_lost_whole_is_counted_missing_and_a_late_one_is_not() {
     receive(&mut rx, t0, &wire[0][0], &mut delivered);
     receive(&mut rx, t0, &wire[99][0], &mut delivered);
     assert_eq!(rx.stats().blocks_missing, 98);
+
+    // A jump beyond the stale window is a renumbered peer, not lost blocks.
+    let (mut tx, mut rx) = pair(fixed(1, 1), None);
+    let first = send_block(&mut tx, t0, &[quic_packet(0, 40)]);
+    for i in 1..700 {
+        send_block(&mut tx, t0, &[quic_packet(i, 40)]);
+    }
+    let far = send_block(&mut tx, t0, &[quic_packet(700, 40)]);
+    receive(&mut rx, t0, &first[0], &mut delivered);
+    receive(&mut rx, t0, &far[0], &mut delivered);
+    assert_eq!(rx.stats().blocks_missing, 0);
 }
 
 #[test]

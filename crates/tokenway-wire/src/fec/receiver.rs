@@ -442,14 +442,19 @@ impl FecReceiver {
 
     /// Notes the `d - 1` block ids between `newest` and the block `d` ahead of it that just
     /// arrived: each is missing unless one of its packets arrives within `max_block_age`
-    /// (see [`Self::expire`]). More than [`MAX_SKIPPED`] at once (an outage) count at once.
+    /// (see [`Self::expire`]). More than [`MAX_SKIPPED`] at once (an outage) count at once,
+    /// unless the jump is beyond [`STALE_WINDOW`] (a renumbered peer).
     fn note_skipped(&mut self, now: Instant, newest: BlockId, d: i32) {
         let gap = (d - 1) as usize;
         if gap == 0 {
             return;
         }
         if gap > MAX_SKIPPED {
-            self.stats.blocks_missing += gap as u64;
+            // An outage counts its blocks; a jump further than the stale window is a peer
+            // that renumbered (a restart), not a loss, and counts nothing.
+            if d <= STALE_WINDOW {
+                self.stats.blocks_missing += gap as u64;
+            }
             return;
         }
         let at = self.ms_since_epoch(now);
