@@ -244,6 +244,7 @@ fn add_receiver(a: &mut ReceiverStats, b: &ReceiverStats) {
     a.recovered += b.recovered;
     a.residual += b.residual;
     a.blocks_missing += b.blocks_missing;
+    a.missing_runs += b.missing_runs;
     for (x, y) in a.bursts.0.iter_mut().zip(b.bursts.0.iter()) {
         *x += y;
     }

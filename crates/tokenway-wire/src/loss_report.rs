@@ -8,7 +8,16 @@
 //! Losses are counted per FEC block from the source indices that never arrived, *before*
 //! recovery; `residual` counts those that recovery could not restore either. A burst is a run
 //! of consecutive missing indices inside one block; its length is counted in
-//! [`BurstHistogram`]'s fixed buckets.
+//! [`BurstHistogram`]'s fixed buckets. Blocks of which nothing arrived at all (a burst that
+//! took a block's sources and its repairs) are counted apart, as `blocks_missing`: the
+//! receiver cannot tell how many packets they held, the sender can (see
+//! [`crate::fec::adapt`]).
+//!
+//! `blocks_missing` and `missing_runs` (how many bursts those were: consecutive block ids
+//! missing are one burst) are the last two words of the body. Reports of builds before them
+//! are two words shorter and still read (as no whole block missing); a build before them drops
+//! the longer report as malformed, so against such a peer the sender keeps its table
+//! redundancy.
 
 use crate::error::WireError;
 
@@ -22,7 +31,10 @@ pub const BURST_BUCKET_BOUNDS: [u32; BURST_BUCKETS] = [1, 2, 3, 4, 8, 16, 32, u3
 const BURST_BUCKET_WEIGHT: [f64; BURST_BUCKETS] = [1.0, 2.0, 3.0, 4.0, 6.0, 12.0, 24.0, 48.0];
 
 /// Encoded length of a report body (after the 2-byte version and type).
-pub const LOSS_REPORT_BODY_LEN: usize = 4 * (5 + BURST_BUCKETS);
+pub const LOSS_REPORT_BODY_LEN: usize = 4 * (7 + BURST_BUCKETS);
+
+/// Length of a report body from a build before `blocks_missing`, still read.
+pub const LOSS_REPORT_BODY_LEN_SHORT: usize = LOSS_REPORT_BODY_LEN - 8;
 
 /// Counts of loss bursts by length: buckets 1, 2, 3, 4, 5–8, 9–16, 17–32, 33+.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -63,6 +75,10 @@ pub struct LossReport {
     pub residual: u32,
     /// Loss bursts by length (see [`BurstHistogram`]), wrapping.
     pub bursts: [u32; BURST_BUCKETS],
+    /// Whole blocks of which no packet arrived (not in `lost`, `residual` or `bursts`).
+    pub blocks_missing: u32,
+    /// Runs of consecutive block ids among `blocks_missing` (one burst each).
+    pub missing_runs: u32,
 }
 
 /// What happened between two reports.
@@ -76,6 +92,10 @@ pub struct LossSample {
     pub residual: u32,
     /// Loss bursts by bucket.
     pub bursts: [u32; BURST_BUCKETS],
+    /// Whole blocks of which no packet arrived.
+    pub blocks_missing: u32,
+    /// Bursts that took those blocks.
+    pub missing_runs: u32,
 }
 
 impl LossSample {
@@ -83,6 +103,11 @@ impl LossSample {
     pub fn loss_rate(&self) -> Option<f64> {
         let total = u64::from(self.received) + u64::from(self.lost);
         (total > 0).then(|| f64::from(self.lost) / total as f64)
+    }
+
+    /// Loss bursts counted inside blocks.
+    pub fn burst_count(&self) -> u64 {
+        self.bursts.iter().map(|&c| u64::from(c)).sum()
     }
 
     /// Mean loss-burst length, or `None` if there was no loss.
@@ -118,6 +143,8 @@ impl LossReport {
             lost: self.lost.wrapping_sub(prev.lost),
             residual: self.residual.wrapping_sub(prev.residual),
             bursts,
+            blocks_missing: self.blocks_missing.wrapping_sub(prev.blocks_missing),
+            missing_runs: self.missing_runs.wrapping_sub(prev.missing_runs),
         }
     }
 
@@ -132,22 +159,26 @@ impl LossReport {
         ]
         .iter()
         .chain(self.bursts.iter())
+        .chain([self.blocks_missing, self.missing_runs].iter())
         {
             out.extend_from_slice(&v.to_be_bytes());
         }
     }
 
-    /// Parses a report body (without version and type). Trailing bytes are rejected so that
-    /// a report is exactly one encoding.
+    /// Parses a report body (without version and type): [`LOSS_REPORT_BODY_LEN`] bytes, or
+    /// [`LOSS_REPORT_BODY_LEN_SHORT`] from an older build (no whole block missing). Any other
+    /// length is rejected, so that a report is exactly one encoding.
     pub fn decode(body: &[u8]) -> Result<Self, WireError> {
-        if body.len() < LOSS_REPORT_BODY_LEN {
+        if body.len() < LOSS_REPORT_BODY_LEN_SHORT {
             return Err(WireError::Truncated {
-                need: LOSS_REPORT_BODY_LEN + 2,
+                need: LOSS_REPORT_BODY_LEN_SHORT + 2,
                 got: body.len() + 2,
             });
         }
-        if body.len() > LOSS_REPORT_BODY_LEN {
-            return Err(WireError::Malformed("trailing bytes after a loss report"));
+        if body.len() != LOSS_REPORT_BODY_LEN_SHORT && body.len() != LOSS_REPORT_BODY_LEN {
+            return Err(WireError::Malformed(
+                "a loss report's length is neither of the known encodings",
+            ));
         }
         let word = |i: usize| {
             let b = &body[4 * i..4 * i + 4];
@@ -157,6 +188,7 @@ impl LossReport {
         for (i, b) in bursts.iter_mut().enumerate() {
             *b = word(5 + i);
         }
+        let long = body.len() == LOSS_REPORT_BODY_LEN;
         Ok(Self {
             seq: word(0),
             received: word(1),
@@ -164,6 +196,8 @@ impl LossReport {
             recovered: word(3),
             residual: word(4),
             bursts,
+            blocks_missing: if long { word(5 + BURST_BUCKETS) } else { 0 },
+            missing_runs: if long { word(6 + BURST_BUCKETS) } else { 0 },
         })
     }
 }
@@ -190,12 +224,25 @@ mod tests {
             recovered: 45,
             residual: 5,
             bursts: [30, 5, 2, 1, 0, 0, 0, 1],
+            blocks_missing: 7,
+            missing_runs: 3,
         };
         let mut out = Vec::new();
         r.encode(&mut out);
         assert_eq!(out.len(), LOSS_REPORT_BODY_LEN);
         assert_eq!(LossReport::decode(&out), Ok(r));
-        assert!(LossReport::decode(&out[..out.len() - 1]).is_err());
+        // An older build's report, one word shorter: read as no whole block missing.
+        assert_eq!(
+            LossReport::decode(&out[..LOSS_REPORT_BODY_LEN_SHORT]),
+            Ok(LossReport {
+                blocks_missing: 0,
+                missing_runs: 0,
+                ..r
+            })
+        );
+        for len in [0, LOSS_REPORT_BODY_LEN_SHORT - 1, LOSS_REPORT_BODY_LEN - 4] {
+            assert!(LossReport::decode(&out[..len]).is_err(), "{len}");
+        }
         out.push(0);
         assert!(LossReport::decode(&out).is_err());
     }

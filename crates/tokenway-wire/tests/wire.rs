@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
-use tokenway_wire::fec::adapt::table_repairs;
+use tokenway_wire::fec::adapt::{table_repairs, HEAD_MAX_REPAIRS};
 use tokenway_wire::fec::{
     DropReason, FecConfig, FecMode, FecReceiver, FecScope, FecSender, Received, ReceiverConfig,
     SMALL_PACKET_MAX_LEN,
@@ -176,6 +176,8 @@ proptest! {
         }
         now += Duration::from_secs(1);
         tx.on_timeout(now);
+        // The last block's repairs may be spread in time (bursty reports).
+        now += Duration::from_millis(100);
         while tx.poll_transmit(now, &mut out) {}
         let s = tx.stats();
         let budgeted = s.repair_bytes - s.head_extra_bytes;
@@ -691,7 +693,7 @@ fn fec_off_and_out_of_scope_packets_go_out_plain() {
 fn a_block_lost_whole_is_counted_missing_and_a_late_one_is_not() {
     let t0 = Instant::now();
     let (mut tx, mut rx) = pair(fixed(2, 1), None);
-    let blocks: Vec<Vec<Vec<u8>>> = (0..6)
+    let blocks: Vec<Vec<Vec<u8>>> = (0..10)
         .map(|i| {
             send_block(
                 &mut tx,
@@ -702,8 +704,8 @@ fn a_block_lost_whole_is_counted_missing_and_a_late_one_is_not() {
         .collect();
     let mut delivered = Vec::new();
     // Block 1 never arrives (a burst took its two sources and its repair); block 3 arrives
-    // after block 4 (reordered).
-    for b in [0, 2, 4, 3, 5] {
+    // after block 4 (reordered); blocks 6, 7 and 8 are lost in one burst.
+    for b in [0, 2, 4, 3, 5, 9] {
         for d in &blocks[b] {
             receive(&mut rx, t0, d, &mut delivered);
         }
@@ -711,10 +713,13 @@ fn a_block_lost_whole_is_counted_missing_and_a_late_one_is_not() {
     assert_eq!(rx.stats().blocks_missing, 0, "not before max_block_age");
     rx.on_timeout(t0 + Duration::from_secs(1));
     let s = *rx.stats();
-    assert_eq!(s.blocks_missing, 1, "{s:?}");
-    // The whole lost block is not in the per-block counts: they saw nothing missing.
+    assert_eq!((s.blocks_missing, s.missing_runs), (4, 2), "{s:?}");
+    // The whole lost blocks are not in the per-block counts: they saw nothing missing.
     assert_eq!((s.lost, s.residual), (0, 0), "{s:?}");
-    assert_eq!(delivered.len(), 10);
+    assert_eq!(delivered.len(), 12);
+    // The loss report carries them to the sender.
+    let r = rx.loss_report();
+    assert_eq!((r.blocks_missing, r.missing_runs), (4, 2));
 
     // A jump over more ids than are tracked (an outage) counts them at once.
     let (mut tx, mut rx) = pair(fixed(1, 1), None);
@@ -725,6 +730,7 @@ fn a_block_lost_whole_is_counted_missing_and_a_late_one_is_not() {
     receive(&mut rx, t0, &wire[0][0], &mut delivered);
     receive(&mut rx, t0, &wire[99][0], &mut delivered);
     assert_eq!(rx.stats().blocks_missing, 98);
+    assert_eq!(rx.stats().missing_runs, 1);
 
     // A jump beyond the stale window is a renumbered peer, not lost blocks.
     let (mut tx, mut rx) = pair(fixed(1, 1), None);
@@ -1306,6 +1312,69 @@ fn an_ack_just_before_a_head_neither_joins_nor_weakens_it() {
         receive(&mut rx, t0, d, &mut delivered);
     }
     assert!(delivered.contains(&head), "the head was not restored");
+}
+
+#[test]
+fn under_bursty_loss_a_head_gets_copies_enough_for_a_burst_spread_in_time() {
+    use tokenway_wire::loss_report::LossReport;
+    let (mut tx, mut rx) = pair(auto(4.0), None);
+    tx.set_srtt(Duration::from_millis(100));
+    // What a receiver on a bursty link reports: few losses inside blocks, but whole blocks
+    // gone in runs (a head and its copies, two tokens and their parity).
+    let mut cum = LossReport::default();
+    tx.on_loss_report(&cum);
+    for _ in 0..4 {
+        cum.seq += 1;
+        cum.received += 200;
+        cum.lost += 1;
+        cum.bursts[0] += 1;
+        cum.blocks_missing += 3;
+        cum.missing_runs += 1;
+        tx.on_loss_report(&cum);
+    }
+    let a = tx.adaptation();
+    assert!(a.burst_estimate() >= 1.5, "{}", a.burst_estimate());
+    assert!(a.head_repairs() >= 4, "{}", a.head_repairs());
+    let want = a.head_repairs();
+    let t0 = Instant::now();
+    let mut wire = Vec::new();
+    let mut out = Vec::new();
+    tx.send(t0, &quic_packet(0, 300), &mut out).unwrap();
+    wire.push((t0, std::mem::take(&mut out)));
+    let mut at = t0;
+    while let Some(d) = tx.next_deadline() {
+        at = d;
+        tx.on_timeout(d);
+        while tx.poll_transmit(d, &mut out) {
+            wire.push((d, std::mem::take(&mut out)));
+        }
+    }
+    assert!(want <= HEAD_MAX_REPAIRS);
+    assert_eq!(wire.len(), 1 + want, "the head and its repairs");
+    assert!(
+        at - wire[1].0 >= Duration::from_millis(want as u64 - 1),
+        "spread in time"
+    );
+    // A burst takes the head and all its repairs but the last: it still arrives.
+    let mut delivered = Vec::new();
+    receive(&mut rx, t0, &wire.last().unwrap().1, &mut delivered);
+    assert_eq!(delivered, vec![quic_packet(0, 300)]);
+
+    // Under random loss the same reports without whole blocks leave the head at table + 1.
+    let (mut tx, _) = pair(auto(4.0), None);
+    tx.set_srtt(Duration::from_millis(100));
+    let mut cum = LossReport::default();
+    tx.on_loss_report(&cum);
+    for _ in 0..4 {
+        cum.seq += 1;
+        cum.received += 190;
+        cum.lost += 10;
+        cum.bursts[0] += 10;
+        tx.on_loss_report(&cum);
+    }
+    assert_eq!(tx.adaptation().head_repairs(), 0);
+    let wire = send_at(&mut tx, t0, &[(0, 300)]);
+    assert_eq!(wire.len(), 1 + table_repairs(1) + 1);
 }
 
 proptest! {

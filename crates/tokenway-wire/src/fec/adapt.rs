@@ -20,6 +20,14 @@
 //! estimate to two or three times the true rate. The
 //! result is capped at `2k + 1` and [`MAX_BLOCK_REPAIRS`]; the sender's overhead budget caps the
 //! bytes on top of that.
+//!
+//! The receiver sees a burst as a run of missing indices inside one block, but on a sparse
+//! stream blocks hold one to three sources, and a burst that takes a whole block (sources and
+//! repairs) leaves nothing to count inside it. Reports therefore also carry the blocks that never
+//! arrived and how many runs of consecutive block ids they formed; the sender counts each as
+//! its mean packets per block lost, and each run as one burst. Under bursty loss (mean burst
+//! at least [`BURSTY`]) a head block gets enough repairs that all of its copies are rarely lost
+//! in one burst ([`Adaptation::head_repairs`]).
 
 use crate::loss_report::LossReport;
 use crate::packet::MAX_BLOCK_REPAIRS;
@@ -35,6 +43,14 @@ const DECAY: f64 = 0.125;
 const REPORT_HALF_WEIGHT: f64 = 16.0;
 /// Loss rates below this are treated as no loss (keeps the decay from lingering forever).
 const LOSS_FLOOR: f64 = 1e-4;
+/// A mean burst length from which losses count as bursty: repairs are spread in time and
+/// heads get [`Adaptation::head_repairs`].
+pub const BURSTY: f64 = 1.5;
+/// The probability of losing a head block and all its repairs that
+/// [`Adaptation::head_repairs`] aims for.
+const HEAD_RESIDUAL_TARGET: f64 = 1e-3;
+/// Most repairs [`Adaptation::head_repairs`] asks for.
+pub const HEAD_MAX_REPAIRS: usize = 7;
 
 /// Table redundancy for a block of `k` source packets (`k ≥ 1`).
 pub fn table_repairs(k: usize) -> usize {
@@ -64,10 +80,16 @@ pub struct Adaptation {
 }
 
 impl Adaptation {
-    /// Feeds one loss report. Returns `false` (and changes nothing) for a report that is not
-    /// newer than the last one (reordered or replayed). The first report only sets the
-    /// baseline, since its counters cover an unknown period.
-    pub fn on_report(&mut self, report: &LossReport) -> bool {
+    /// Feeds one loss report; `block_packets` is the mean number of packets (sources and
+    /// repairs) the sender puts in a block, which the receiver cannot know of a block it never
+    /// saw. Returns `false` (and changes nothing) for a report that is not newer than the last
+    /// one (reordered or replayed). The first report only sets the baseline, since its
+    /// counters cover an unknown period.
+    ///
+    /// Whole blocks missing count as `block_packets` lost packets each, and each run of them
+    /// as one burst of those packets. The burst estimate moves only on reports that show loss:
+    /// most reports of a sparse stream show none, and they say nothing about burst lengths.
+    pub fn on_report(&mut self, report: &LossReport, block_packets: f64) -> bool {
         let Some(prev) = self.last else {
             self.last = Some(*report);
             return true;
@@ -77,14 +99,22 @@ impl Adaptation {
         }
         self.last = Some(*report);
         let sample = report.since(&prev);
-        if let Some(p) = sample.loss_rate() {
-            let n = f64::from(sample.received) + f64::from(sample.lost);
-            let weight = n / (n + REPORT_HALF_WEIGHT);
-            self.loss = blend(self.loss, p, weight);
-            if self.loss < LOSS_FLOOR {
-                self.loss = 0.0;
-            }
-            let b = sample.mean_burst().unwrap_or(1.0);
+        let whole = f64::from(sample.blocks_missing) * block_packets.max(1.0);
+        let lost = f64::from(sample.lost) + whole;
+        let n = f64::from(sample.received) + lost;
+        if n <= 0.0 {
+            return true;
+        }
+        let weight = n / (n + REPORT_HALF_WEIGHT);
+        self.loss = blend(self.loss, lost / n, weight);
+        if self.loss < LOSS_FLOOR {
+            self.loss = 0.0;
+        }
+        let in_block = sample.burst_count() as f64;
+        let bursts = in_block + f64::from(sample.missing_runs);
+        if bursts > 0.0 {
+            let in_block_len = sample.mean_burst().map_or(0.0, |b| b * in_block);
+            let b = ((in_block_len + whole) / bursts).max(1.0);
             self.burst = blend(self.burst.max(1.0), b, weight);
         }
         true
@@ -121,6 +151,25 @@ impl Adaptation {
         (1 + expected.floor() as usize)
             .min(2 * k.max(1) + 1)
             .min(MAX_BLOCK_REPAIRS)
+    }
+
+    /// Repairs a head block (a request, or an answer's first packets, after a pause) needs
+    /// under bursty loss, or 0 when losses are not bursty (mean burst below [`BURSTY`]).
+    ///
+    /// Copies sent back to back fall into the burst that took the first one: after a lost
+    /// packet the next is lost with probability `1 − 1/b` for bursts of mean length `b`
+    /// (geometric), so a packet and `r` repairs are all lost with probability about
+    /// `p·(1 − 1/b)^r`. The fewest `r` that bring that to [`HEAD_RESIDUAL_TARGET`], at most
+    /// [`HEAD_MAX_REPAIRS`]. Heads are one or two per request, so this is bounded by the
+    /// requests, not by the bytes.
+    pub fn head_repairs(&self) -> usize {
+        let b = self.burst_estimate();
+        if b < BURSTY || self.loss <= HEAD_RESIDUAL_TARGET {
+            return 0;
+        }
+        let follow = 1.0 - 1.0 / b;
+        let r = ((HEAD_RESIDUAL_TARGET / self.loss).ln() / follow.ln()).ceil();
+        (r.max(1.0) as usize).min(HEAD_MAX_REPAIRS)
     }
 
     /// `⌈k·p + 2·√(k·p·b)⌉`: expected losses plus two standard deviations.
@@ -163,16 +212,16 @@ mod tests {
         let mut a = Adaptation::default();
         assert_eq!(a.sparse_repairs_for(3), 1);
         // A noisy estimate at 15 %: still one repair for a block of 3.
-        a.on_report(&report(1, 0, 0, 0));
-        a.on_report(&report(2, 85, 15, 15));
+        a.on_report(&report(1, 0, 0, 0), 1.0);
+        a.on_report(&report(2, 85, 15, 15), 1.0);
         // Half-way, weighted by the 100 packets the report covers.
         assert!((a.loss_estimate() - 0.15 * 0.5 * 100.0 / 116.0).abs() < 1e-9);
-        a.on_report(&report(3, 170, 45, 45));
+        a.on_report(&report(3, 170, 45, 45), 1.0);
         assert!(a.loss_estimate() > 0.14, "{}", a.loss_estimate());
         assert_eq!(a.sparse_repairs_for(3), 1);
         assert!(a.repairs_for(3) >= 2, "ordinary blocks keep their margin");
         // Heavy loss: two.
-        a.on_report(&report(4, 220, 195, 195));
+        a.on_report(&report(4, 220, 195, 195), 1.0);
         assert_eq!(a.sparse_repairs_for(3), 2, "{}", a.loss_estimate());
     }
 
@@ -180,24 +229,72 @@ mod tests {
     fn a_report_of_a_few_packets_moves_the_estimate_less_than_a_large_one() {
         // One loss in five packets (a token stream's report) against 200 in 1000.
         let mut small = Adaptation::default();
-        small.on_report(&report(1, 0, 0, 0));
-        small.on_report(&report(2, 4, 1, 1));
+        small.on_report(&report(1, 0, 0, 0), 1.0);
+        small.on_report(&report(2, 4, 1, 1), 1.0);
         let mut large = Adaptation::default();
-        large.on_report(&report(1, 0, 0, 0));
-        large.on_report(&report(2, 800, 200, 200));
+        large.on_report(&report(1, 0, 0, 0), 1.0);
+        large.on_report(&report(2, 800, 200, 200), 1.0);
         assert!((small.loss_estimate() - 0.2 * 0.5 * 5.0 / 21.0).abs() < 1e-9);
         assert!(large.loss_estimate() > 0.09, "{}", large.loss_estimate());
         assert!(small.loss_estimate() < 0.3 * large.loss_estimate());
     }
 
     #[test]
+    fn whole_blocks_missing_count_as_bursts_and_clean_reports_keep_the_burst_length() {
+        let mut a = Adaptation::default();
+        a.on_report(&report(1, 0, 0, 0), 3.0);
+        // 1000 packets through, 4 losses seen inside blocks (single ones) and 6 whole blocks
+        // of 3 packets gone in 3 runs of two: 22 of 1022 packets lost, bursts (4 + 18) / 7.
+        let mut r = report(2, 1000, 4, 4);
+        r.blocks_missing = 6;
+        r.missing_runs = 3;
+        assert!(a.on_report(&r, 3.0));
+        let w = 1022.0 / (1022.0 + REPORT_HALF_WEIGHT) * RISE;
+        assert!((a.loss_estimate() - w * 22.0 / 1022.0).abs() < 1e-9);
+        assert!((a.burst_estimate() - (1.0 + w * (22.0 / 7.0 - 1.0))).abs() < 1e-9);
+        let b = a.burst_estimate();
+        assert!(b > BURSTY, "{b}");
+        // Reports without loss let the loss rate decay but say nothing about burst lengths.
+        for seq in 3..40 {
+            let mut clean = report(seq, 1000 + 100 * (seq - 2), 4, 4);
+            clean.blocks_missing = 6;
+            clean.missing_runs = 3;
+            a.on_report(&clean, 3.0);
+        }
+        assert!(a.loss_estimate() < 1e-3, "{}", a.loss_estimate());
+        assert_eq!(a.burst_estimate(), b);
+        assert_eq!(a.head_repairs(), 0, "no loss left to guard against");
+    }
+
+    #[test]
+    fn heads_get_enough_copies_for_bursts_and_none_extra_for_random_loss() {
+        let mut a = Adaptation {
+            loss: 0.02,
+            burst: 1.0,
+            last: None,
+        };
+        assert_eq!(
+            a.head_repairs(),
+            0,
+            "random loss: the table and one extra do"
+        );
+        // Bursts of 2: each copy after a lost one is lost with probability 1/2;
+        // 0.02 · 0.5^r ≤ 10⁻³ from r = 5.
+        a.burst = 2.0;
+        assert_eq!(a.head_repairs(), 5);
+        // Bursts of 3 (4g): 0.02 · (2/3)^r ≤ 10⁻³ needs r = 8, capped.
+        a.burst = 3.0;
+        assert_eq!(a.head_repairs(), HEAD_MAX_REPAIRS);
+    }
+
+    #[test]
     fn stale_reports_are_ignored() {
         let mut a = Adaptation::default();
-        assert!(a.on_report(&report(5, 0, 0, 0)));
-        assert!(a.on_report(&report(6, 80, 20, 20)));
+        assert!(a.on_report(&report(5, 0, 0, 0), 1.0));
+        assert!(a.on_report(&report(6, 80, 20, 20), 1.0));
         let before = a.loss_estimate();
-        assert!(!a.on_report(&report(6, 80, 20, 20)));
-        assert!(!a.on_report(&report(4, 0, 0, 0)));
+        assert!(!a.on_report(&report(6, 80, 20, 20), 1.0));
+        assert!(!a.on_report(&report(4, 0, 0, 0), 1.0));
         assert_eq!(a.loss_estimate(), before);
     }
 }

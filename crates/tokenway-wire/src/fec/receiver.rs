@@ -184,6 +184,9 @@ pub struct ReceiverStats {
     /// a small block without repairs). Their packets are in neither `lost` nor `residual`,
     /// which count only what is missing from blocks that were seen.
     pub blocks_missing: u64,
+    /// Runs of consecutive block ids in `blocks_missing`: each is one loss burst that took
+    /// every packet of those blocks.
+    pub missing_runs: u64,
     /// Loss bursts by length.
     pub bursts: BurstHistogram,
     /// Blocks finalised complete (all sources received or restored).
@@ -276,6 +279,8 @@ pub struct FecReceiver {
     /// Block ids jumped over by the newest, with when (ms since the epoch): missing unless a
     /// packet of theirs arrives within `max_block_age` (reordering).
     skipped: VecDeque<(BlockId, u32)>,
+    /// The block last counted missing whole, to tell a run of them from separate losses.
+    last_missing: Option<BlockId>,
     /// Packets in a row that contradicted the state ([`Self::suspect`]).
     suspect_run: u32,
     recovered_q: VecDeque<Vec<u8>>,
@@ -311,6 +316,7 @@ impl FecReceiver {
             history: vec![Finalised::default(); HISTORY],
             newest: None,
             skipped: VecDeque::new(),
+            last_missing: None,
             suspect_run: 0,
             recovered_q: VecDeque::new(),
             pool: Vec::new(),
@@ -454,6 +460,9 @@ impl FecReceiver {
             // that renumbered (a restart), not a loss, and counts nothing.
             if d <= STALE_WINDOW {
                 self.stats.blocks_missing += gap as u64;
+                self.stats.missing_runs += 1;
+                self.last_missing = None;
+                self.report_dirty = true;
             }
             return;
         }
@@ -462,8 +471,9 @@ impl FecReceiver {
         for _ in 0..gap {
             id = id.next();
             if self.skipped.len() >= MAX_SKIPPED {
-                self.skipped.pop_front();
-                self.stats.blocks_missing += 1;
+                if let Some((old, _)) = self.skipped.pop_front() {
+                    self.confirm_missing(old);
+                }
             }
             self.skipped.push_back((id, at));
         }
@@ -703,9 +713,21 @@ impl FecReceiver {
             if now_ms.saturating_sub(at) < age_ms {
                 break;
             }
-            self.skipped.pop_front();
-            self.stats.blocks_missing += 1;
+            if let Some((id, _)) = self.skipped.pop_front() {
+                self.confirm_missing(id);
+            }
         }
+    }
+
+    /// Counts block `id` as missing whole; it extends the run of the last one confirmed if it
+    /// follows it.
+    fn confirm_missing(&mut self, id: BlockId) {
+        if self.last_missing.is_none_or(|last| last.next() != id) {
+            self.stats.missing_runs += 1;
+        }
+        self.last_missing = Some(id);
+        self.stats.blocks_missing += 1;
+        self.report_dirty = true;
     }
 
     fn resync(&mut self) {
@@ -715,6 +737,7 @@ impl FecReceiver {
         self.history.iter_mut().for_each(|h| h.valid = false);
         self.newest = None;
         self.skipped.clear();
+        self.last_missing = None;
         self.suspect_run = 0;
         self.stats.resyncs += 1;
     }
@@ -744,6 +767,8 @@ impl FecReceiver {
             recovered: s.recovered as u32,
             residual: s.residual as u32,
             bursts,
+            blocks_missing: s.blocks_missing as u32,
+            missing_runs: s.missing_runs as u32,
         }
     }
 

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use super::adapt::Adaptation;
+use super::adapt::{Adaptation, BURSTY};
 use super::codec::{shard_len_for, Encoder};
 use super::{
     datagram_overhead, FecConfig, FecMode, FecScope, HEAD_EXTRA_MAX_K, MAX_DATAGRAM_LEN,
@@ -222,7 +222,9 @@ impl FecSender {
 
     /// Applies a loss report from the peer's receiver to the redundancy.
     pub fn on_loss_report(&mut self, report: &LossReport) {
-        if self.adapt.on_report(report) {
+        let blocks = self.stats.blocks.max(1) as f64;
+        let block_packets = (self.stats.source_packets + self.stats.repair_packets) as f64 / blocks;
+        if self.adapt.on_report(report, block_packets) {
             self.stats.reports_applied += 1;
         } else {
             self.stats.reports_stale += 1;
@@ -466,18 +468,22 @@ impl FecSender {
         };
         self.stats.repairs_skipped_by_budget += (planned - r) as u64;
         // A head block's loss costs the time to first token (and, as the last packet before a
-        // pause, QUIC's probe timeout): one more repair, outside the budget. At most one per
-        // pause, so bounded by the pauses, not by the bytes.
+        // pause, QUIC's probe timeout): one more repair, outside the budget, and under bursty
+        // loss as many as keep its copies out of one burst. At most one head per pause, so
+        // bounded by the pauses, not by the bytes.
         let r = if block.kind == BlockKind::Head && k <= HEAD_EXTRA_MAX_K {
-            self.stats.head_extra_bytes += wire_len as u64;
-            (r + 1).min(crate::packet::MAX_BLOCK_REPAIRS)
+            let head = (r + 1)
+                .max(self.adapt.head_repairs())
+                .min(crate::packet::MAX_BLOCK_REPAIRS);
+            self.stats.head_extra_bytes += ((head - r) * wire_len) as u64;
+            head
         } else {
             r
         };
         if r == 0 {
             return;
         }
-        let spacing = if self.adapt.burst_estimate() >= 1.5 {
+        let spacing = if self.adapt.burst_estimate() >= BURSTY {
             self.config.repair_spacing
         } else {
             Duration::ZERO
