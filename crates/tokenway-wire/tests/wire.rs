@@ -1022,6 +1022,18 @@ mod fuzz_corpus {
         assert!(run(&file("loss-report-obfs-v1")).reports >= 1);
     }
 
+    /// The `loss-report-short-*` files are reports written before they carried whole blocks
+    /// missing (8 bytes shorter): still read.
+    #[test]
+    fn reports_of_builds_before_whole_block_counts_are_still_read() {
+        let file = |n: &str| std::fs::read(corpus_dir().join(n)).expect("committed seed");
+        for tag in ["plain", "obfs"] {
+            let o = run(&file(&format!("loss-report-short-{tag}")));
+            assert!(o.reports >= 1, "{tag}: {o:?}");
+            assert_eq!(o.dropped, 0, "{tag}: {o:?}");
+        }
+    }
+
     /// Every committed corpus file (seeds and whatever the fuzzer added) runs through the same
     /// function as the fuzz target, without a panic.
     #[test]
