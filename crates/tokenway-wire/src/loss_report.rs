@@ -13,11 +13,12 @@
 //! receiver cannot tell how many packets they held, the sender can (see
 //! [`crate::fec::adapt`]).
 //!
-//! `blocks_missing` and `missing_runs` (how many bursts those were: consecutive block ids
-//! missing are one burst) are the last two words of the body. Reports of builds before them
-//! are two words shorter and still read (as no whole block missing); a build before them drops
-//! the longer report as malformed, so against such a peer the sender keeps its table
-//! redundancy.
+//! After the burst histogram come `blocks_missing` (cumulative) and the ids of the last
+//! [`MAX_MISSING_IDS`] blocks confirmed missing, oldest first (a count byte, then `u16`s): the
+//! sender knows how many packets each of its blocks held and so how long the bursts were.
+//! Reports of builds before them end after the histogram and are still read (as no whole block
+//! missing); a build before them drops the longer report as malformed, so against such a peer
+//! the sender keeps its table redundancy.
 
 use crate::error::WireError;
 
@@ -30,11 +31,40 @@ pub const BURST_BUCKET_BOUNDS: [u32; BURST_BUCKETS] = [1, 2, 3, 4, 8, 16, 32, u3
 /// The length used for a bucket when averaging burst lengths (midpoint-ish of the bucket).
 const BURST_BUCKET_WEIGHT: [f64; BURST_BUCKETS] = [1.0, 2.0, 3.0, 4.0, 6.0, 12.0, 24.0, 48.0];
 
-/// Encoded length of a report body (after the 2-byte version and type).
-pub const LOSS_REPORT_BODY_LEN: usize = 4 * (7 + BURST_BUCKETS);
+/// Most ids of whole missing blocks a report lists.
+pub const MAX_MISSING_IDS: usize = 16;
+
+/// Encoded length of a report body (after the 2-byte version and type) listing no missing
+/// block; each listed id adds 2 bytes.
+pub const LOSS_REPORT_BODY_LEN: usize = 4 * (6 + BURST_BUCKETS) + 1;
 
 /// Length of a report body from a build before `blocks_missing`, still read.
-pub const LOSS_REPORT_BODY_LEN_SHORT: usize = LOSS_REPORT_BODY_LEN - 8;
+pub const LOSS_REPORT_BODY_LEN_SHORT: usize = 4 * (5 + BURST_BUCKETS);
+
+/// The ids of the last blocks a receiver confirmed missing whole, oldest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MissingIds {
+    ids: [u16; MAX_MISSING_IDS],
+    len: u8,
+}
+
+impl MissingIds {
+    /// The ids, oldest first.
+    pub fn as_slice(&self) -> &[u16] {
+        &self.ids[..usize::from(self.len)]
+    }
+
+    /// Appends `id`, dropping the oldest when full.
+    pub fn push(&mut self, id: u16) {
+        if usize::from(self.len) == MAX_MISSING_IDS {
+            self.ids.copy_within(1.., 0);
+            self.ids[MAX_MISSING_IDS - 1] = id;
+        } else {
+            self.ids[usize::from(self.len)] = id;
+            self.len += 1;
+        }
+    }
+}
 
 /// Counts of loss bursts by length: buckets 1, 2, 3, 4, 5–8, 9–16, 17–32, 33+.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -77,8 +107,9 @@ pub struct LossReport {
     pub bursts: [u32; BURST_BUCKETS],
     /// Whole blocks of which no packet arrived (not in `lost`, `residual` or `bursts`).
     pub blocks_missing: u32,
-    /// Runs of consecutive block ids among `blocks_missing` (one burst each).
-    pub missing_runs: u32,
+    /// The last of those, by block id (not cumulative: the sender takes the ones it has not
+    /// seen yet).
+    pub missing_ids: MissingIds,
 }
 
 /// What happened between two reports.
@@ -94,8 +125,6 @@ pub struct LossSample {
     pub bursts: [u32; BURST_BUCKETS],
     /// Whole blocks of which no packet arrived.
     pub blocks_missing: u32,
-    /// Bursts that took those blocks.
-    pub missing_runs: u32,
 }
 
 impl LossSample {
@@ -144,7 +173,6 @@ impl LossReport {
             residual: self.residual.wrapping_sub(prev.residual),
             bursts,
             blocks_missing: self.blocks_missing.wrapping_sub(prev.blocks_missing),
-            missing_runs: self.missing_runs.wrapping_sub(prev.missing_runs),
         }
     }
 
@@ -159,26 +187,27 @@ impl LossReport {
         ]
         .iter()
         .chain(self.bursts.iter())
-        .chain([self.blocks_missing, self.missing_runs].iter())
+        .chain([self.blocks_missing].iter())
         {
             out.extend_from_slice(&v.to_be_bytes());
         }
+        let ids = self.missing_ids.as_slice();
+        out.push(ids.len() as u8);
+        for id in ids {
+            out.extend_from_slice(&id.to_be_bytes());
+        }
     }
 
-    /// Parses a report body (without version and type): [`LOSS_REPORT_BODY_LEN`] bytes, or
-    /// [`LOSS_REPORT_BODY_LEN_SHORT`] from an older build (no whole block missing). Any other
-    /// length is rejected, so that a report is exactly one encoding.
+    /// Parses a report body (without version and type): [`LOSS_REPORT_BODY_LEN`] bytes plus 2
+    /// per listed id, or [`LOSS_REPORT_BODY_LEN_SHORT`] from an older build (no whole block
+    /// missing). Any other length is rejected, so that a report is exactly one encoding.
     pub fn decode(body: &[u8]) -> Result<Self, WireError> {
-        if body.len() < LOSS_REPORT_BODY_LEN_SHORT {
+        let short = body.len() == LOSS_REPORT_BODY_LEN_SHORT;
+        if !short && body.len() < LOSS_REPORT_BODY_LEN {
             return Err(WireError::Truncated {
-                need: LOSS_REPORT_BODY_LEN_SHORT + 2,
+                need: LOSS_REPORT_BODY_LEN + 2,
                 got: body.len() + 2,
             });
-        }
-        if body.len() != LOSS_REPORT_BODY_LEN_SHORT && body.len() != LOSS_REPORT_BODY_LEN {
-            return Err(WireError::Malformed(
-                "a loss report's length is neither of the known encodings",
-            ));
         }
         let word = |i: usize| {
             let b = &body[4 * i..4 * i + 4];
@@ -188,17 +217,34 @@ impl LossReport {
         for (i, b) in bursts.iter_mut().enumerate() {
             *b = word(5 + i);
         }
-        let long = body.len() == LOSS_REPORT_BODY_LEN;
-        Ok(Self {
+        let mut report = Self {
             seq: word(0),
             received: word(1),
             lost: word(2),
             recovered: word(3),
             residual: word(4),
             bursts,
-            blocks_missing: if long { word(5 + BURST_BUCKETS) } else { 0 },
-            missing_runs: if long { word(6 + BURST_BUCKETS) } else { 0 },
-        })
+            ..Self::default()
+        };
+        if short {
+            return Ok(report);
+        }
+        report.blocks_missing = word(5 + BURST_BUCKETS);
+        let n = usize::from(body[LOSS_REPORT_BODY_LEN - 1]);
+        if n > MAX_MISSING_IDS {
+            return Err(WireError::Malformed(
+                "a loss report lists too many missing blocks",
+            ));
+        }
+        if body.len() != LOSS_REPORT_BODY_LEN + 2 * n {
+            return Err(WireError::Malformed(
+                "a loss report's length does not match its missing-block count",
+            ));
+        }
+        for id in body[LOSS_REPORT_BODY_LEN..].chunks_exact(2) {
+            report.missing_ids.push(u16::from_be_bytes([id[0], id[1]]));
+        }
+        Ok(report)
     }
 }
 
@@ -225,26 +271,48 @@ mod tests {
             residual: 5,
             bursts: [30, 5, 2, 1, 0, 0, 0, 1],
             blocks_missing: 7,
-            missing_runs: 3,
+            missing_ids: MissingIds::default(),
         };
         let mut out = Vec::new();
         r.encode(&mut out);
         assert_eq!(out.len(), LOSS_REPORT_BODY_LEN);
         assert_eq!(LossReport::decode(&out), Ok(r));
+        let mut listed = r;
+        for id in [3, 4, 9] {
+            listed.missing_ids.push(id);
+        }
+        let mut long = Vec::new();
+        listed.encode(&mut long);
+        assert_eq!(long.len(), LOSS_REPORT_BODY_LEN + 6);
+        assert_eq!(LossReport::decode(&long), Ok(listed));
+        assert!(LossReport::decode(&long[..long.len() - 1]).is_err());
+        let mut too_many = long.clone();
+        too_many[LOSS_REPORT_BODY_LEN - 1] = MAX_MISSING_IDS as u8 + 1;
+        too_many.resize(LOSS_REPORT_BODY_LEN + 2 * (MAX_MISSING_IDS + 1), 0);
+        assert!(LossReport::decode(&too_many).is_err());
         // An older build's report, one word shorter: read as no whole block missing.
         assert_eq!(
             LossReport::decode(&out[..LOSS_REPORT_BODY_LEN_SHORT]),
             Ok(LossReport {
                 blocks_missing: 0,
-                missing_runs: 0,
                 ..r
             })
         );
-        for len in [0, LOSS_REPORT_BODY_LEN_SHORT - 1, LOSS_REPORT_BODY_LEN - 4] {
+        for len in [0, LOSS_REPORT_BODY_LEN_SHORT - 1, LOSS_REPORT_BODY_LEN - 1] {
             assert!(LossReport::decode(&out[..len]).is_err(), "{len}");
         }
         out.push(0);
         assert!(LossReport::decode(&out).is_err());
+    }
+
+    #[test]
+    fn missing_ids_keep_the_last_ones_oldest_first() {
+        let mut m = MissingIds::default();
+        for id in 0..20u16 {
+            m.push(id);
+        }
+        let want: Vec<u16> = (4..20).collect();
+        assert_eq!(m.as_slice(), &want[..]);
     }
 
     #[test]

@@ -719,7 +719,8 @@ fn a_block_lost_whole_is_counted_missing_and_a_late_one_is_not() {
     assert_eq!(delivered.len(), 12);
     // The loss report carries them to the sender.
     let r = rx.loss_report();
-    assert_eq!((r.blocks_missing, r.missing_runs), (4, 2));
+    assert_eq!(r.blocks_missing, 4);
+    assert_eq!(r.missing_ids.as_slice(), &[1, 6, 7, 8]);
 
     // A jump over more ids than are tracked (an outage) counts them at once.
     let (mut tx, mut rx) = pair(fixed(1, 1), None);
@@ -1335,13 +1336,16 @@ fn under_bursty_loss_a_head_gets_copies_enough_for_a_burst_spread_in_time() {
     // gone in runs (a head and its copies, two tokens and their parity).
     let mut cum = LossReport::default();
     tx.on_loss_report(&cum);
-    for _ in 0..4 {
+    for i in 0..4u16 {
         cum.seq += 1;
         cum.received += 200;
         cum.lost += 1;
         cum.bursts[0] += 1;
+        // Three blocks in a row (ids the sender no longer knows: one packet each).
         cum.blocks_missing += 3;
-        cum.missing_runs += 1;
+        for id in 100 + 10 * i..103 + 10 * i {
+            cum.missing_ids.push(id);
+        }
         tx.on_loss_report(&cum);
     }
     let a = tx.adaptation();

@@ -24,13 +24,13 @@
 //! The receiver sees a burst as a run of missing indices inside one block, but on a sparse
 //! stream blocks hold one to three sources, and a burst that takes a whole block (sources and
 //! repairs) leaves nothing to count inside it. Reports therefore also carry the blocks that never
-//! arrived and how many runs of consecutive block ids they formed; the sender counts each as
-//! its mean packets per block lost, and each run as one burst. Under bursty loss (mean burst
+//! arrived, with the ids of the last ones; the sender counts the packets each of those held as
+//! lost, and each run of consecutive ids as one burst. Under bursty loss (mean burst
 //! at least [`BURSTY`]) a head block gets enough repairs that all of its copies are rarely lost
 //! in one burst ([`Adaptation::head_repairs`]).
 
 use crate::loss_report::LossReport;
-use crate::packet::MAX_BLOCK_REPAIRS;
+use crate::packet::{BlockId, MAX_BLOCK_REPAIRS};
 
 /// Weight of a sample above the estimate.
 const RISE: f64 = 0.5;
@@ -41,6 +41,8 @@ const DECAY: f64 = 0.125;
 /// rate. The weight of a sample of `n` packets is `n / (n + REPORT_HALF_WEIGHT)` times
 /// [`RISE`] or [`DECAY`].
 const REPORT_HALF_WEIGHT: f64 = 16.0;
+/// A report of this many bursts moves the burst estimate half-way to its mean.
+const BURST_HALF_WEIGHT: f64 = 4.0;
 /// Loss rates below this are treated as no loss (keeps the decay from lingering forever).
 const LOSS_FLOOR: f64 = 1e-4;
 /// A mean burst length from which losses count as bursty: repairs are spread in time and
@@ -77,21 +79,30 @@ pub struct Adaptation {
     loss: f64,
     burst: f64,
     last: Option<LossReport>,
+    /// The newest whole missing block counted.
+    last_missing: Option<BlockId>,
 }
 
 impl Adaptation {
-    /// Feeds one loss report; `block_packets` is the mean number of packets (sources and
-    /// repairs) the sender puts in a block, which the receiver cannot know of a block it never
-    /// saw. Returns `false` (and changes nothing) for a report that is not newer than the last
-    /// one (reordered or replayed). The first report only sets the baseline, since its
-    /// counters cover an unknown period.
+    /// Feeds one loss report; `block_packets` tells how many packets (sources and repairs)
+    /// the sender put in the block of an id, if it still knows (the receiver cannot know it of
+    /// a block it never saw). Returns `false` (and changes nothing) for a report that is not
+    /// newer than the last one (reordered or replayed). The first report only sets the
+    /// baseline, since its counters cover an unknown period.
     ///
-    /// Whole blocks missing count as `block_packets` lost packets each, and each run of them
-    /// as one burst of those packets. The burst estimate moves only on reports that show loss:
-    /// most reports of a sparse stream show none, and they say nothing about burst lengths.
-    pub fn on_report(&mut self, report: &LossReport, block_packets: f64) -> bool {
+    /// Whole blocks missing count as lost packets, as many as each held; a run of consecutive
+    /// ids is one burst of all their packets. The burst estimate is a mean over bursts, not
+    /// reports: it moves only on reports that show a loss (most reports of a sparse stream show
+    /// none, and they say nothing about burst lengths), by `m / (m + 4)` of the way for a report
+    /// of `m` bursts, up or down alike.
+    pub fn on_report(
+        &mut self,
+        report: &LossReport,
+        block_packets: impl Fn(BlockId) -> Option<usize>,
+    ) -> bool {
         let Some(prev) = self.last else {
             self.last = Some(*report);
+            self.last_missing = report.missing_ids.as_slice().last().copied().map(BlockId);
             return true;
         };
         if !report.is_newer_than(&prev) {
@@ -99,7 +110,7 @@ impl Adaptation {
         }
         self.last = Some(*report);
         let sample = report.since(&prev);
-        let whole = f64::from(sample.blocks_missing) * block_packets.max(1.0);
+        let (whole, whole_bursts) = self.whole_blocks(report, sample.blocks_missing, block_packets);
         let lost = f64::from(sample.lost) + whole;
         let n = f64::from(sample.received) + lost;
         if n <= 0.0 {
@@ -111,13 +122,42 @@ impl Adaptation {
             self.loss = 0.0;
         }
         let in_block = sample.burst_count() as f64;
-        let bursts = in_block + f64::from(sample.missing_runs);
+        let bursts = in_block + whole_bursts;
         if bursts > 0.0 {
             let in_block_len = sample.mean_burst().map_or(0.0, |b| b * in_block);
             let b = ((in_block_len + whole) / bursts).max(1.0);
-            self.burst = blend(self.burst.max(1.0), b, weight);
+            let burst = self.burst.max(1.0);
+            self.burst = burst + bursts / (bursts + BURST_HALF_WEIGHT) * (b - burst);
         }
         true
+    }
+
+    /// Packets and bursts of the whole blocks missing that `report` adds: its listed ids newer
+    /// than the last one counted, sized by `block_packets`, consecutive ids joined into one
+    /// burst (also across reports). Blocks counted but no longer listed (more went missing
+    /// between two reports than a report lists) count one packet and one burst each.
+    fn whole_blocks(
+        &mut self,
+        report: &LossReport,
+        missing: u32,
+        block_packets: impl Fn(BlockId) -> Option<usize>,
+    ) -> (f64, f64) {
+        let (mut packets, mut bursts, mut listed) = (0.0, 0.0, 0u32);
+        let mut before: Option<BlockId> = None;
+        for id in report.missing_ids.as_slice().iter().copied().map(BlockId) {
+            let new = self.last_missing.is_none_or(|l| id.distance_from(l) > 0);
+            if new {
+                listed += 1;
+                packets += block_packets(id).unwrap_or(1).max(1) as f64;
+                if before.is_none_or(|b| b.next() != id) {
+                    bursts += 1.0;
+                }
+                self.last_missing = Some(id);
+            }
+            before = Some(id);
+        }
+        let unlisted = f64::from(missing.saturating_sub(listed));
+        (packets + unlisted, bursts + unlisted)
     }
 
     /// The estimated loss rate (0 until a report shows loss).
@@ -212,16 +252,16 @@ mod tests {
         let mut a = Adaptation::default();
         assert_eq!(a.sparse_repairs_for(3), 1);
         // A noisy estimate at 15 %: still one repair for a block of 3.
-        a.on_report(&report(1, 0, 0, 0), 1.0);
-        a.on_report(&report(2, 85, 15, 15), 1.0);
+        a.on_report(&report(1, 0, 0, 0), |_| None);
+        a.on_report(&report(2, 85, 15, 15), |_| None);
         // Half-way, weighted by the 100 packets the report covers.
         assert!((a.loss_estimate() - 0.15 * 0.5 * 100.0 / 116.0).abs() < 1e-9);
-        a.on_report(&report(3, 170, 45, 45), 1.0);
+        a.on_report(&report(3, 170, 45, 45), |_| None);
         assert!(a.loss_estimate() > 0.14, "{}", a.loss_estimate());
         assert_eq!(a.sparse_repairs_for(3), 1);
         assert!(a.repairs_for(3) >= 2, "ordinary blocks keep their margin");
         // Heavy loss: two.
-        a.on_report(&report(4, 220, 195, 195), 1.0);
+        a.on_report(&report(4, 220, 195, 195), |_| None);
         assert_eq!(a.sparse_repairs_for(3), 2, "{}", a.loss_estimate());
     }
 
@@ -229,41 +269,81 @@ mod tests {
     fn a_report_of_a_few_packets_moves_the_estimate_less_than_a_large_one() {
         // One loss in five packets (a token stream's report) against 200 in 1000.
         let mut small = Adaptation::default();
-        small.on_report(&report(1, 0, 0, 0), 1.0);
-        small.on_report(&report(2, 4, 1, 1), 1.0);
+        small.on_report(&report(1, 0, 0, 0), |_| None);
+        small.on_report(&report(2, 4, 1, 1), |_| None);
         let mut large = Adaptation::default();
-        large.on_report(&report(1, 0, 0, 0), 1.0);
-        large.on_report(&report(2, 800, 200, 200), 1.0);
+        large.on_report(&report(1, 0, 0, 0), |_| None);
+        large.on_report(&report(2, 800, 200, 200), |_| None);
         assert!((small.loss_estimate() - 0.2 * 0.5 * 5.0 / 21.0).abs() < 1e-9);
         assert!(large.loss_estimate() > 0.09, "{}", large.loss_estimate());
         assert!(small.loss_estimate() < 0.3 * large.loss_estimate());
     }
 
     #[test]
-    fn whole_blocks_missing_count_as_bursts_and_clean_reports_keep_the_burst_length() {
+    fn whole_blocks_missing_count_their_packets_and_clean_reports_keep_the_burst_length() {
+        // Blocks 10 and 11 held 3 packets each (a head and two repairs), 20 one (an ACK).
+        let size = |id: BlockId| match id.0 {
+            10 | 11 => Some(3),
+            20 => Some(1),
+            _ => None,
+        };
         let mut a = Adaptation::default();
-        a.on_report(&report(1, 0, 0, 0), 3.0);
-        // 1000 packets through, 4 losses seen inside blocks (single ones) and 6 whole blocks
-        // of 3 packets gone in 3 runs of two: 22 of 1022 packets lost, bursts (4 + 18) / 7.
+        a.on_report(&report(1, 0, 0, 0), size);
+        // 1000 packets through, 4 single losses inside blocks, blocks 10, 11 and 20 gone
+        // whole: one burst of 6 and one of 1, so 11 of 1011 packets lost in 6 bursts.
         let mut r = report(2, 1000, 4, 4);
-        r.blocks_missing = 6;
-        r.missing_runs = 3;
-        assert!(a.on_report(&r, 3.0));
-        let w = 1022.0 / (1022.0 + REPORT_HALF_WEIGHT) * RISE;
-        assert!((a.loss_estimate() - w * 22.0 / 1022.0).abs() < 1e-9);
-        assert!((a.burst_estimate() - (1.0 + w * (22.0 / 7.0 - 1.0))).abs() < 1e-9);
-        let b = a.burst_estimate();
-        assert!(b > BURSTY, "{b}");
-        // Reports without loss let the loss rate decay but say nothing about burst lengths.
+        r.blocks_missing = 3;
+        for id in [10, 11, 20] {
+            r.missing_ids.push(id);
+        }
+        assert!(a.on_report(&r, size));
+        let w = 1011.0 / (1011.0 + REPORT_HALF_WEIGHT) * RISE;
+        assert!((a.loss_estimate() - w * 11.0 / 1011.0).abs() < 1e-9);
+        let b = 1.0 + 6.0 / (6.0 + BURST_HALF_WEIGHT) * (11.0 / 6.0 - 1.0);
+        assert!(
+            (a.burst_estimate() - b).abs() < 1e-9,
+            "{}",
+            a.burst_estimate()
+        );
+        // The same ids listed again are not counted again; a block of unknown size counts one
+        // packet; and reports without loss leave the burst length where it is.
         for seq in 3..40 {
             let mut clean = report(seq, 1000 + 100 * (seq - 2), 4, 4);
-            clean.blocks_missing = 6;
-            clean.missing_runs = 3;
-            a.on_report(&clean, 3.0);
+            clean.blocks_missing = 3;
+            clean.missing_ids = r.missing_ids;
+            a.on_report(&clean, size);
         }
         assert!(a.loss_estimate() < 1e-3, "{}", a.loss_estimate());
-        assert_eq!(a.burst_estimate(), b);
+        assert!((a.burst_estimate() - b).abs() < 1e-9);
         assert_eq!(a.head_repairs(), 0, "no loss left to guard against");
+    }
+
+    #[test]
+    fn a_run_of_missing_blocks_across_two_reports_is_one_burst() {
+        let size = |_: BlockId| Some(2);
+        let mut a = Adaptation::default();
+        a.on_report(&report(1, 0, 0, 0), size);
+        let mut r = report(2, 100, 0, 0);
+        r.blocks_missing = 1;
+        r.missing_ids.push(7);
+        a.on_report(&r, size);
+        let after_one = a.burst_estimate();
+        assert!((after_one - (1.0 + 0.2 * 1.0)).abs() < 1e-9, "{after_one}");
+        // Block 8 follows 7: the same burst goes on (4 packets, still one burst).
+        let mut r = report(3, 200, 0, 0);
+        r.blocks_missing = 2;
+        r.missing_ids.push(7);
+        r.missing_ids.push(8);
+        a.on_report(&r, size);
+        // Block 8 adds its packets to the loss rate but no new burst, so the burst estimate
+        // stays.
+        assert_eq!(a.burst_estimate(), after_one);
+        assert!(a.loss_estimate() > 0.0);
+        // More missing than listed: the rest count one packet and one burst each.
+        let mut r = report(4, 300, 0, 0);
+        r.blocks_missing = 2 + 20;
+        a.on_report(&r, size);
+        assert!(a.burst_estimate() < after_one);
     }
 
     #[test]
@@ -271,7 +351,7 @@ mod tests {
         let mut a = Adaptation {
             loss: 0.02,
             burst: 1.0,
-            last: None,
+            ..Default::default()
         };
         assert_eq!(
             a.head_repairs(),
@@ -290,11 +370,11 @@ mod tests {
     #[test]
     fn stale_reports_are_ignored() {
         let mut a = Adaptation::default();
-        assert!(a.on_report(&report(5, 0, 0, 0), 1.0));
-        assert!(a.on_report(&report(6, 80, 20, 20), 1.0));
+        assert!(a.on_report(&report(5, 0, 0, 0), |_| None));
+        assert!(a.on_report(&report(6, 80, 20, 20), |_| None));
         let before = a.loss_estimate();
-        assert!(!a.on_report(&report(6, 80, 20, 20), 1.0));
-        assert!(!a.on_report(&report(4, 0, 0, 0), 1.0));
+        assert!(!a.on_report(&report(6, 80, 20, 20), |_| None));
+        assert!(!a.on_report(&report(4, 0, 0, 0), |_| None));
         assert_eq!(a.loss_estimate(), before);
     }
 }

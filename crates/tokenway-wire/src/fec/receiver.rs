@@ -9,7 +9,7 @@ use rand::SeedableRng;
 
 use super::codec::Decoder;
 use crate::error::WireError;
-use crate::loss_report::{BurstHistogram, LossReport, BURST_BUCKETS};
+use crate::loss_report::{BurstHistogram, LossReport, MissingIds, BURST_BUCKETS};
 use crate::obfs::{Obfuscator, SALT_LEN};
 use crate::packet::{
     self, BlockId, Packet, RepairHeader, SourceHeader, MAX_BLOCK_SOURCES, PLAIN_HEADER_LEN,
@@ -281,6 +281,8 @@ pub struct FecReceiver {
     skipped: VecDeque<(BlockId, u32)>,
     /// The block last counted missing whole, to tell a run of them from separate losses.
     last_missing: Option<BlockId>,
+    /// The last blocks counted missing whole, for the loss reports.
+    recent_missing: MissingIds,
     /// Packets in a row that contradicted the state ([`Self::suspect`]).
     suspect_run: u32,
     recovered_q: VecDeque<Vec<u8>>,
@@ -317,6 +319,7 @@ impl FecReceiver {
             newest: None,
             skipped: VecDeque::new(),
             last_missing: None,
+            recent_missing: MissingIds::default(),
             suspect_run: 0,
             recovered_q: VecDeque::new(),
             pool: Vec::new(),
@@ -726,6 +729,7 @@ impl FecReceiver {
             self.stats.missing_runs += 1;
         }
         self.last_missing = Some(id);
+        self.recent_missing.push(id.0);
         self.stats.blocks_missing += 1;
         self.report_dirty = true;
     }
@@ -768,7 +772,7 @@ impl FecReceiver {
             residual: s.residual as u32,
             bursts,
             blocks_missing: s.blocks_missing as u32,
-            missing_runs: s.missing_runs as u32,
+            missing_ids: self.recent_missing,
         }
     }
 

@@ -19,6 +19,9 @@ use crate::packet::{self, BlockId, RepairHeader, SourceHeader, REPAIR_HEADER_LEN
 
 /// Most repair packets waiting for their send time; beyond it the oldest are dropped.
 const MAX_PENDING_REPAIRS: usize = 4 * crate::packet::MAX_BLOCK_REPAIRS;
+/// Blocks whose packet counts are kept for the peer's loss reports (which name whole blocks
+/// missing by id): as far back as a receiver tracks ids.
+const BLOCK_SIZE_HISTORY: usize = 512;
 /// Most unspent repair budget, in bytes: a long loss-free bulk phase must not fund a later
 /// burst of repairs far above the configured ratio.
 const MAX_CREDIT_BYTES: f64 = 64.0 * 1024.0;
@@ -113,6 +116,9 @@ pub struct FecSender {
     pending: VecDeque<Pending>,
     pool: Vec<Vec<u8>>,
     adapt: Adaptation,
+    /// Packets (sources and repairs) of recent blocks by id, `(id, packets)` at
+    /// `id % BLOCK_SIZE_HISTORY`.
+    block_sizes: Vec<(u16, u8)>,
     credit: f64,
     /// When the last source packet larger than [`SMALL_PACKET_MAX_LEN`] went out (sparse
     /// streams and pauses are told from these; ACKs do not count).
@@ -156,6 +162,7 @@ impl FecSender {
             pending: VecDeque::new(),
             pool: Vec::new(),
             adapt: Adaptation::default(),
+            block_sizes: Vec::new(),
             credit: 0.0,
             last_source: None,
             version: packet::VERSION,
@@ -222,8 +229,11 @@ impl FecSender {
 
     /// Applies a loss report from the peer's receiver to the redundancy.
     pub fn on_loss_report(&mut self, report: &LossReport) {
-        let blocks = self.stats.blocks.max(1) as f64;
-        let block_packets = (self.stats.source_packets + self.stats.repair_packets) as f64 / blocks;
+        let sizes = &self.block_sizes;
+        let block_packets = |id: BlockId| {
+            let (at, packets) = sizes.get(usize::from(id.0) % BLOCK_SIZE_HISTORY)?;
+            (*at == id.0).then_some(usize::from(*packets))
+        };
         if self.adapt.on_report(report, block_packets) {
             self.stats.reports_applied += 1;
         } else {
@@ -446,6 +456,7 @@ impl FecSender {
             BlockKind::Head => self.stats.blocks_head += 1,
             BlockKind::Small => {
                 self.stats.blocks_small += 1;
+                self.note_block_size(block.id, k);
                 return;
             }
             BlockKind::Ordinary => {}
@@ -480,6 +491,7 @@ impl FecSender {
         } else {
             r
         };
+        self.note_block_size(block.id, k + r);
         if r == 0 {
             return;
         }
@@ -518,6 +530,13 @@ impl FecSender {
                 bytes,
             });
         }
+    }
+
+    fn note_block_size(&mut self, id: BlockId, packets: usize) {
+        if self.block_sizes.is_empty() {
+            self.block_sizes = vec![(0, 0); BLOCK_SIZE_HISTORY];
+        }
+        self.block_sizes[usize::from(id.0) % BLOCK_SIZE_HISTORY] = (id.0, packets.min(255) as u8);
     }
 
     fn enqueue(&mut self, p: Pending) {
