@@ -42,15 +42,19 @@ const DECAY: f64 = 0.125;
 /// [`RISE`] or [`DECAY`].
 const REPORT_HALF_WEIGHT: f64 = 16.0;
 /// A report of this many bursts moves the burst estimate half-way to its mean.
-const BURST_HALF_WEIGHT: f64 = 4.0;
+const BURST_HALF_WEIGHT: f64 = 16.0;
 /// Loss rates below this are treated as no loss (keeps the decay from lingering forever).
 const LOSS_FLOOR: f64 = 1e-4;
 /// A mean burst length from which losses count as bursty: repairs are spread in time and
 /// heads get [`Adaptation::head_repairs`].
 pub const BURSTY: f64 = 1.5;
 /// The probability of losing a head block and all its repairs that
-/// [`Adaptation::head_repairs`] aims for.
-const HEAD_RESIDUAL_TARGET: f64 = 1e-3;
+/// [`Adaptation::head_repairs`] aims for. Two heads a request, and the p99 of a few hundred
+/// requests must not see one: 10⁻⁴, since the burst estimate runs low (a burst cut by a block
+/// boundary is counted as two shorter ones), and so does the `r` it gives.
+const HEAD_RESIDUAL_TARGET: f64 = 1e-4;
+/// Below this estimated loss rate heads get no extra repairs for bursts.
+const HEAD_LOSS_FLOOR: f64 = 1e-3;
 /// Most repairs [`Adaptation::head_repairs`] asks for.
 pub const HEAD_MAX_REPAIRS: usize = 7;
 
@@ -93,7 +97,7 @@ impl Adaptation {
     /// Whole blocks missing count as lost packets, as many as each held; a run of consecutive
     /// ids is one burst of all their packets. The burst estimate is a mean over bursts, not
     /// reports: it moves only on reports that show a loss (most reports of a sparse stream show
-    /// none, and they say nothing about burst lengths), by `m / (m + 4)` of the way for a report
+    /// none, and they say nothing about burst lengths), by `m / (m + 16)` of the way for a report
     /// of `m` bursts, up or down alike.
     pub fn on_report(
         &mut self,
@@ -204,7 +208,7 @@ impl Adaptation {
     /// requests, not by the bytes.
     pub fn head_repairs(&self) -> usize {
         let b = self.burst_estimate();
-        if b < BURSTY || self.loss <= HEAD_RESIDUAL_TARGET {
+        if b < BURSTY || self.loss <= HEAD_LOSS_FLOOR {
             return 0;
         }
         let follow = 1.0 - 1.0 / b;
@@ -328,7 +332,8 @@ mod tests {
         r.missing_ids.push(7);
         a.on_report(&r, size);
         let after_one = a.burst_estimate();
-        assert!((after_one - (1.0 + 0.2 * 1.0)).abs() < 1e-9, "{after_one}");
+        let w = 1.0 / (1.0 + BURST_HALF_WEIGHT);
+        assert!((after_one - (1.0 + w * 1.0)).abs() < 1e-9, "{after_one}");
         // Block 8 follows 7: the same burst goes on (4 packets, still one burst).
         let mut r = report(3, 200, 0, 0);
         r.blocks_missing = 2;
@@ -358,11 +363,11 @@ mod tests {
             0,
             "random loss: the table and one extra do"
         );
-        // Bursts of 2: each copy after a lost one is lost with probability 1/2;
-        // 0.02 · 0.5^r ≤ 10⁻³ from r = 5.
-        a.burst = 2.0;
+        // Bursts of 1.5: each copy after a lost one is lost with probability 1/3;
+        // 0.02 · (1/3)^r ≤ 10⁻⁴ from r = 5.
+        a.burst = 1.5;
         assert_eq!(a.head_repairs(), 5);
-        // Bursts of 3 (4g): 0.02 · (2/3)^r ≤ 10⁻³ needs r = 8, capped.
+        // Bursts of 3 (4g): 0.02 · (2/3)^r ≤ 10⁻⁴ needs r = 14, capped.
         a.burst = 3.0;
         assert_eq!(a.head_repairs(), HEAD_MAX_REPAIRS);
     }
