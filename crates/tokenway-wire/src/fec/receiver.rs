@@ -741,7 +741,9 @@ impl FecReceiver {
         self.history.iter_mut().for_each(|h| h.valid = false);
         self.newest = None;
         self.skipped.clear();
+        // The ids were the old numbering's; the peer's new sender would size them wrongly.
         self.last_missing = None;
+        self.recent_missing = MissingIds::default();
         self.suspect_run = 0;
         self.stats.resyncs += 1;
     }
