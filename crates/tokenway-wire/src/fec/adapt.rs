@@ -83,8 +83,6 @@ pub struct Adaptation {
     loss: f64,
     burst: f64,
     last: Option<LossReport>,
-    /// The newest whole missing block counted.
-    last_missing: Option<BlockId>,
 }
 
 impl Adaptation {
@@ -106,7 +104,6 @@ impl Adaptation {
     ) -> bool {
         let Some(prev) = self.last else {
             self.last = Some(*report);
-            self.last_missing = report.missing_ids.as_slice().last().copied().map(BlockId);
             return true;
         };
         if !report.is_newer_than(&prev) {
@@ -114,7 +111,8 @@ impl Adaptation {
         }
         self.last = Some(*report);
         let sample = report.since(&prev);
-        let (whole, whole_bursts) = self.whole_blocks(report, sample.blocks_missing, block_packets);
+        let (whole, whole_bursts) =
+            Self::whole_blocks(report, &prev, sample.blocks_missing, block_packets);
         let lost = f64::from(sample.lost) + whole;
         let n = f64::from(sample.received) + lost;
         if n <= 0.0 {
@@ -136,30 +134,35 @@ impl Adaptation {
         true
     }
 
-    /// Packets and bursts of the whole blocks missing that `report` adds: its listed ids newer
-    /// than the last one counted, sized by `block_packets`, consecutive ids joined into one
-    /// burst (also across reports). Blocks counted but no longer listed (more went missing
-    /// between two reports than a report lists) count one packet and one burst each.
+    /// Packets and bursts of the whole blocks missing that `report` adds after `prev`: the
+    /// ids it lists after the last one `prev` listed (all of them if that one is gone: more
+    /// went missing in between than a report lists, or the receiver started over), sized by
+    /// `block_packets`, consecutive ids joined into one burst (also across the two reports).
+    /// New ids are told by position, not by comparing ids, which wrap. Blocks counted but not
+    /// listed count one packet and one burst each.
     fn whole_blocks(
-        &mut self,
         report: &LossReport,
+        prev: &LossReport,
         missing: u32,
         block_packets: impl Fn(BlockId) -> Option<usize>,
     ) -> (f64, f64) {
-        let (mut packets, mut bursts, mut listed) = (0.0, 0.0, 0u32);
-        let mut before: Option<BlockId> = None;
-        for id in report.missing_ids.as_slice().iter().copied().map(BlockId) {
-            let new = self.last_missing.is_none_or(|l| id.distance_from(l) > 0);
-            if new {
-                listed += 1;
-                packets += block_packets(id).unwrap_or(1).max(1) as f64;
-                if before.is_none_or(|b| b.next() != id) {
-                    bursts += 1.0;
-                }
-                self.last_missing = Some(id);
+        let ids = report.missing_ids.as_slice();
+        let start = prev
+            .missing_ids
+            .as_slice()
+            .last()
+            .and_then(|last| ids.iter().rposition(|id| id == last))
+            .map_or(0, |i| i + 1);
+        let (mut packets, mut bursts) = (0.0, 0.0);
+        let mut before = start.checked_sub(1).map(|i| BlockId(ids[i]));
+        for id in ids[start..].iter().copied().map(BlockId) {
+            packets += block_packets(id).unwrap_or(1).max(1) as f64;
+            if before.is_none_or(|b| b.next() != id) {
+                bursts += 1.0;
             }
             before = Some(id);
         }
+        let listed = (ids.len() - start) as u32;
         let unlisted = f64::from(missing.saturating_sub(listed));
         (packets + unlisted, bursts + unlisted)
     }
@@ -349,6 +352,31 @@ mod tests {
         r.blocks_missing = 2 + 20;
         a.on_report(&r, size);
         assert!(a.burst_estimate() < after_one);
+    }
+
+    #[test]
+    fn new_missing_ids_are_told_by_position_across_the_id_wrap() {
+        // A long connection: the last block counted missing was 100, the next ones are more
+        // than half the id space later, so an id comparison would call them old.
+        let size = |_: BlockId| Some(3);
+        let mut a = Adaptation::default();
+        let mut r = report(1, 0, 0, 0);
+        r.missing_ids.push(100);
+        a.on_report(&r, size);
+        let mut r2 = report(2, 1000, 0, 0);
+        r2.blocks_missing = 2;
+        r2.missing_ids = r.missing_ids;
+        r2.missing_ids.push(40_000);
+        r2.missing_ids.push(40_001);
+        a.on_report(&r2, size);
+        // One burst of the two blocks' 6 packets.
+        let b = 1.0 + 1.0 / (1.0 + BURST_HALF_WEIGHT) * (6.0 - 1.0);
+        assert!(
+            (a.burst_estimate() - b).abs() < 1e-9,
+            "{}",
+            a.burst_estimate()
+        );
+        assert!((a.loss_estimate() - 1006.0 / 1022.0 * RISE * 6.0 / 1006.0).abs() < 1e-9);
     }
 
     #[test]
