@@ -27,6 +27,9 @@
 //! only QUIC bytes. Brutal accounts for them by reservation: the rate given to QUIC is the
 //! configured wire rate less [`DatagramSettings::repair_reserve`], the most repair traffic the
 //! FEC sender's byte budget can add on top (`fec_max_overhead` × the FEC-covered source rate).
+//! The repairs outside that budget (a head's extra copies, a sparse block's repairs beyond the
+//! first) are not reserved: they come with pauses and sparse packets, which a link filled to
+//! its brutal rate does not have.
 //! cubic and bbr do not account for them: repairs add at most that ratio on top of the window
 //! while FEC is active (scope `interactive` limits it to connections below `fec_bulk_above`),
 //! and a repair lost to congestion is not seen by QUIC's loss detection — only QUIC packets

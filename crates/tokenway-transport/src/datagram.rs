@@ -226,7 +226,7 @@ fn add_sender(a: &mut SenderStats, b: &SenderStats) {
     a.blocks_sparse += b.blocks_sparse;
     a.blocks_head += b.blocks_head;
     a.blocks_small += b.blocks_small;
-    a.head_extra_bytes += b.head_extra_bytes;
+    a.extra_bytes += b.extra_bytes;
     a.repairs_skipped_by_budget += b.repairs_skipped_by_budget;
     a.repairs_dropped_queue_full += b.repairs_dropped_queue_full;
     a.reports_applied += b.reports_applied;

@@ -171,7 +171,7 @@ proptest! {
             tx.send(now, &quic_packet(i, len), &mut out).unwrap();
             let s = tx.stats();
             // Heads' extra repairs are outside the budget (one per pause).
-            let budgeted = s.repair_bytes.saturating_sub(s.head_extra_bytes);
+            let budgeted = s.repair_bytes.saturating_sub(s.extra_bytes);
             prop_assert!(budgeted as f64 <= cap * s.source_bytes as f64 + 1e-6);
         }
         now += Duration::from_secs(1);
@@ -180,10 +180,10 @@ proptest! {
         now += Duration::from_millis(100);
         while tx.poll_transmit(now, &mut out) {}
         let s = tx.stats();
-        let budgeted = s.repair_bytes - s.head_extra_bytes;
+        let budgeted = s.repair_bytes - s.extra_bytes;
         prop_assert!(budgeted as f64 <= cap * s.source_bytes as f64 + 1e-6,
             "repair {} (head extras {}) > {} x source {}",
-            s.repair_bytes, s.head_extra_bytes, cap, s.source_bytes);
+            s.repair_bytes, s.extra_bytes, cap, s.source_bytes);
         // One head per pause (20 ms here). Small packets (ACK-sized) neither open heads nor
         // end a pause, so a pause is the time between two packets that are not small: every
         // gap in `gaps_us` is under 8 ms, and a head can follow only a run of small packets
@@ -1141,7 +1141,7 @@ fn simulate_token_streams(
             let mut delivered = Vec::new();
             receive(rx, at + one_way, d, &mut delivered);
             for p in delivered {
-                let n = usize::from(p[0]) << 8 | usize::from(p[1]);
+                let n = u32::from_be_bytes([p[0], p[1], p[2], p[3]]) as usize;
                 arrived[n].get_or_insert(at + one_way);
             }
             true
@@ -1160,12 +1160,10 @@ fn simulate_token_streams(
             }
             let n = due.len();
             arrived.push(None);
-            tx.send(
-                at,
-                &quic_packet(n, if i == 0 { 400 } else { 180 }),
-                &mut out,
-            )
-            .unwrap();
+            // Numbered in 4 bytes: 2000 streams send more than 2^16 packets.
+            let mut packet = quic_packet(n, if i == 0 { 400 } else { 180 });
+            packet[..4].copy_from_slice(&(n as u32).to_be_bytes());
+            tx.send(at, &packet, &mut out).unwrap();
             let ok = transmit(at, &out, &mut rx, &mut arrived);
             due.push((at + one_way, !ok));
             while tx.poll_transmit(at, &mut out) {
@@ -1242,53 +1240,70 @@ fn bursts_that_take_whole_blocks_are_seen_and_heads_get_through_them() {
     let sim = simulate_token_streams(auto(0.5), 2000, 33, bursty, 11);
     let random = simulate_token_streams(auto(0.5), 2000, 33, 0.02, 11);
     eprintln!("bursty: {sim:?}\nrandom: {random:?}");
-    assert!(sim.burst_estimate >= 1.5, "{sim:?}");
+    // Spread repairs hide bursts from the receiver, so the estimate ends low (1.2 to 1.5 over
+    // seeds 1 to 5 and this one; 2.5 with the repairs sent at once), but the sender stays
+    // bursty down to 1.2 and its rules assume bursts of at least 2.
+    assert!(sim.burst_estimate >= 1.2, "{sim:?}");
     assert!(sim.head_repairs >= 5, "{sim:?}");
-    // Three copies leave ~0.9 % of heads lost, eight 0.12 %: with the burst rule off this
-    // run lost 16 of 2000 heads, with it 6.
-    assert!(sim.heads_lost <= 8, "{sim:?}");
+    // Three copies leave ~0.9 % of heads lost (18 of 2000), eight 0.12 %; seeds 1 to 5 and
+    // this one lost 4 to 9.
+    assert!(sim.heads_lost <= 10, "{sim:?}");
+    // Token blocks of two get three repairs, spread over two sparse flush delays so that one
+    // burst rarely takes a block and its repairs: 90 of 2000 answers keep a loss for QUIC
+    // (100–119 over seeds 1 to 5; 384 with one parity per three tokens sent at once, 217
+    // with these blocks' repairs sent at once), a restored token at most ~1 sRTT late.
+    assert!(sim.streams_with_residual <= 150, "{sim:?}");
+    assert!(sim.worst_delay <= Duration::from_millis(110), "{sim:?}");
     // Random loss at the same rate is not taken for bursts: heads keep their table copies.
     assert!(random.burst_estimate < 1.5, "{random:?}");
     assert_eq!(random.head_repairs, 0, "{random:?}");
 }
 
 #[test]
-fn a_sparse_token_stream_gets_one_repair_per_three_tokens_and_recovers_within_half_an_rtt() {
-    let sim = simulate_token_streams(auto(0.5), 400, 33, 0.05, 7);
+fn a_lossy_token_stream_gets_a_repair_per_token_and_keeps_its_losses_from_quic() {
+    // `lossy`: 5 % random loss, 100 ms RTT; a head and 31 packets, as `bench transport`'s
+    // answers are (ten blocks of three, and the last packet alone).
+    let sim = simulate_token_streams(auto(0.5), 400, 31, 0.05, 7);
     let before = simulate_token_streams(
         FecConfig {
             max_sparse_flush_delay: Duration::ZERO,
             ..auto(0.5)
         },
         400,
-        33,
+        31,
         0.05,
         7,
     );
-    eprintln!("sparse blocks: {sim:?}\none-packet blocks: {before:?}");
-    // One XOR repair per three tokens plus the first packet's two extra copies: ~0.47 of the
-    // source bytes; before, a duplicate for every second token (0.5, and the first packet's
-    // duplicate only when the budget had room).
-    assert!(sim.overhead < 0.5, "{sim:?}");
+    let light = simulate_token_streams(auto(0.5), 400, 31, 0.002, 7);
+    eprintln!("sparse blocks: {sim:?}\none-packet blocks: {before:?}\n0.2 % loss: {light:?}");
     assert!(sim.blocks_sparse >= 400 * 10, "{sim:?}");
-    // Single losses in a block of 3 + 1 are all restored: at 5 % loss about 85 % of the lost
-    // packets (the rest are blocks with two losses).
+    // Three repairs per block of two tokens leave a token lost for good with probability
+    // 2.4·10⁻⁵ at a true estimate, under 0.1 % of answers; the estimate wanders below 5 % at
+    // times (then blocks of three get three). With one XOR parity per block of three (the
+    // rule before) this run left 58 of 400 answers a loss for QUIC's recovery.
+    assert!(sim.streams_with_residual <= 4, "{sim:?}");
     assert!(
-        sim.recovered as f64 >= 0.8 * sim.lost as f64,
+        sim.recovered as f64 >= 0.99 * sim.lost as f64,
         "{} of {} restored",
         sim.recovered,
         sim.lost
     );
-    // Within 0.5 sRTT of when it should have arrived (block deadline 50 ms).
-    assert!(sim.worst_delay <= Duration::from_millis(50), "{sim:?}");
-    // One-packet blocks with the same cap duplicate every second token: more overhead, fewer
-    // losses restored, more streams left to QUIC's loss recovery.
-    assert!(before.overhead > sim.overhead, "{before:?}");
+    // Blocks of two at this loss: a lost token comes at most one token interval late (20 ms),
+    // a lost last packet 1.5 intervals (its block closes when the next one is overdue); 40 ms
+    // where the estimate dipped and a block of three got three repairs (other seeds).
+    assert!(sim.worst_delay <= Duration::from_millis(40), "{sim:?}");
+    // Three repairs per two tokens, plus the first packet's copies.
+    assert!(sim.overhead < 1.7, "{sim:?}");
+    // One-packet blocks under the byte budget duplicate every second token: fewer losses
+    // restored, far more answers left to QUIC.
     assert!(before.recovered < sim.recovered, "{before:?}");
-    assert!(
-        before.streams_with_residual > 2 * sim.streams_with_residual,
-        "{before:?}"
-    );
+    assert!(before.streams_with_residual > 50, "{before:?}");
+    // Light loss costs less: one parity per three tokens, blocks of two with two repairs for
+    // a while after a loss (the estimate rises fast and decays slowly); 0.81 in this run,
+    // 0.44 without loss.
+    assert!(light.overhead < 0.9, "{light:?}");
+    assert!(light.overhead < sim.overhead - 0.5, "{light:?}");
+    assert!(light.streams_with_residual <= 2, "{light:?}");
     assert_eq!(sim.streams, 400);
 }
 
@@ -1310,6 +1325,42 @@ fn without_an_rtt_a_token_stream_keeps_one_packet_blocks() {
         19,
         "one block per token, the last still open"
     );
+}
+
+#[test]
+fn a_sparse_block_closes_when_its_stream_is_overdue_not_at_the_full_delay() {
+    // sRTT 100 ms: sparse blocks wait up to 50 ms. A head and four tokens 20 ms apart: the
+    // first three tokens fill a block; the fourth, the stream's last, is due to be followed
+    // 20 ms later, so its block closes 30 ms after it (1.5 intervals), not 50.
+    let (mut tx, _) = pair(auto(1.0), None);
+    tx.set_srtt(Duration::from_millis(100));
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    for i in 0..5u64 {
+        let at = t0 + Duration::from_millis(20 * i);
+        tx.on_timeout(at);
+        while tx.poll_transmit(at, &mut out) {}
+        tx.send(at, &quic_packet(i as usize, 200), &mut out)
+            .unwrap();
+    }
+    let last = t0 + Duration::from_millis(80);
+    assert_eq!(tx.stats().blocks_sparse, 1, "the full block of three");
+    assert_eq!(tx.next_deadline(), Some(last + Duration::from_millis(30)));
+    tx.on_timeout(last + Duration::from_millis(30));
+    assert_eq!(tx.stats().blocks_sparse, 2);
+    assert!(tx.poll_transmit(last + Duration::from_millis(30), &mut out));
+    // A slower stream waits longer, but never past the sparse flush delay: a head, then
+    // packets 40 ms apart; the block the first token opens at 40 ms (due 60 ms after it)
+    // closes at 90 ms, 50 ms after it opened, with the second token in it.
+    let t1 = last + Duration::from_secs(1);
+    for i in 0..3u64 {
+        let at = t1 + Duration::from_millis(40 * i);
+        tx.on_timeout(at);
+        while tx.poll_transmit(at, &mut out) {}
+        tx.send(at, &quic_packet(i as usize, 200), &mut out)
+            .unwrap();
+    }
+    assert_eq!(tx.next_deadline(), Some(t1 + Duration::from_millis(90)));
 }
 
 // ---- small packets and heads -------------------------------------------------------------

@@ -29,6 +29,7 @@
 //! at least [`BURSTY`]) a head block gets enough repairs that all of its copies are rarely lost
 //! in one burst ([`Adaptation::head_repairs`]).
 
+use crate::fec::SPARSE_K_MAX;
 use crate::loss_report::LossReport;
 use crate::packet::{BlockId, MAX_BLOCK_REPAIRS};
 
@@ -48,11 +49,25 @@ const LOSS_FLOOR: f64 = 1e-4;
 /// A mean burst length from which losses count as bursty: repairs are spread in time and
 /// heads get [`Adaptation::head_repairs`].
 pub const BURSTY: f64 = 1.5;
+/// Once bursty, losses count as bursty until the mean burst falls below this. Spreading the
+/// repairs hides bursts from the receiver (a run of consecutive datagrams lost then falls on
+/// several blocks, each of which sees one loss), so the measured mean drops once the spreading
+/// starts; without the margin the sender would turn the spreading off again and on.
+pub const BURSTY_EXIT: f64 = 1.2;
+/// The least mean burst the bursty rules assume while bursty. With the repairs spread the
+/// receiver sees a burst of three as one to three single losses: on `4g`'s bursts of 3 the
+/// simulated estimate sits at 1.3–1.5 once the spreading runs, 2.5 without it.
+const BURSTY_FLOOR: f64 = 2.0;
 /// The probability of losing a head block and all its repairs that
 /// [`Adaptation::head_repairs`] aims for. Two heads a request, and the p99 of a few hundred
 /// requests must not see one: 10⁻⁴, since the burst estimate runs low (a burst cut by a block
 /// boundary is counted as two shorter ones), and so does the `r` it gives.
 const HEAD_RESIDUAL_TARGET: f64 = 1e-4;
+/// The probability of a packet of a sparse block being lost and not restored that
+/// [`Adaptation::sparse_repairs_for`] aims for: an answer of ~32 tokens must keep a loss for
+/// QUIC in well under 1 % of answers, or the p99 of the largest inter-token gap is a
+/// retransmission: 32 · 10⁻⁴ = 0.3 %.
+const SPARSE_RESIDUAL_TARGET: f64 = 1e-4;
 /// Below this estimated loss rate heads get no extra repairs for bursts.
 const HEAD_LOSS_FLOOR: f64 = 1e-3;
 /// Most repairs [`Adaptation::head_repairs`] asks for.
@@ -82,6 +97,8 @@ pub fn table_repairs(k: usize) -> usize {
 pub struct Adaptation {
     loss: f64,
     burst: f64,
+    /// Whether losses count as bursty ([`BURSTY`], [`BURSTY_EXIT`]).
+    bursty: bool,
     last: Option<LossReport>,
 }
 
@@ -131,6 +148,8 @@ impl Adaptation {
             let burst = self.burst.max(1.0);
             self.burst = burst + bursts / (bursts + BURST_HALF_WEIGHT) * (b - burst);
         }
+        let b = self.burst_estimate();
+        self.bursty = b >= if self.bursty { BURSTY_EXIT } else { BURSTY };
         true
     }
 
@@ -177,6 +196,23 @@ impl Adaptation {
         self.burst.max(1.0)
     }
 
+    /// Whether losses count as bursty: the mean burst reached [`BURSTY`] and has not fallen
+    /// below [`BURSTY_EXIT`] since. Repairs are then spread in time.
+    pub fn is_bursty(&self) -> bool {
+        self.bursty
+    }
+
+    /// The mean burst the bursty rules work with: at least [`BURSTY_FLOOR`] while bursty,
+    /// since the measured mean runs low once repairs are spread.
+    fn rule_burst(&self) -> f64 {
+        let b = self.burst_estimate();
+        if self.bursty {
+            b.max(BURSTY_FLOOR)
+        } else {
+            b
+        }
+    }
+
     /// Repair packets for a block of `k` source packets: the table, raised by the estimates.
     pub fn repairs_for(&self, k: usize) -> usize {
         table_repairs(k.max(1))
@@ -186,18 +222,47 @@ impl Adaptation {
     }
 
     /// Repair packets for a *sparse* block of `k` packets (a few packets of a token stream,
-    /// grouped over a fraction of the RTT): `1 + ⌊k·p·b⌋`, one XOR parity until a block expects
-    /// a whole lost packet of its own, without the table's floor. The table gives small blocks a
-    /// duplicate per packet; a token stream would then pay 50–100 % overhead, and one repair per
-    /// few tokens restores all single losses. Not the `2·√` margin of ordinary blocks: with it a
-    /// block of 3 gets a second repair once the estimate passes 0.057, and netlab runs measured
-    /// repair bytes pinned at the 0.5 cap (docs/datagram-layer.md, "Token streams: the
-    /// arithmetic", for why one repair per block is what a 30 % overhead target allows).
+    /// grouped over a fraction of the RTT): the fewest that leave a packet of the block lost
+    /// with probability at most [`SPARSE_RESIDUAL_TARGET`] ([`Self::sparse_residual`]), at
+    /// least one and at most one per packet of the block. A token lost for good costs its
+    /// stream QUIC's loss recovery, a stall of one to two RTTs that the user sees; a repair per
+    /// token costs ~13 kB/s of a token stream's bytes. Without loss reported a block gets
+    /// one XOR parity. Without the table's floor (a duplicate per packet for small blocks).
+    /// docs/datagram-layer.md, "Token streams: the arithmetic", for the numbers.
     pub fn sparse_repairs_for(&self, k: usize) -> usize {
-        let expected = k.max(1) as f64 * self.loss * self.burst_estimate();
-        (1 + expected.floor() as usize)
-            .min(2 * k.max(1) + 1)
-            .min(MAX_BLOCK_REPAIRS)
+        let k = k.max(1);
+        let most = (k + 1).min(SPARSE_K_MAX).min(MAX_BLOCK_REPAIRS);
+        (1..=most)
+            .find(|&r| self.sparse_residual(k, r) <= SPARSE_RESIDUAL_TARGET)
+            .unwrap_or(most)
+    }
+
+    /// Most packets of a sparse block: [`SPARSE_K_MAX`] while one repair per block meets the
+    /// residual target, else 2. A block's repairs go out when it closes, so its first packet,
+    /// if lost, is restored `k − 1` packet intervals late: at 20 ms a token, 40 ms in a block of
+    /// three, which with the stream's own jitter (±25 ms on `lossy-noloss`) made 80–100 ms gaps
+    /// at the p99; in a block of two it is 20 ms. Light loss keeps blocks of three and their
+    /// one parity, since few answers then have a restored token at all.
+    pub fn sparse_k_max(&self) -> usize {
+        if self.sparse_repairs_for(SPARSE_K_MAX) > 1 {
+            2
+        } else {
+            SPARSE_K_MAX
+        }
+    }
+
+    /// The estimated probability that a packet of a block of `k` sources and `r` repairs is
+    /// lost and not restored: it is lost (`p`) and so are at least `r` of the other
+    /// `k + r − 1`. Under random loss that is a binomial tail; under bursty loss (mean burst
+    /// `b` ≥ [`BURSTY`]) the packets after a lost one are lost with probability `1 − 1/b`
+    /// each, so about `p·(1 − 1/b)^r`.
+    pub fn sparse_residual(&self, k: usize, r: usize) -> f64 {
+        let p = self.loss;
+        if self.bursty {
+            p * (1.0 - 1.0 / self.rule_burst()).powi(r as i32)
+        } else {
+            p * binomial_tail(k + r - 1, r, p)
+        }
     }
 
     /// Repairs a head block (a request, or an answer's first packets, after a pause) needs
@@ -210,11 +275,10 @@ impl Adaptation {
     /// [`HEAD_MAX_REPAIRS`]. Heads are one or two per request, so this is bounded by the
     /// requests, not by the bytes.
     pub fn head_repairs(&self) -> usize {
-        let b = self.burst_estimate();
-        if b < BURSTY || self.loss <= HEAD_LOSS_FLOOR {
+        if !self.bursty || self.loss <= HEAD_LOSS_FLOOR {
             return 0;
         }
-        let follow = 1.0 - 1.0 / b;
+        let follow = 1.0 - 1.0 / self.rule_burst();
         let r = ((HEAD_RESIDUAL_TARGET / self.loss).ln() / follow.ln()).ceil();
         (r.max(1.0) as usize).min(HEAD_MAX_REPAIRS)
     }
@@ -224,6 +288,22 @@ impl Adaptation {
         let kp = k.max(1) as f64 * self.loss;
         (kp + 2.0 * (kp * self.burst_estimate()).sqrt()).ceil() as usize
     }
+}
+
+/// `P(X ≥ m)` for `X ~ Binomial(n, p)` (`n` is small: a block's packets).
+fn binomial_tail(n: usize, m: usize, p: f64) -> f64 {
+    let p = p.clamp(0.0, 1.0);
+    let mut choose = 1.0; // C(n, i), built up from C(n, 0)
+    let mut tail = 0.0;
+    for i in 0..=n {
+        if i > 0 {
+            choose = choose * (n + 1 - i) as f64 / i as f64;
+        }
+        if i >= m {
+            tail += choose * p.powi(i as i32) * (1.0 - p).powi((n - i) as i32);
+        }
+    }
+    tail
 }
 
 fn blend(estimate: f64, sample: f64, weight: f64) -> f64 {
@@ -254,22 +334,103 @@ mod tests {
         }
     }
 
+    fn at(loss: f64, burst: f64) -> Adaptation {
+        Adaptation {
+            loss,
+            burst,
+            bursty: burst >= BURSTY,
+            last: None,
+        }
+    }
+
     #[test]
-    fn sparse_blocks_get_one_repair_until_a_whole_loss_is_expected() {
+    fn binomial_tail_matches_hand_computed_values() {
+        assert!((binomial_tail(4, 0, 0.3) - 1.0).abs() < 1e-12);
+        assert_eq!(binomial_tail(2, 3, 0.3), 0.0);
+        // P(X ≥ 2), X ~ B(4, 0.05) = 1 − 0.95⁴ − 4·0.05·0.95³.
+        let want = 1.0 - 0.95f64.powi(4) - 4.0 * 0.05 * 0.95f64.powi(3);
+        assert!((binomial_tail(4, 2, 0.05) - want).abs() < 1e-12);
+        assert!((binomial_tail(5, 5, 0.5) - 1.0 / 32.0).abs() < 1e-12);
+        assert!((binomial_tail(3, 1, 1.0) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn sparse_blocks_get_the_fewest_repairs_that_meet_the_residual_target() {
+        // No loss reported: one XOR parity.
+        assert_eq!(Adaptation::default().sparse_repairs_for(3), 1);
+        // 0.5 % random: one repair leaves 0.005 · P(≥1 of 3 lost) ≈ 7.5·10⁻⁵.
+        assert_eq!(at(0.005, 1.0).sparse_repairs_for(3), 1);
+        // 2 %: one leaves 1.2·10⁻³, two 4.7·10⁻⁵.
+        assert_eq!(at(0.02, 1.0).sparse_repairs_for(3), 2);
+        // 5 % (`lossy`): two leave 7·10⁻⁴, three 5.8·10⁻⁵.
+        let lossy = at(0.05, 1.0);
+        assert!(lossy.sparse_residual(3, 2) > SPARSE_RESIDUAL_TARGET);
+        assert!(lossy.sparse_residual(3, 3) <= SPARSE_RESIDUAL_TARGET);
+        assert_eq!(lossy.sparse_repairs_for(3), 3);
+        // At most one more than the block's packets and at most three, however heavy the
+        // loss or long the bursts: a lone packet (an answer's last, which closes its block
+        // early) goes out three times at 5 %.
+        assert_eq!(at(0.3, 1.0).sparse_repairs_for(3), 3);
+        assert_eq!(at(0.05, 1.0).sparse_repairs_for(2), 3);
+        assert_eq!(at(0.05, 1.0).sparse_repairs_for(1), 2);
+        assert_eq!(at(0.005, 1.0).sparse_repairs_for(1), 1);
+        assert_eq!(at(0.02, 3.0).sparse_repairs_for(3), 3);
+        // Bursty loss: a packet's neighbours go with it, so more repairs than random loss at
+        // the same rate asks for.
+        assert!(at(0.01, 2.0).sparse_repairs_for(3) > at(0.01, 1.0).sparse_repairs_for(3));
+        // Ordinary blocks keep the table and its margin.
+        assert!(at(0.14, 1.0).repairs_for(3) >= 2);
+    }
+
+    #[test]
+    fn bursty_is_entered_at_1_5_and_left_below_1_2() {
+        // Reports of 1000 packets with ten bursts of `len` each (cumulative counters).
         let mut a = Adaptation::default();
-        assert_eq!(a.sparse_repairs_for(3), 1);
-        // A noisy estimate at 15 %: still one repair for a block of 3.
-        a.on_report(&report(1, 0, 0, 0), |_| None);
-        a.on_report(&report(2, 85, 15, 15), |_| None);
-        // Half-way, weighted by the 100 packets the report covers.
-        assert!((a.loss_estimate() - 0.15 * 0.5 * 100.0 / 116.0).abs() < 1e-9);
-        a.on_report(&report(3, 170, 45, 45), |_| None);
-        assert!(a.loss_estimate() > 0.14, "{}", a.loss_estimate());
-        assert_eq!(a.sparse_repairs_for(3), 1);
-        assert!(a.repairs_for(3) >= 2, "ordinary blocks keep their margin");
-        // Heavy loss: two.
-        a.on_report(&report(4, 220, 195, 195), |_| None);
-        assert_eq!(a.sparse_repairs_for(3), 2, "{}", a.loss_estimate());
+        let mut cum = report(1, 0, 0, 0);
+        a.on_report(&cum, |_| None);
+        let mut feed = |a: &mut Adaptation, len: u32, n: usize| {
+            for _ in 0..n {
+                cum.seq += 1;
+                cum.received += 1000;
+                cum.lost += 10 * len;
+                cum.bursts[(len - 1) as usize] += 10;
+                a.on_report(&cum, |_| None);
+            }
+        };
+        assert!(!a.is_bursty());
+        feed(&mut a, 3, 20);
+        assert!(
+            a.burst_estimate() > 1.5 && a.is_bursty(),
+            "{}",
+            a.burst_estimate()
+        );
+        let head = a.head_repairs();
+        // Single losses pull the mean down; between 1.5 and 1.2 it stays bursty, and the
+        // rules keep assuming bursts of at least 2.
+        while a.burst_estimate() >= 1.45 {
+            feed(&mut a, 1, 1);
+        }
+        assert!(a.burst_estimate() > 1.2);
+        assert!(a.is_bursty());
+        assert!(a.head_repairs() >= 5, "{}", a.head_repairs());
+        assert!(a.head_repairs() <= head);
+        feed(&mut a, 1, 40);
+        assert!(a.burst_estimate() < 1.2, "{}", a.burst_estimate());
+        assert!(!a.is_bursty());
+        assert_eq!(a.head_repairs(), 0);
+    }
+
+    #[test]
+    fn sparse_blocks_shrink_to_two_packets_once_one_repair_is_not_enough() {
+        assert_eq!(Adaptation::default().sparse_k_max(), SPARSE_K_MAX);
+        assert_eq!(at(0.005, 1.0).sparse_k_max(), SPARSE_K_MAX);
+        assert_eq!(at(0.02, 1.0).sparse_k_max(), 2);
+        assert_eq!(at(0.05, 1.0).sparse_k_max(), 2);
+        assert_eq!(at(0.02, 3.0).sparse_k_max(), 2);
+        // At 5 %, a block of two gets three repairs: 2.4·10⁻⁵ left.
+        let lossy = at(0.05, 1.0);
+        assert_eq!(lossy.sparse_repairs_for(2), 3);
+        assert!(lossy.sparse_residual(2, 3) < 3e-5);
     }
 
     #[test]
@@ -391,13 +552,13 @@ mod tests {
             0,
             "random loss: the table and one extra do"
         );
-        // Bursts of 1.5: each copy after a lost one is lost with probability 1/3;
-        // 0.02 · (1/3)^r ≤ 10⁻⁴ from r = 5.
-        a.burst = 1.5;
+        // Bursty from a mean of 1.5, and then the rule assumes bursts of at least 2: each copy
+        // after a lost one is lost with probability 1/2; 0.002 · (1/2)^r ≤ 10⁻⁴ from r = 5.
+        a = at(0.002, 1.5);
         assert_eq!(a.head_repairs(), 5);
-        // Bursts of 3 (4g): 0.02 · (2/3)^r ≤ 10⁻⁴ needs r = 14, capped.
-        a.burst = 3.0;
-        assert_eq!(a.head_repairs(), HEAD_MAX_REPAIRS);
+        // Bursts of 3 (4g): 0.002 · (2/3)^r ≤ 10⁻⁴ needs r = 8, capped; at 2 %, r = 14.
+        assert_eq!(at(0.002, 3.0).head_repairs(), HEAD_MAX_REPAIRS);
+        assert_eq!(at(0.02, 1.5).head_repairs(), HEAD_MAX_REPAIRS);
     }
 
     #[test]

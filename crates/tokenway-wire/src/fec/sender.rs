@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use super::adapt::{Adaptation, BURSTY};
+use super::adapt::Adaptation;
 use super::codec::{shard_len_for, Encoder};
 use super::{
     datagram_overhead, FecConfig, FecMode, FecScope, HEAD_EXTRA_MAX_K, MAX_DATAGRAM_LEN,
-    SMALL_PACKET_MAX_LEN, SPARSE_FLUSH_RTT_FRACTION, SPARSE_K_MAX,
+    SMALL_PACKET_MAX_LEN, SPARSE_FLUSH_RTT_FRACTION,
 };
 use crate::error::WireError;
 use crate::loss_report::LossReport;
@@ -49,8 +49,9 @@ pub struct SenderStats {
     pub blocks_head: u64,
     /// Blocks of small packets only (in practice QUIC ACK-only packets), sent without repairs.
     pub blocks_small: u64,
-    /// Repair bytes of head blocks' extra repairs, outside the overhead budget.
-    pub head_extra_bytes: u64,
+    /// Repair bytes outside the overhead budget: head blocks' extra repairs, and sparse
+    /// blocks' repairs beyond the first.
+    pub extra_bytes: u64,
     /// Repair packets the overhead budget did not allow.
     pub repairs_skipped_by_budget: u64,
     /// Repair packets dropped because the pending queue was full.
@@ -90,6 +91,8 @@ enum BlockKind {
 struct OpenBlock {
     id: BlockId,
     deadline: Instant,
+    /// The latest the deadline may move to (a sparse block's deadline follows its packets).
+    latest: Instant,
     kind: BlockKind,
 }
 
@@ -281,6 +284,20 @@ impl FecSender {
         (gap >= self.flush_delay() && gap < d).then_some(d)
     }
 
+    /// Moves the open sparse block's deadline to one and a half of the stream's last packet
+    /// interval after `now` (within the block's sparse flush delay): a stream's next packet
+    /// is due one interval on, so a block whose stream paused or ended (an answer's last
+    /// token) closes then, and its repairs restore a lost last packet 1.5 intervals late
+    /// rather than a whole sparse flush delay.
+    fn follow_stream(&mut self, now: Instant) {
+        let flush = self.flush_delay();
+        let (Some(b), Some(last)) = (self.open.as_mut(), self.last_source) else {
+            return;
+        };
+        let wait = (now.saturating_duration_since(last) * 3 / 2).max(flush);
+        b.deadline = b.latest.min(now + wait);
+    }
+
     /// The pause after which a packet opens a head block: the sparse flush delay, or
     /// `max_sparse_flush_delay` while the sRTT is unknown or tiny. `None` outside `auto` mode
     /// or with sparse blocks disabled.
@@ -343,6 +360,7 @@ impl FecSender {
                 let b = OpenBlock {
                     id: self.next_block,
                     deadline: now + delay,
+                    latest: now + delay,
                     kind,
                 };
                 self.next_block = self.next_block.next();
@@ -367,6 +385,9 @@ impl FecSender {
         slot.extend_from_slice(quic);
         self.count += 1;
         if !small {
+            if block.kind == BlockKind::Sparse {
+                self.follow_stream(now);
+            }
             self.last_source = Some(now);
         }
         self.stats.source_packets += 1;
@@ -374,7 +395,7 @@ impl FecSender {
         self.credit =
             (self.credit + self.config.max_overhead * out.len() as f64).min(MAX_CREDIT_BYTES);
         if self.count >= self.k_max()
-            || (block.kind == BlockKind::Sparse && self.count >= SPARSE_K_MAX)
+            || (block.kind == BlockKind::Sparse && self.count >= self.adapt.sparse_k_max())
         {
             self.close_block(now, false);
         }
@@ -464,10 +485,14 @@ impl FecSender {
         let max_len = self.sources[..k].iter().map(Vec::len).max().unwrap_or(0);
         let shard_len = shard_len_for(max_len);
         let wire_len = REPAIR_HEADER_LEN + shard_len + self.obfs.as_ref().map_or(0, |_| SALT_LEN);
-        let planned = if block.kind == BlockKind::Sparse {
-            self.adapt.sparse_repairs_for(k)
+        // A sparse block pays its first repair from the budget; the rest that its loss
+        // estimate asks for (at most one per packet) go outside it, like a head's extras:
+        // bounded by the sparse packets, which are at least a flush delay apart.
+        let (planned, sparse_extra) = if block.kind == BlockKind::Sparse {
+            let r = self.adapt.sparse_repairs_for(k);
+            (r.min(1), r.saturating_sub(1))
         } else {
-            self.planned_repairs(k)
+            (self.planned_repairs(k), 0)
         };
         let r = if self.config.mode == FecMode::Auto {
             let affordable = (self.credit / wire_len as f64).floor() as usize;
@@ -478,6 +503,8 @@ impl FecSender {
             planned
         };
         self.stats.repairs_skipped_by_budget += (planned - r) as u64;
+        self.stats.extra_bytes += (sparse_extra * wire_len) as u64;
+        let r = r + sparse_extra;
         // A head block's loss costs the time to first token (and, as the last packet before a
         // pause, QUIC's probe timeout): one more repair, outside the budget, and under bursty
         // loss as many as keep its copies out of one burst. At most one head per pause, so
@@ -486,7 +513,7 @@ impl FecSender {
             let head = (r + 1)
                 .max(self.adapt.head_repairs())
                 .min(crate::packet::MAX_BLOCK_REPAIRS);
-            self.stats.head_extra_bytes += ((head - r) * wire_len) as u64;
+            self.stats.extra_bytes += ((head - r) * wire_len) as u64;
             head
         } else {
             r
@@ -495,10 +522,16 @@ impl FecSender {
         if r == 0 {
             return;
         }
-        let spacing = if self.adapt.burst_estimate() >= BURSTY {
-            self.config.repair_spacing
-        } else {
+        // Under bursty loss repairs are spread so that one burst does not take a block's
+        // repairs with its sources. A sparse block's go out over the next sparse flush
+        // delay, between the stream's next packets (a burst is a run of consecutive
+        // datagrams as much as a stretch of time), so each is restored within one more.
+        let spacing = if !self.adapt.is_bursty() {
             Duration::ZERO
+        } else if let (BlockKind::Sparse, Some(d)) = (block.kind, self.sparse_flush_delay()) {
+            (d * 2 / r as u32).max(self.config.repair_spacing)
+        } else {
+            self.config.repair_spacing
         };
         let header = |index: usize| RepairHeader {
             block: block.id,
