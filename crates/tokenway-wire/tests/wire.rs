@@ -1307,18 +1307,23 @@ fn a_lossy_token_stream_gets_a_repair_per_token_and_keeps_its_losses_from_quic()
     assert_eq!(sim.streams, 400);
 }
 
+/// Sends `n` packets of `len` bytes `every_ms` apart from `t0`, running the sender's timers
+/// and dropping its repairs before each.
+fn send_paced(tx: &mut FecSender, t0: Instant, every_ms: u64, n: u64, len: usize) {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let at = t0 + Duration::from_millis(every_ms * i);
+        tx.on_timeout(at);
+        while tx.poll_transmit(at, &mut out) {}
+        tx.send(at, &quic_packet(i as usize, len), &mut out)
+            .unwrap();
+    }
+}
+
 #[test]
 fn without_an_rtt_a_token_stream_keeps_one_packet_blocks() {
     let (mut tx, _) = pair(auto(1.0), None);
-    let t0 = Instant::now();
-    let mut out = Vec::new();
-    for i in 0..20u64 {
-        let at = t0 + Duration::from_millis(20 * i);
-        tx.on_timeout(at);
-        while tx.poll_transmit(at, &mut out) {}
-        tx.send(at, &quic_packet(i as usize, 150), &mut out)
-            .unwrap();
-    }
+    send_paced(&mut tx, Instant::now(), 20, 20, 150);
     assert_eq!(tx.stats().blocks_sparse, 0);
     assert_eq!(
         tx.stats().blocks,
@@ -1336,13 +1341,7 @@ fn a_sparse_block_closes_when_its_stream_is_overdue_not_at_the_full_delay() {
     tx.set_srtt(Duration::from_millis(100));
     let t0 = Instant::now();
     let mut out = Vec::new();
-    for i in 0..5u64 {
-        let at = t0 + Duration::from_millis(20 * i);
-        tx.on_timeout(at);
-        while tx.poll_transmit(at, &mut out) {}
-        tx.send(at, &quic_packet(i as usize, 200), &mut out)
-            .unwrap();
-    }
+    send_paced(&mut tx, t0, 20, 5, 200);
     let last = t0 + Duration::from_millis(80);
     assert_eq!(tx.stats().blocks_sparse, 1, "the full block of three");
     assert_eq!(tx.next_deadline(), Some(last + Duration::from_millis(30)));
@@ -1353,13 +1352,7 @@ fn a_sparse_block_closes_when_its_stream_is_overdue_not_at_the_full_delay() {
     // packets 40 ms apart; the block the first token opens at 40 ms (due 60 ms after it)
     // closes at 90 ms, 50 ms after it opened, with the second token in it.
     let t1 = last + Duration::from_secs(1);
-    for i in 0..3u64 {
-        let at = t1 + Duration::from_millis(40 * i);
-        tx.on_timeout(at);
-        while tx.poll_transmit(at, &mut out) {}
-        tx.send(at, &quic_packet(i as usize, 200), &mut out)
-            .unwrap();
-    }
+    send_paced(&mut tx, t1, 40, 3, 200);
     assert_eq!(tx.next_deadline(), Some(t1 + Duration::from_millis(90)));
 }
 

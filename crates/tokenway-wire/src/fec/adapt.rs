@@ -28,6 +28,12 @@
 //! lost, and each run of consecutive ids as one burst. Under bursty loss (mean burst
 //! at least [`BURSTY`]) a head block gets enough repairs that all of its copies are rarely lost
 //! in one burst ([`Adaptation::head_repairs`]).
+//!
+//! Sparse blocks (a token stream's) are sized for a residual instead: the fewest repairs that
+//! leave a token lost for good with probability ≤ 10⁻⁴ ([`Adaptation::sparse_repairs_for`]),
+//! in blocks of two once one repair per three is not enough ([`Adaptation::sparse_k_max`]).
+//! A token left to QUIC costs its stream a stall of one to two RTTs; the repairs cost bytes
+//! of a stream that is small anyway.
 
 use crate::fec::SPARSE_K_MAX;
 use crate::loss_report::LossReport;

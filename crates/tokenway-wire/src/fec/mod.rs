@@ -90,8 +90,11 @@ pub struct FecConfig {
     pub repair_spacing: Duration,
     /// Longest a *sparse* block stays open in `auto` mode (default 50 ms): a block opened by a
     /// packet that follows the previous one by more than the flush delay (a token stream) stays
-    /// open for `min(max_sparse_flush_delay, 0.5 · sRTT)` or until it holds
-    /// [`SPARSE_K_MAX`] packets, and gets one XOR repair instead of a duplicate per packet.
+    /// open for `min(max_sparse_flush_delay, 0.5 · sRTT)` (less once its stream is overdue)
+    /// or until it holds [`Adaptation::sparse_k_max`](adapt::Adaptation::sparse_k_max)
+    /// packets, and gets the repairs of
+    /// [`Adaptation::sparse_repairs_for`](adapt::Adaptation::sparse_repairs_for) instead of
+    /// a duplicate per packet.
     /// Without a known sRTT there are no sparse blocks. The same delay (or this maximum while
     /// the sRTT is unknown) is the pause after which a packet opens a *head* block
     /// ([`HEAD_EXTRA_MAX_K`]). Zero disables both.
@@ -111,7 +114,8 @@ pub const SMALL_PACKET_MAX_LEN: usize = 64;
 /// 2-packet head gets 3 repairs.
 pub const HEAD_EXTRA_MAX_K: usize = 4;
 
-/// Most packets in a sparse block (see [`FecConfig::max_sparse_flush_delay`]).
+/// Most packets in a sparse block (see [`FecConfig::max_sparse_flush_delay`]; two under heavy
+/// loss, [`adapt::Adaptation::sparse_k_max`]), and most repairs one gets.
 pub const SPARSE_K_MAX: usize = 3;
 /// A sparse block's flush delay as a fraction of the sRTT: a packet lost at the start of the
 /// block is restored at most this long after it should have arrived (QUIC itself needs

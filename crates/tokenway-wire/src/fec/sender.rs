@@ -74,8 +74,9 @@ struct Pending {
 enum BlockKind {
     /// A burst: the flush delay, the table's redundancy raised by the loss estimate.
     Ordinary,
-    /// A packet of a sparse stream (a token stream): a longer deadline, at most
-    /// [`SPARSE_K_MAX`] packets, [`Adaptation::sparse_repairs_for`].
+    /// A packet of a sparse stream (a token stream): a longer deadline that follows the
+    /// stream, at most [`Adaptation::sparse_k_max`] packets,
+    /// [`Adaptation::sparse_repairs_for`].
     Sparse,
     /// The first packet after a pause (a request, an answer's headers and first token): an
     /// ordinary block plus one repair outside the budget while it holds at most
@@ -486,8 +487,8 @@ impl FecSender {
         let shard_len = shard_len_for(max_len);
         let wire_len = REPAIR_HEADER_LEN + shard_len + self.obfs.as_ref().map_or(0, |_| SALT_LEN);
         // A sparse block pays its first repair from the budget; the rest that its loss
-        // estimate asks for (at most one per packet) go outside it, like a head's extras:
-        // bounded by the sparse packets, which are at least a flush delay apart.
+        // estimate asks for (at most two more) go outside it, like a head's extras: bounded
+        // by the sparse packets, which are at least a flush delay apart.
         let (planned, sparse_extra) = if block.kind == BlockKind::Sparse {
             let r = self.adapt.sparse_repairs_for(k);
             (r.min(1), r.saturating_sub(1))
@@ -523,9 +524,9 @@ impl FecSender {
             return;
         }
         // Under bursty loss repairs are spread so that one burst does not take a block's
-        // repairs with its sources. A sparse block's go out over the next sparse flush
-        // delay, between the stream's next packets (a burst is a run of consecutive
-        // datagrams as much as a stretch of time), so each is restored within one more.
+        // repairs with its sources. A sparse block's go out over the next two sparse flush
+        // delays, between the stream's next packets (a burst is a run of consecutive
+        // datagrams as much as a stretch of time), so a loss is restored within ~1 sRTT.
         let spacing = if !self.adapt.is_bursty() {
             Duration::ZERO
         } else if let (BlockKind::Sparse, Some(d)) = (block.kind, self.sparse_flush_delay()) {
