@@ -18,6 +18,19 @@ use hyper_util::server::graceful::GracefulConnection;
 use tokio::sync::futures::OwnedNotified;
 use tokio::sync::{watch, Notify};
 
+/// A connection that can be asked to finish what it is doing and close.
+pub trait Graceful: Future {
+    /// Starts the graceful close.
+    fn graceful_shutdown(self: Pin<&mut Self>);
+}
+
+/// hyper's connections (HTTP/2, and the auto-detecting one).
+impl<C: GracefulConnection> Graceful for C {
+    fn graceful_shutdown(self: Pin<&mut Self>) {
+        GracefulConnection::graceful_shutdown(self);
+    }
+}
+
 /// The drain signal shared by every front thread.
 pub struct Drain {
     draining: AtomicBool,
@@ -38,7 +51,7 @@ impl Default for Drain {
 
 impl Drain {
     /// Wraps `conn` so that it starts a graceful close when the drain begins.
-    pub fn watch<C: GracefulConnection>(self: &Arc<Self>, conn: C) -> Watched<C> {
+    pub fn watch<C: Graceful>(self: &Arc<Self>, conn: C) -> Watched<C> {
         Watched {
             conn,
             drain: self.clone(),
@@ -76,7 +89,7 @@ pin_project_lite::pin_project! {
     }
 }
 
-impl<C: GracefulConnection> Future for Watched<C> {
+impl<C: Graceful> Future for Watched<C> {
     type Output = C::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {

@@ -71,6 +71,26 @@ impl ApiError {
         )
     }
 
+    /// 413: the request body is larger than `limit` bytes.
+    pub fn body_too_large(limit: usize) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request_too_large",
+            format!("the request body exceeds the limit of {limit} bytes"),
+        )
+    }
+
+    /// 408: the request body did not arrive within the client read timeout.
+    pub fn request_timeout() -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "request_timeout",
+            "the request body did not arrive in time",
+        )
+    }
+
     /// The OpenAI error object as JSON bytes.
     pub fn json(&self) -> Bytes {
         let v = serde_json::json!({

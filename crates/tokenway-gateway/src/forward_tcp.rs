@@ -7,7 +7,7 @@
 //! connection until either side closes. Never an open proxy: without `[tunnel]` or with a
 //! target outside the list nothing is dialled.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use http::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
@@ -15,6 +15,22 @@ use tokio::net::TcpStream;
 
 use crate::error::{full, ApiError, ResponseBody};
 use crate::state::Shared;
+
+/// Where the HTTP/1.1 front (`front_h1`) takes the dialled target of a CONNECT it carries: it
+/// has no hyper upgrade to hand over, so the connection comes back through the request.
+#[derive(Clone, Default)]
+pub struct SpliceSlot(Arc<Mutex<Option<TcpStream>>>);
+
+impl SpliceSlot {
+    fn put(&self, tcp: TcpStream) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(tcp);
+    }
+
+    /// The target connection, if the CONNECT was accepted.
+    pub fn take(&self) -> Option<TcpStream> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
 
 /// Answers a CONNECT request from an authenticated edge.
 pub async fn connect<B>(shared: &Arc<Shared>, req: Request<B>) -> Response<ResponseBody>
@@ -53,6 +69,11 @@ where
         }
     };
     let _ = tcp.set_nodelay(true);
+    if let Some(slot) = req.extensions().get::<SpliceSlot>() {
+        // The HTTP/1.1 front joins the two itself once its 200 is out.
+        slot.put(tcp);
+        return Response::new(full(bytes::Bytes::new()));
+    }
     tokio::spawn(async move {
         let upgraded = match hyper::upgrade::on(req).await {
             Ok(u) => u,

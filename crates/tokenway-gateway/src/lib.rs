@@ -15,6 +15,8 @@ pub mod discovery;
 pub mod drain;
 pub mod error;
 pub mod forward_tcp;
+pub mod front_h1;
+pub mod h1_head;
 pub mod h3_front;
 pub mod masquerade;
 pub mod overflow;

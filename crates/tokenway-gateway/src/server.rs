@@ -1,16 +1,22 @@
 //! The TCP fronts: cleartext HTTP/1.1 + h2c on one port, and TLS with ALPN (h2, http/1.1).
+//! HTTP/1.1 is served by the gateway's own front (`front_h1`), HTTP/2 by hyper.
 //!
 //! Every accepted socket gets TCP_NODELAY: without it Nagle's algorithm and delayed ACKs can add
 //! ~40 ms to a small first-token write. Open connections are bounded by a semaphore; on shutdown
 //! the listeners close and open connections get a graceful close with a deadline.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
 
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
 use tokio_rustls::TlsAcceptor;
@@ -18,6 +24,7 @@ use tokio_rustls::TlsAcceptor;
 use crate::config::GatewayConfig;
 use crate::drain::Drain;
 use crate::error::GatewayError;
+use crate::front_h1::H1Connection;
 use crate::h3_front::{self, Front};
 use crate::stall_io::StallGuard;
 use crate::state::Shared;
@@ -26,6 +33,10 @@ use tokenway_transport::certs::Identity;
 
 /// How long open connections get to finish after shutdown is asked.
 const DRAIN: Duration = Duration::from_secs(5);
+/// The HTTP/2 connection preface (RFC 9113 §3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// First read of a cleartext connection: the request head (or preface) and a small body.
+const FIRST_READ_BYTES: usize = 8 * 1024;
 /// Period of the timer every front thread keeps armed (see [`keep_timer_armed`]).
 const TIMER_KEEPER: Duration = Duration::from_millis(500);
 
@@ -401,32 +412,36 @@ async fn accept_loop(
         let tls = tls.clone();
         tokio::spawn(async move {
             let _permit = permit;
+            let read_timeout = shared.config.timeouts.client_read();
             match tls {
                 None => {
-                    // hyper's header timeout runs from the start of each request head; the
-                    // look at the first bytes that tells HTTP/1.1 from h2c comes before it and
-                    // would wait for ever on a connection that sends nothing.
-                    // (`peek`, not `readable`: readiness may be reported before any byte.)
-                    let first = tokio::time::timeout(
-                        shared.config.timeouts.client_read(),
-                        stream.peek(&mut [0u8; 1]),
-                    )
-                    .await;
-                    if first.is_err() {
-                        tracing::debug!(%peer, "no request within timeouts.client_read_ms; closing");
-                        return;
+                    // The first bytes tell HTTP/1.1 from h2c (prior knowledge); a connection
+                    // that sends nothing is closed after the client read timeout.
+                    let mut first = BytesMut::with_capacity(FIRST_READ_BYTES);
+                    let mut stream = stream;
+                    match tokio::time::timeout(read_timeout, sniff(&mut stream, &mut first)).await {
+                        Ok(Ok(true)) => {
+                            let stream = Rewound::new(first.freeze(), stream);
+                            serve_h2(stream, peer, shared, &drain).await
+                        }
+                        Ok(Ok(false)) => serve_h1(stream, first, peer, shared, &drain).await,
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "connection failed"),
+                        Err(_) => {
+                            tracing::debug!(%peer, "no request within timeouts.client_read_ms; closing")
+                        }
                     }
-                    serve_connection(stream, peer, shared, &drain).await
                 }
                 Some(acceptor) => {
-                    let handshake = tokio::time::timeout(
-                        shared.config.timeouts.client_read(),
-                        acceptor.accept(stream),
-                    )
-                    .await;
+                    let handshake =
+                        tokio::time::timeout(read_timeout, acceptor.accept(stream)).await;
                     match handshake {
                         Ok(Ok(tls_stream)) => {
-                            serve_connection(tls_stream, peer, shared, &drain).await
+                            let h2 = tls_stream.get_ref().1.alpn_protocol() == Some(b"h2");
+                            if h2 {
+                                serve_h2(tls_stream, peer, shared, &drain).await
+                            } else {
+                                serve_h1(tls_stream, BytesMut::new(), peer, shared, &drain).await
+                            }
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
@@ -437,16 +452,46 @@ async fn accept_loop(
     }
 }
 
-async fn serve_connection<S>(stream: S, peer: SocketAddr, shared: Arc<Shared>, drain: &Arc<Drain>)
+/// Reads the first bytes of a cleartext connection into `first`: `true` when they are the
+/// HTTP/2 connection preface (h2c with prior knowledge, RFC 9113 §3.3), `false` at the first
+/// byte that is not.
+async fn sniff(stream: &mut TcpStream, first: &mut BytesMut) -> std::io::Result<bool> {
+    loop {
+        let n = first.len().min(H2_PREFACE.len());
+        if !H2_PREFACE.starts_with(&first[..n]) {
+            return Ok(false);
+        }
+        if n == H2_PREFACE.len() {
+            return Ok(true);
+        }
+        if stream.read_buf(first).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+}
+
+/// An HTTP/1.1 connection, on the gateway's own front (`front_h1`).
+async fn serve_h1<S>(
+    stream: S,
+    first: BytesMut,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    drain: &Arc<Drain>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let stream = StallGuard::new(stream, shared.config.timeouts.client_write());
+    drain
+        .watch(H1Connection::new(stream, first, peer, shared))
+        .await;
+}
+
+/// An HTTP/2 connection, on hyper.
+async fn serve_h2<S>(stream: S, peer: SocketAddr, shared: Arc<Shared>, drain: &Arc<Drain>)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(shared.config.timeouts.client_read())
-        .keep_alive(true);
+    let mut builder = auto::Builder::new(TokioExecutor::new()).http2_only();
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -463,6 +508,63 @@ where
     }
 }
 
-/// Keeps `TcpStream` referenced for docs of accepted socket types.
-#[allow(dead_code)]
-type Accepted = TcpStream;
+pin_project_lite::pin_project! {
+    /// A stream whose first bytes were already read: they are read again first.
+    struct Rewound<S> {
+        first: Bytes,
+        #[pin]
+        inner: S,
+    }
+}
+
+impl<S> Rewound<S> {
+    fn new(first: Bytes, inner: S) -> Self {
+        Self { first, inner }
+    }
+}
+
+impl<S: AsyncRead> AsyncRead for Rewound<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.project();
+        if !this.first.is_empty() {
+            let n = this.first.len().min(buf.remaining());
+            buf.put_slice(&this.first.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        this.inner.poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite> AsyncWrite for Rewound<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.project().inner.poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.project().inner.poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.project().inner.poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        self.project().inner.poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}

@@ -10,7 +10,6 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use subtle::ConstantTimeEq;
 use tokenway_router::{prompt_blocks, Route, RouteError, RouteRequest, SessionKind};
 
@@ -62,11 +61,16 @@ impl Transport {
 
 /// Handles one request from a TCP front. A request carrying the tunnel token is an edge's
 /// request over its TCP fallback; a wrong token sees the masquerade site.
-pub async fn handle(
+pub async fn handle<B>(
     shared: Arc<Shared>,
-    mut req: Request<Incoming>,
+    mut req: Request<B>,
     peer: SocketAddr,
-) -> Result<Response<ResponseBody>, Infallible> {
+) -> Result<Response<ResponseBody>, Infallible>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
     let mut transport = Transport::of_tcp_request(&req);
     if let Some(tunnel) = &shared.tunnel {
         if req.headers().contains_key(AUTH_HEADER) {
@@ -316,14 +320,7 @@ where
     B::Error: std::error::Error + Send + Sync + 'static,
 {
     let limit = shared.config.max_body_bytes;
-    let too_large = || {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "request_too_large",
-            format!("the request body exceeds the limit of {limit} bytes"),
-        )
-    };
+    let too_large = || ApiError::body_too_large(limit);
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -337,12 +334,7 @@ where
     )
     .await;
     match collected {
-        Err(_) => Err(ApiError::new(
-            StatusCode::REQUEST_TIMEOUT,
-            "invalid_request_error",
-            "request_timeout",
-            "the request body did not arrive in time",
-        )),
+        Err(_) => Err(ApiError::request_timeout()),
         Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
         Ok(Err(e)) => Err(ApiError::bad_request(format!(
             "cannot read the request body: {e}"

@@ -16,19 +16,19 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Method, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
+#[cfg(test)]
+use crate::h1_head::INLINE_SPANS;
+use crate::h1_head::{has_token, HeaderSpans, MAX_HEADERS};
+
 /// Largest response head accepted.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
-/// Most headers in a response head.
-const MAX_HEADERS: usize = 128;
-/// Header spans kept on the stack; more spill to the heap.
-const INLINE_SPANS: usize = 24;
 /// Largest chunk-size or trailer line.
 const MAX_LINE_BYTES: usize = 4 * 1024;
 /// Read buffer growth step: 8 KiB hold a burst of token events or a short JSON answer, head
@@ -295,52 +295,14 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<http::response::Parts>, H1Err
     } else {
         Version::HTTP_11
     };
-    let mut map = HeaderMap::with_capacity(resp.headers.len());
-    // Where each name and value lies in `buf`; the values become slices of the frozen head.
-    let base = buf.as_ptr() as usize;
-    let count = resp.headers.len();
-    let mut inline = [(0usize, 0usize, 0usize, 0usize); INLINE_SPANS];
-    let mut spilled = Vec::new();
-    let spans = if count <= INLINE_SPANS {
-        &mut inline[..count]
-    } else {
-        spilled.resize(count, (0, 0, 0, 0));
-        &mut spilled[..]
-    };
-    for (h, span) in resp.headers.iter().zip(spans.iter_mut()) {
-        *span = (
-            h.name.as_ptr() as usize - base,
-            h.name.len(),
-            h.value.as_ptr() as usize - base,
-            h.value.len(),
-        );
-    }
+    let spans = HeaderSpans::new(buf.as_ptr(), resp.headers);
     let head = buf.split_to(consumed).freeze();
-    for &(name_at, name_len, at, len) in spans.iter() {
-        let raw_name = &head[name_at..name_at + name_len];
-        let name = HeaderName::from_bytes(raw_name).map_err(|_| {
-            H1Error::Protocol(format!(
-                "bad header name {:?}",
-                String::from_utf8_lossy(raw_name)
-            ))
-        })?;
-        let value = HeaderValue::from_maybe_shared(head.slice(at..at + len))
-            .map_err(|_| H1Error::Protocol(format!("bad value of header {name}")))?;
-        map.append(name, value);
-    }
+    let map = spans.into_map(&head).map_err(H1Error::Protocol)?;
     let mut out = http::Response::new(());
     *out.status_mut() = status;
     *out.version_mut() = version;
     *out.headers_mut() = map;
     Ok(Some(out.into_parts().0))
-}
-
-fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
-    headers.get_all(name).iter().any(|v| {
-        v.to_str()
-            .map(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
-            .unwrap_or(false)
-    })
 }
 
 /// How the end of a response body is found (RFC 9112 §6.3).

@@ -13,6 +13,7 @@ mod examples;
 mod failover;
 mod h3;
 mod harness;
+mod http1;
 mod lossy;
 mod overflow;
 mod roaming;

@@ -506,6 +506,67 @@ async fn port_forwarding(udp_unusable: bool) {
 }
 
 #[tokio::test]
+async fn an_http11_connect_with_the_token_is_spliced_to_an_allowed_target() {
+    let echo = echo_server().await;
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", &format!("forward_allow = [\"{echo}\"]"));
+    let connect = |target: SocketAddr, key: &str| {
+        format!(
+            "CONNECT {target} HTTP/1.1\r\nhost: {target}\r\ntw-auth: {TOKEN}\r\n\
+             tw-idempotency-key: {key}\r\n\r\n"
+        )
+    };
+    let mut s = tokio::net::TcpStream::connect(gw.addr)
+        .await
+        .expect("connect");
+    // The first bytes for the target ride in the same write as the CONNECT itself.
+    let wire = connect(echo, &"a".repeat(32)) + "early bytes";
+    s.write_all(wire.as_bytes()).await.expect("write");
+    let mut got = Vec::new();
+    let want_tail = b"\r\n\r\nearly bytes";
+    while !got.ends_with(want_tail) {
+        let mut buf = [0u8; 256];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("answer in time")
+            .expect("read");
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        got.starts_with(b"HTTP/1.1 200 OK\r\n"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    s.write_all(b"and more").await.expect("write");
+    let mut more = [0u8; 8];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut more))
+        .await
+        .expect("echo in time")
+        .expect("echo");
+    assert_eq!(&more, b"and more");
+
+    // A target outside `forward_allow` is refused, and nothing is spliced.
+    let other = echo_server().await;
+    let mut s = tokio::net::TcpStream::connect(gw.addr)
+        .await
+        .expect("connect");
+    s.write_all(connect(other, &"b".repeat(32)).as_bytes())
+        .await
+        .expect("write");
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("answer in time")
+        .expect("read");
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 403"),
+        "{}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+}
+
+#[tokio::test]
 async fn an_edge_pinning_another_certificate_never_sends_the_request() {
     let backend = sim(FAST_SIM);
     let gw = tunnel_gateway(&backend, "", "");

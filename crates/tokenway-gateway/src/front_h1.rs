@@ -1,0 +1,965 @@
+//! HTTP/1.1 from clients, built for streaming: one loop per connection that reads a request,
+//! hands it to the request-handling core (`service::handle`), and writes the answer's frames as
+//! they come, each with one write.
+//!
+//! Why not hyper's server here: every request crossed hyper's general machinery (a body channel
+//! between the connection and the service, the dispatcher's state machine, an encoder queue),
+//! and on a single stream that was most of what the gateway did beyond nginx (user time per
+//! request twice nginx's, docs/benchmarks.md). Parsing stays with `httparse`; this module adds
+//! the framing of RFC 9112 (content-length and chunked request bodies, `Expect: 100-continue`,
+//! keep-alive, pipelining) and the timeouts of the gateway, and nothing else. HTTP/2 stays with
+//! hyper (`server.rs` tells the two apart by the connection preface or ALPN).
+//!
+//! What it must never do: buffer a streamed answer (a frame leaves as soon as it is polled),
+//! read an unbounded amount (head, body and pipelined bytes all have limits), or keep serving a
+//! client that went away: while a request is handled and while its answer streams, the socket is
+//! watched, and a client that closes it cancels the request (and with it the backend's work).
+//! A request body is read whole before the core sees it, under the body limit and the client
+//! read timeout, as the core would read it anyway to route it.
+
+use std::future::{poll_fn, Future};
+use std::net::SocketAddr;
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::SystemTime;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::header::{self, HeaderMap};
+use http::{Method, Request, Response, StatusCode, Version};
+use http_body::Body;
+use http_body_util::Full;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::time::{Instant, Sleep};
+
+use crate::drain::Graceful;
+use crate::error::{ApiError, ResponseBody};
+use crate::forward_tcp::SpliceSlot;
+use crate::h1_head::{has_token, HeaderSpans, MAX_HEADERS};
+use crate::service;
+use crate::state::Shared;
+
+/// Largest request head accepted (431 beyond).
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// Read buffer growth step: a request head with a chat body fits in one read.
+const READ_BYTES: usize = 8 * 1024;
+/// Below this much free space the read buffer grows by [`READ_BYTES`] before a read.
+const MIN_READ_BYTES: usize = 1024;
+/// Most bytes of following (pipelined) requests read while one is handled; beyond, the socket is
+/// not read until the answer is out.
+const MAX_PIPELINED_BYTES: usize = 64 * 1024;
+/// Longest chunk-size or trailer line of a chunked request body.
+const MAX_LINE_BYTES: usize = 4 * 1024;
+
+/// One client connection's HTTP/1.1 exchanges, as a future a [`crate::drain::Drain`] can close
+/// gracefully: an idle connection closes at once, one with a request in flight after its answer.
+pub struct H1Connection {
+    serving: Pin<Box<dyn Future<Output = ()> + Send>>,
+    closing: Arc<AtomicBool>,
+}
+
+impl H1Connection {
+    /// Serves `io`, whose first bytes (already read to tell HTTP/1.1 from HTTP/2) are `read`.
+    pub fn new<S>(io: S, read: BytesMut, peer: SocketAddr, shared: Arc<Shared>) -> Self
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let closing = Arc::new(AtomicBool::new(false));
+        let conn = Conn {
+            io,
+            buf: read,
+            out: BytesMut::new(),
+            timer: Box::pin(tokio::time::sleep_until(Instant::now())),
+            peer,
+            shared,
+            closing: closing.clone(),
+        };
+        Self {
+            serving: Box::pin(conn.run()),
+            closing,
+        }
+    }
+}
+
+impl Future for H1Connection {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        self.serving.as_mut().poll(cx)
+    }
+}
+
+impl Graceful for H1Connection {
+    fn graceful_shutdown(self: Pin<&mut Self>) {
+        // Seen by the connection at its next poll, which the drain makes right after this.
+        self.closing.store(true, Ordering::Release);
+    }
+}
+
+/// How a request's body is delimited (RFC 9112 §6.3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RequestBody {
+    Empty,
+    Length(u64),
+    Chunked,
+}
+
+/// A parsed request head.
+struct Head {
+    parts: http::request::Parts,
+    body: RequestBody,
+    keep_alive: bool,
+    expect_continue: bool,
+}
+
+/// How an answer's body is delimited on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AnswerBody {
+    None,
+    Length(u64),
+    Chunked,
+    /// An HTTP/1.0 client without a known length: the body ends with the connection.
+    UntilClose,
+}
+
+/// What a read from the client came to.
+enum Read {
+    /// Bytes were added to the buffer.
+    Data,
+    /// The client closed its side (or the connection failed).
+    Closed,
+    /// The deadline passed first.
+    TimedOut,
+    /// The gateway is draining and the connection is between requests.
+    Draining,
+}
+
+/// Why a connection ends early.
+enum End {
+    /// The client went away, or writing to it failed: nothing more can be said.
+    Gone,
+    /// The request cannot be served; the error answer is the last thing sent.
+    Reject(ApiError),
+}
+
+struct Conn<S> {
+    io: S,
+    /// Bytes read from the client and not yet consumed.
+    buf: BytesMut,
+    /// The next write: a head, a chunk, or both.
+    out: BytesMut,
+    /// Deadline of the read in progress, one timer per connection.
+    timer: Pin<Box<Sleep>>,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    closing: Arc<AtomicBool>,
+}
+
+impl<S> Conn<S>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    async fn run(mut self) {
+        loop {
+            let head = match self.read_head().await {
+                Ok(Some(head)) => head,
+                Ok(None) => return,
+                Err(end) => return self.end(end, Version::HTTP_11).await,
+            };
+            let version = head.parts.version;
+            let keep_alive = head.keep_alive;
+            let method = head.parts.method.clone();
+            let body = match self.read_body(&head).await {
+                Ok(body) => body,
+                Err(end) => return self.end(end, version).await,
+            };
+            let mut req = Request::from_parts(head.parts, Full::new(body));
+            let splice = (method == Method::CONNECT).then(|| {
+                let slot = SpliceSlot::default();
+                req.extensions_mut().insert(slot.clone());
+                slot
+            });
+            let handling = service::handle(self.shared.clone(), req, self.peer);
+            let Some(Ok(resp)) = self.while_client_stays(handling).await else {
+                return;
+            };
+            let tunnel = splice.and_then(|s| s.take());
+            let connect_ok = tunnel.is_some() && resp.status().is_success();
+            match self.respond(resp, &method, version, keep_alive).await {
+                Ok(_) if connect_ok => {
+                    if let Some(tcp) = tunnel {
+                        self.splice(tcp).await;
+                    }
+                    return;
+                }
+                Ok(true) => {}
+                Ok(false) | Err(()) => return,
+            }
+        }
+    }
+
+    /// Reads the next request head: `None` when the connection ends between requests (the
+    /// client closed it, stayed idle past `timeouts.client_read_ms`, or the gateway drains).
+    async fn read_head(&mut self) -> Result<Option<Head>, End> {
+        let deadline = Instant::now() + self.shared.config.timeouts.client_read();
+        loop {
+            if !self.buf.is_empty() {
+                if let Some(head) = parse_request(&mut self.buf)? {
+                    return Ok(Some(head));
+                }
+                if self.buf.len() > MAX_HEAD_BYTES {
+                    return Err(End::Reject(ApiError::new(
+                        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                        "invalid_request_error",
+                        "request_head_too_large",
+                        format!("the request head exceeds {MAX_HEAD_BYTES} bytes"),
+                    )));
+                }
+            }
+            let idle = self.buf.is_empty();
+            match self.read(deadline, idle).await {
+                Read::Data => {}
+                Read::Closed | Read::Draining => return Ok(None),
+                Read::TimedOut if idle => return Ok(None),
+                Read::TimedOut => {
+                    return Err(End::Reject(ApiError::new(
+                        StatusCode::REQUEST_TIMEOUT,
+                        "invalid_request_error",
+                        "request_timeout",
+                        "the request head did not arrive in time",
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Reads the request's body whole, under `max_body_bytes` and the client read timeout.
+    async fn read_body(&mut self, head: &Head) -> Result<Bytes, End> {
+        let limit = self.shared.config.max_body_bytes;
+        let deadline = Instant::now() + self.shared.config.timeouts.client_read();
+        match head.body {
+            RequestBody::Empty => Ok(Bytes::new()),
+            RequestBody::Length(n) => {
+                if n > limit as u64 {
+                    return Err(End::Reject(ApiError::body_too_large(limit)));
+                }
+                let n = n as usize;
+                if head.expect_continue && self.buf.len() < n {
+                    self.continue_().await?;
+                }
+                while self.buf.len() < n {
+                    self.body_read(deadline, n - self.buf.len()).await?;
+                }
+                Ok(self.buf.split_to(n).freeze())
+            }
+            RequestBody::Chunked => {
+                if head.expect_continue {
+                    self.continue_().await?;
+                }
+                let mut chunked = ChunkedBody::default();
+                loop {
+                    match chunked.decode(&mut self.buf, limit) {
+                        Ok(true) => return Ok(chunked.body.freeze()),
+                        Ok(false) => self.body_read(deadline, READ_BYTES).await?,
+                        Err(ChunkError::TooLarge) => {
+                            return Err(End::Reject(ApiError::body_too_large(limit)))
+                        }
+                        Err(ChunkError::Malformed(why)) => {
+                            return Err(End::Reject(ApiError::new(
+                                StatusCode::BAD_REQUEST,
+                                "invalid_request_error",
+                                "malformed_request",
+                                format!("malformed chunked request body: {why}"),
+                            )))
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Tells a client that waits for it to send its body (`Expect: 100-continue`).
+    async fn continue_(&mut self) -> Result<(), End> {
+        self.io
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .await
+            .map_err(|_| End::Gone)
+    }
+
+    /// One read for a body still `missing` bytes short.
+    async fn body_read(&mut self, deadline: Instant, missing: usize) -> Result<(), End> {
+        self.buf.reserve(missing.min(READ_BYTES));
+        match self.read(deadline, false).await {
+            Read::Data => Ok(()),
+            Read::Closed | Read::Draining => Err(End::Gone),
+            Read::TimedOut => Err(End::Reject(ApiError::request_timeout())),
+        }
+    }
+
+    /// Reads what the socket holds into the buffer, by `deadline`. A connection between requests
+    /// (`idle`) also gives way to the drain.
+    async fn read(&mut self, deadline: Instant, idle: bool) -> Read {
+        if self.timer.deadline() != deadline {
+            self.timer.as_mut().reset(deadline);
+        }
+        poll_fn(|cx| {
+            if idle && self.closing.load(Ordering::Acquire) {
+                return Poll::Ready(Read::Draining);
+            }
+            reserve_read_space(&mut self.buf);
+            match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(Read::Closed),
+                Poll::Ready(Ok(_)) => return Poll::Ready(Read::Data),
+                Poll::Pending => {}
+            }
+            match self.timer.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Read::TimedOut),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await
+    }
+
+    /// Runs `work` while watching the socket: `None` if the client closes it first (dropping
+    /// `work`, and with it the request upstream). Bytes of a next request are kept, up to
+    /// [`MAX_PIPELINED_BYTES`].
+    async fn while_client_stays<F: Future>(&mut self, work: F) -> Option<F::Output> {
+        let mut work = pin!(work);
+        poll_fn(|cx| {
+            if let Poll::Ready(out) = work.as_mut().poll(cx) {
+                return Poll::Ready(Some(out));
+            }
+            match self.poll_client(cx) {
+                Poll::Ready(()) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await
+    }
+
+    /// Ready when the client has closed the connection (or it failed); reads what it sends
+    /// meanwhile, up to [`MAX_PIPELINED_BYTES`].
+    fn poll_client(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        while self.buf.len() < MAX_PIPELINED_BYTES {
+            reserve_read_space(&mut self.buf);
+            match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(()),
+                Poll::Ready(Ok(_)) => {}
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Poll::Pending
+    }
+
+    /// Writes `resp`, its frames as they come. `Ok(true)` when the connection can carry another
+    /// request; `Err` when the answer could not be completed (the connection must close).
+    async fn respond(
+        &mut self,
+        resp: Response<ResponseBody>,
+        method: &Method,
+        version: Version,
+        keep_alive: bool,
+    ) -> Result<bool, ()> {
+        let (parts, mut body) = resp.into_parts();
+        let status = parts.status;
+        let bodiless = *method == Method::HEAD
+            || status.is_informational()
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED
+            || (*method == Method::CONNECT && status.is_success());
+        let declared = content_length(&parts.headers);
+        let framing = if bodiless {
+            AnswerBody::None
+        } else if let Some(n) = declared.or_else(|| body.size_hint().exact()) {
+            AnswerBody::Length(n)
+        } else if version == Version::HTTP_11 {
+            AnswerBody::Chunked
+        } else {
+            AnswerBody::UntilClose
+        };
+        let keep_alive = keep_alive
+            && framing != AnswerBody::UntilClose
+            && !has_token(&parts.headers, header::CONNECTION, "close")
+            && !self.closing.load(Ordering::Acquire);
+        self.out.clear();
+        encode_head(
+            &mut self.out,
+            &parts,
+            framing,
+            declared,
+            version,
+            keep_alive,
+        );
+        if framing == AnswerBody::None {
+            return self.flush().await.map(|()| keep_alive);
+        }
+        let mut sent = 0u64;
+        // Whatever the body has ready now leaves with the head (for a relayed stream: the first
+        // token, read before the head was released).
+        let mut next = poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await;
+        loop {
+            let frame = match next {
+                Poll::Ready(frame) => frame,
+                Poll::Pending => {
+                    self.flush().await?;
+                    let polled = poll_fn(|cx| {
+                        if let Poll::Ready(f) = Pin::new(&mut body).poll_frame(cx) {
+                            return Poll::Ready(Some(f));
+                        }
+                        self.poll_client(cx).map(|()| None)
+                    })
+                    .await;
+                    match polled {
+                        Some(frame) => frame,
+                        None => return Err(()),
+                    }
+                }
+            };
+            match frame {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        sent += data.len() as u64;
+                        if matches!(framing, AnswerBody::Length(n) if sent > n) {
+                            tracing::warn!("an answer is longer than its content-length; cut");
+                            return Err(());
+                        }
+                        encode_data(&mut self.out, &data, framing);
+                    }
+                    if !body.is_end_stream() {
+                        next = Poll::Pending;
+                        continue;
+                    }
+                }
+                Some(Err(e)) => {
+                    // The client must see a truncated answer, never a short one that looks whole:
+                    // what was encoded goes out, the end marker does not.
+                    tracing::debug!(error = %e, "answer body failed; closing the connection");
+                    let _ = self.flush().await;
+                    return Err(());
+                }
+                None => {}
+            }
+            // The body has ended.
+            if matches!(framing, AnswerBody::Length(n) if sent != n) {
+                let _ = self.flush().await;
+                return Err(());
+            }
+            if framing == AnswerBody::Chunked {
+                self.out.extend_from_slice(b"0\r\n\r\n");
+            }
+            self.flush().await?;
+            return Ok(keep_alive);
+        }
+    }
+
+    async fn flush(&mut self) -> Result<(), ()> {
+        if self.out.is_empty() {
+            return Ok(());
+        }
+        let r = self.io.write_all(&self.out).await;
+        self.out.clear();
+        r.map_err(|_| ())
+    }
+
+    /// Sends the error answer of `end` (if any) and closes.
+    async fn end(&mut self, end: End, version: Version) {
+        if let End::Reject(e) = end {
+            let _ = self
+                .respond(e.into_response(), &Method::GET, version, false)
+                .await;
+        }
+        let _ = self.io.shutdown().await;
+    }
+
+    /// Joins the client connection with the target of an accepted CONNECT until either closes.
+    async fn splice(mut self, mut tcp: tokio::net::TcpStream) {
+        if !self.buf.is_empty() && tcp.write_all(&self.buf).await.is_err() {
+            return;
+        }
+        self.buf = BytesMut::new();
+        if let Err(e) = tokio::io::copy_bidirectional(&mut self.io, &mut tcp).await {
+            tracing::debug!(error = %e, "forwarded connection ended with an error");
+        }
+    }
+}
+
+/// Makes room for the next read: only when little is left, so that a buffer whose front was split
+/// off (and is still referenced) is not reallocated on every read.
+fn reserve_read_space(buf: &mut BytesMut) {
+    if buf.capacity() - buf.len() < MIN_READ_BYTES {
+        buf.reserve(READ_BYTES);
+    }
+}
+
+fn bad_request(message: String) -> End {
+    End::Reject(ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "malformed_request",
+        message,
+    ))
+}
+
+/// Parses a complete request head off the front of `buf`, or `None` when more bytes are needed.
+fn parse_request(buf: &mut BytesMut) -> Result<Option<Head>, End> {
+    let mut headers =
+        [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    let consumed = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
+        &mut req,
+        buf,
+        &mut headers,
+    ) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(End::Reject(ApiError::new(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "invalid_request_error",
+                "too_many_headers",
+                format!("the request has more than {MAX_HEADERS} headers"),
+            )))
+        }
+        Err(e) => return Err(bad_request(format!("malformed request head: {e}"))),
+    };
+    // A complete head has all three; httparse guarantees it.
+    let (Some(method), Some(path), Some(minor)) = (req.method, req.path, req.version) else {
+        return Err(bad_request("incomplete request line".to_string()));
+    };
+    let method = Method::from_bytes(method.as_bytes())
+        .map_err(|_| bad_request(format!("bad method {method:?}")))?;
+    let version = if minor == 0 {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    let path_at = path.as_ptr() as usize - buf.as_ptr() as usize;
+    let path_len = path.len();
+    let spans = HeaderSpans::new(buf.as_ptr(), req.headers);
+    let head = buf.split_to(consumed).freeze();
+    let uri = http::Uri::from_maybe_shared(head.slice(path_at..path_at + path_len))
+        .map_err(|e| bad_request(format!("bad request target: {e}")))?;
+    let headers = spans.into_map(&head).map_err(bad_request)?;
+    let body = request_body(&headers, version)?;
+    let keep_alive = if version == Version::HTTP_10 {
+        has_token(&headers, header::CONNECTION, "keep-alive")
+    } else {
+        !has_token(&headers, header::CONNECTION, "close")
+    };
+    let expect_continue = version == Version::HTTP_11
+        && headers
+            .get(header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let mut parts = Request::new(()).into_parts().0;
+    parts.method = method;
+    parts.uri = uri;
+    parts.version = version;
+    parts.headers = headers;
+    Ok(Some(Head {
+        parts,
+        body,
+        keep_alive,
+        expect_continue,
+    }))
+}
+
+/// The request body's framing: chunked, a single content-length, or none. Anything ambiguous
+/// (both, or differing lengths: the stuff of request smuggling) is refused.
+fn request_body(headers: &HeaderMap, version: Version) -> Result<RequestBody, End> {
+    if let Some(te) = headers.get(header::TRANSFER_ENCODING) {
+        if headers.contains_key(header::CONTENT_LENGTH) {
+            return Err(bad_request(
+                "both transfer-encoding and content-length".to_string(),
+            ));
+        }
+        let chunked = headers.get_all(header::TRANSFER_ENCODING).iter().count() == 1
+            && te.as_bytes().trim_ascii().eq_ignore_ascii_case(b"chunked");
+        if !chunked || version == Version::HTTP_10 {
+            return Err(End::Reject(ApiError::new(
+                StatusCode::NOT_IMPLEMENTED,
+                "invalid_request_error",
+                "unsupported_transfer_encoding",
+                "only `transfer-encoding: chunked` request bodies are supported",
+            )));
+        }
+        return Ok(RequestBody::Chunked);
+    }
+    let mut length = None;
+    for v in headers.get_all(header::CONTENT_LENGTH) {
+        let n = std::str::from_utf8(v.as_bytes())
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .ok_or_else(|| bad_request("bad content-length".to_string()))?;
+        if length.is_some_and(|l| l != n) {
+            return Err(bad_request("conflicting content-length values".to_string()));
+        }
+        length = Some(n);
+    }
+    Ok(match length {
+        None | Some(0) => RequestBody::Empty,
+        Some(n) => RequestBody::Length(n),
+    })
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
+        .and_then(|s| s.trim().parse().ok())
+}
+
+/// The answer's status line and headers. Framing headers are the connection's to set.
+fn encode_head(
+    out: &mut BytesMut,
+    parts: &http::response::Parts,
+    framing: AnswerBody,
+    declared: Option<u64>,
+    version: Version,
+    keep_alive: bool,
+) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(parts.status.as_str().as_bytes());
+    out.put_u8(b' ');
+    out.extend_from_slice(
+        parts
+            .status
+            .canonical_reason()
+            .unwrap_or("Unknown")
+            .as_bytes(),
+    );
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in &parts.headers {
+        if name == header::CONNECTION
+            || name == header::TRANSFER_ENCODING
+            || name == header::CONTENT_LENGTH
+            || name == "keep-alive"
+        {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    match framing {
+        AnswerBody::Length(n) => {
+            let _ = std::fmt::Write::write_fmt(
+                &mut BytesWriter(out),
+                format_args!("content-length: {n}\r\n"),
+            );
+        }
+        // A HEAD answer says the length the body would have had.
+        AnswerBody::None => {
+            if let Some(n) = declared {
+                let _ = std::fmt::Write::write_fmt(
+                    &mut BytesWriter(out),
+                    format_args!("content-length: {n}\r\n"),
+                );
+            }
+        }
+        AnswerBody::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+        AnswerBody::UntilClose => {}
+    }
+    if !parts.headers.contains_key(header::DATE) {
+        out.extend_from_slice(b"date: ");
+        http_date(out);
+        out.extend_from_slice(b"\r\n");
+    }
+    if !keep_alive {
+        out.extend_from_slice(b"connection: close\r\n");
+    } else if version == Version::HTTP_10 {
+        out.extend_from_slice(b"connection: keep-alive\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// One data frame of the answer, framed.
+fn encode_data(out: &mut BytesMut, data: &[u8], framing: AnswerBody) {
+    if data.is_empty() {
+        return;
+    }
+    if framing == AnswerBody::Chunked {
+        let _ =
+            std::fmt::Write::write_fmt(&mut BytesWriter(out), format_args!("{:x}\r\n", data.len()));
+        out.extend_from_slice(data);
+        out.extend_from_slice(b"\r\n");
+    } else {
+        out.extend_from_slice(data);
+    }
+}
+
+/// `fmt::Write` into a `BytesMut` (formatting numbers without a temporary string).
+struct BytesWriter<'a>(&'a mut BytesMut);
+
+impl std::fmt::Write for BytesWriter<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.0.extend_from_slice(s.as_bytes());
+        Ok(())
+    }
+}
+
+thread_local! {
+    /// The `date` header's value, formatted once per second per thread.
+    static DATE: std::cell::RefCell<(u64, [u8; 29])> = const { std::cell::RefCell::new((0, [0; 29])) };
+}
+
+/// Appends the current time as an HTTP date (RFC 9110 §5.6.7).
+fn http_date(out: &mut BytesMut) {
+    let now = SystemTime::now();
+    let secs = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    DATE.with(|d| {
+        let mut d = d.borrow_mut();
+        if d.0 != secs {
+            let text = httpdate::fmt_http_date(now);
+            if text.len() == 29 {
+                d.1.copy_from_slice(text.as_bytes());
+                d.0 = secs;
+            } else {
+                out.extend_from_slice(text.as_bytes());
+                return;
+            }
+        }
+        out.extend_from_slice(&d.1);
+    });
+}
+
+/// Why a chunked body could not be decoded.
+#[derive(Debug, PartialEq, Eq)]
+enum ChunkError {
+    TooLarge,
+    Malformed(&'static str),
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum ChunkState {
+    /// Expecting a chunk-size line.
+    #[default]
+    Size,
+    /// Inside a chunk's data, this many bytes left.
+    Data(usize),
+    /// Expecting the CRLF after a chunk's data.
+    DataEnd,
+    /// After the last chunk: trailer lines until an empty one.
+    Trailers,
+    Done,
+}
+
+/// A chunked request body decoded incrementally (RFC 9112 §7.1); trailers are read and dropped.
+#[derive(Default)]
+struct ChunkedBody {
+    state: ChunkState,
+    body: BytesMut,
+}
+
+impl ChunkedBody {
+    /// Consumes what `buf` holds of the body; `Ok(true)` once it is complete.
+    fn decode(&mut self, buf: &mut BytesMut, limit: usize) -> Result<bool, ChunkError> {
+        loop {
+            match self.state {
+                ChunkState::Done => return Ok(true),
+                ChunkState::Size | ChunkState::Trailers => {
+                    let Some(end) = buf.iter().position(|&b| b == b'\n') else {
+                        if buf.len() > MAX_LINE_BYTES {
+                            return Err(ChunkError::Malformed("line too long"));
+                        }
+                        return Ok(false);
+                    };
+                    if end > MAX_LINE_BYTES {
+                        return Err(ChunkError::Malformed("line too long"));
+                    }
+                    let line = buf.split_to(end + 1);
+                    let line = line[..end].strip_suffix(b"\r").unwrap_or(&line[..end]);
+                    if self.state == ChunkState::Trailers {
+                        if line.is_empty() {
+                            self.state = ChunkState::Done;
+                        }
+                        continue;
+                    }
+                    let size = line.split(|&b| b == b';').next().unwrap_or_default();
+                    let size = std::str::from_utf8(size.trim_ascii())
+                        .ok()
+                        .filter(|s| !s.is_empty() && s.len() <= 15)
+                        .and_then(|s| usize::from_str_radix(s, 16).ok())
+                        .ok_or(ChunkError::Malformed("bad chunk size"))?;
+                    if size == 0 {
+                        self.state = ChunkState::Trailers;
+                    } else if self.body.len().saturating_add(size) > limit {
+                        return Err(ChunkError::TooLarge);
+                    } else {
+                        self.body.reserve(size);
+                        self.state = ChunkState::Data(size);
+                    }
+                }
+                ChunkState::Data(left) => {
+                    if buf.is_empty() {
+                        return Ok(false);
+                    }
+                    let take = left.min(buf.len());
+                    self.body.extend_from_slice(&buf.split_to(take));
+                    self.state = if take == left {
+                        ChunkState::DataEnd
+                    } else {
+                        ChunkState::Data(left - take)
+                    };
+                }
+                ChunkState::DataEnd => {
+                    if buf.len() < 2 {
+                        return Ok(false);
+                    }
+                    if &buf[..2] != b"\r\n" {
+                        return Err(ChunkError::Malformed("chunk data not followed by CRLF"));
+                    }
+                    let _ = buf.split_to(2);
+                    self.state = ChunkState::Size;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode_in_steps(wire: &[u8], step: usize, limit: usize) -> Result<Vec<u8>, ChunkError> {
+        let mut decoder = ChunkedBody::default();
+        let mut buf = BytesMut::new();
+        for piece in wire.chunks(step) {
+            buf.extend_from_slice(piece);
+            if decoder.decode(&mut buf, limit)? {
+                assert!(buf.is_empty(), "bytes after the body stay in the buffer");
+                return Ok(decoder.body.to_vec());
+            }
+        }
+        Err(ChunkError::Malformed("incomplete"))
+    }
+
+    #[test]
+    fn chunked_bodies_decode_the_same_whatever_the_read_boundaries() {
+        let wire = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\ntrailer: x\r\n\r\n";
+        for step in [1, 2, 3, 5, 8, 13, 64, 1000] {
+            assert_eq!(
+                decode_in_steps(wire, step, 1024).expect("valid body"),
+                b"hello world!",
+                "step {step}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_chunked_body_over_the_limit_or_malformed_is_an_error() {
+        assert_eq!(
+            decode_in_steps(b"10\r\n0123456789abcdef\r\n0\r\n\r\n", 64, 8),
+            Err(ChunkError::TooLarge)
+        );
+        assert_eq!(
+            decode_in_steps(b"zz\r\n", 64, 8),
+            Err(ChunkError::Malformed("bad chunk size"))
+        );
+        assert_eq!(
+            decode_in_steps(b"2\r\nabXY", 64, 8),
+            Err(ChunkError::Malformed("chunk data not followed by CRLF"))
+        );
+        assert_eq!(
+            decode_in_steps(b"ffffffffffffffffff\r\n", 64, 8),
+            Err(ChunkError::Malformed("bad chunk size"))
+        );
+    }
+
+    #[test]
+    fn request_heads_parse_with_their_framing_and_keep_alive() {
+        let mut buf = BytesMut::from(
+            &b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 7\r\nExpect: 100-continue\r\n\r\n{\"a\":1}GET"[..],
+        );
+        let Ok(Some(head)) = parse_request(&mut buf) else {
+            panic!("a complete head parses");
+        };
+        assert_eq!(head.parts.method, Method::POST);
+        assert_eq!(head.parts.uri.path(), "/v1/chat/completions");
+        assert_eq!(head.parts.headers["host"], "a");
+        assert_eq!(head.body, RequestBody::Length(7));
+        assert!(head.keep_alive && head.expect_continue);
+        assert_eq!(&buf[..], b"{\"a\":1}GET", "the body and what follows stay");
+
+        let mut partial = BytesMut::from(&b"GET /health HTTP/1.1\r\nhost: a\r\n"[..]);
+        assert!(matches!(parse_request(&mut partial), Ok(None)));
+
+        let mut old = BytesMut::from(&b"GET / HTTP/1.0\r\n\r\n"[..]);
+        let Ok(Some(head)) = parse_request(&mut old) else {
+            panic!("an HTTP/1.0 head parses");
+        };
+        assert!(
+            !head.keep_alive,
+            "HTTP/1.0 closes unless asked to keep alive"
+        );
+    }
+
+    #[test]
+    fn ambiguous_or_unsupported_framing_is_refused() {
+        let status = |head: &[u8]| match parse_request(&mut BytesMut::from(head)) {
+            Err(End::Reject(e)) => e.status.as_u16(),
+            Err(End::Gone) => 0,
+            Ok(_) => 200,
+        };
+        assert_eq!(
+            status(b"POST / HTTP/1.1\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n"),
+            400
+        );
+        assert_eq!(
+            status(b"POST / HTTP/1.1\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\n"),
+            400
+        );
+        assert_eq!(
+            status(b"POST / HTTP/1.1\r\ntransfer-encoding: gzip\r\n\r\n"),
+            501
+        );
+        assert_eq!(status(b"POST / HTTP/1.1\r\ncontent-length: x\r\n\r\n"), 400);
+        assert_eq!(status(b"\x16\x03\x01\x00\xffGARBAGE\r\n\r\n"), 400);
+        let many: String = (0..200).map(|i| format!("h{i}: v\r\n")).collect();
+        assert_eq!(
+            status(format!("GET / HTTP/1.1\r\n{many}\r\n").as_bytes()),
+            431
+        );
+    }
+
+    #[test]
+    fn answers_are_framed_by_length_chunks_or_close() {
+        let mut parts = Response::new(()).into_parts().0;
+        parts.headers.insert(
+            header::CONTENT_TYPE,
+            "text/event-stream".parse().expect("valid"),
+        );
+        let mut out = BytesMut::new();
+        encode_head(
+            &mut out,
+            &parts,
+            AnswerBody::Chunked,
+            None,
+            Version::HTTP_11,
+            true,
+        );
+        encode_data(&mut out, b"data: x\n\n", AnswerBody::Chunked);
+        let text = String::from_utf8(out.to_vec()).expect("ascii");
+        assert!(text.starts_with("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"));
+        assert!(text.contains("transfer-encoding: chunked\r\n"));
+        assert!(text.contains("\r\ndate: "));
+        assert!(!text.contains("connection:"));
+        assert!(text.ends_with("\r\n\r\n9\r\ndata: x\n\n\r\n"), "{text:?}");
+
+        let mut out = BytesMut::new();
+        encode_head(
+            &mut out,
+            &parts,
+            AnswerBody::Length(2),
+            None,
+            Version::HTTP_10,
+            false,
+        );
+        let text = String::from_utf8(out.to_vec()).expect("ascii");
+        assert!(text.contains("content-length: 2\r\n"));
+        assert!(text.ends_with("connection: close\r\n\r\n"));
+    }
+}

@@ -1,0 +1,81 @@
+//! HTTP/1.1 heads parsed by `httparse` turned into `http` types without copying a header value:
+//! shared by the client front (`front_h1`) and the backend side (`upstream_h1`).
+//!
+//! `httparse` hands out header slices that borrow the read buffer; the buffer's head must then be
+//! split off (which needs it mutably) before the values can become slices of it. So the slices
+//! are first turned into positions ([`HeaderSpans`]), then into a [`HeaderMap`] whose values
+//! share the frozen head's bytes.
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+
+/// Most headers in a head (either direction); more is a malformed head.
+pub const MAX_HEADERS: usize = 128;
+/// Header spans kept on the stack; more spill to the heap.
+pub const INLINE_SPANS: usize = 24;
+
+/// Where each header's name and value lie in the buffer a head was parsed from.
+pub struct HeaderSpans {
+    inline: [(usize, usize, usize, usize); INLINE_SPANS],
+    spilled: Vec<(usize, usize, usize, usize)>,
+    count: usize,
+}
+
+impl HeaderSpans {
+    /// The positions of `headers`, parsed from the buffer that starts at `base`.
+    pub fn new(base: *const u8, headers: &[httparse::Header<'_>]) -> Self {
+        let base = base as usize;
+        let mut spans = Self {
+            inline: [(0, 0, 0, 0); INLINE_SPANS],
+            spilled: Vec::new(),
+            count: headers.len(),
+        };
+        let slots = if headers.len() <= INLINE_SPANS {
+            &mut spans.inline[..headers.len()]
+        } else {
+            spans.spilled.resize(headers.len(), (0, 0, 0, 0));
+            &mut spans.spilled[..]
+        };
+        for (h, slot) in headers.iter().zip(slots.iter_mut()) {
+            *slot = (
+                h.name.as_ptr() as usize - base,
+                h.name.len(),
+                h.value.as_ptr() as usize - base,
+                h.value.len(),
+            );
+        }
+        spans
+    }
+
+    fn spans(&self) -> &[(usize, usize, usize, usize)] {
+        if self.count <= INLINE_SPANS {
+            &self.inline[..self.count]
+        } else {
+            &self.spilled
+        }
+    }
+
+    /// The headers as a map whose values are slices of `head` (the bytes the spans were taken
+    /// from, split off and frozen). Fails on a name or value `http` does not accept, saying which.
+    pub fn into_map(self, head: &Bytes) -> Result<HeaderMap, String> {
+        let mut map = HeaderMap::with_capacity(self.count);
+        for &(name_at, name_len, at, len) in self.spans() {
+            let raw_name = &head[name_at..name_at + name_len];
+            let name = HeaderName::from_bytes(raw_name)
+                .map_err(|_| format!("bad header name {:?}", String::from_utf8_lossy(raw_name)))?;
+            let value = HeaderValue::from_maybe_shared(head.slice(at..at + len))
+                .map_err(|_| format!("bad value of header {name}"))?;
+            map.append(name, value);
+        }
+        Ok(map)
+    }
+}
+
+/// Whether a comma-separated header (`connection`, `transfer-encoding`, ...) lists `token`.
+pub fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
+    headers.get_all(name).iter().any(|v| {
+        v.to_str()
+            .map(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+            .unwrap_or(false)
+    })
+}
