@@ -51,6 +51,14 @@ const MIN_READ_BYTES: usize = 1024;
 const MAX_PIPELINED_BYTES: usize = 64 * 1024;
 /// Longest chunk-size or trailer line of a chunked request body.
 const MAX_LINE_BYTES: usize = 4 * 1024;
+/// Buffers grown past this (a large body or answer) are given back between requests: every idle
+/// keep-alive connection keeps its buffers.
+const KEEP_BUFFER_BYTES: usize = 32 * 1024;
+/// After an error answer that leaves part of a request unread, how long and how much of it is
+/// read and dropped before closing (closing with unread bytes resets the connection, and the
+/// client may then never see the answer).
+const LINGER: std::time::Duration = std::time::Duration::from_millis(500);
+const LINGER_BYTES: usize = 1024 * 1024;
 
 /// One client connection's HTTP/1.1 exchanges, as a future a [`crate::drain::Drain`] can close
 /// gracefully: an idle connection closes at once, one with a request in flight after its answer.
@@ -195,6 +203,12 @@ where
                 }
                 Ok(true) => {}
                 Ok(false) | Err(()) => return,
+            }
+            if self.out.capacity() > KEEP_BUFFER_BYTES {
+                self.out = BytesMut::new();
+            }
+            if self.buf.is_empty() && self.buf.capacity() > KEEP_BUFFER_BYTES {
+                self.buf = BytesMut::new();
             }
         }
     }
@@ -462,14 +476,29 @@ where
         r.map_err(|_| ())
     }
 
-    /// Sends the error answer of `end` (if any) and closes.
+    /// Sends the error answer of `end` (if any) and closes, draining what the client still
+    /// sends for a moment (see [`LINGER`]).
     async fn end(&mut self, end: End, version: Version) {
-        if let End::Reject(e) = end {
-            let _ = self
-                .respond(e.into_response(), &Method::GET, version, false)
-                .await;
+        let End::Reject(e) = end else {
+            return;
+        };
+        if self
+            .respond(e.into_response(), &Method::GET, version, false)
+            .await
+            .is_err()
+            || self.io.shutdown().await.is_err()
+        {
+            return;
         }
-        let _ = self.io.shutdown().await;
+        let deadline = Instant::now() + LINGER;
+        let mut drained = 0;
+        while drained < LINGER_BYTES {
+            self.buf.clear();
+            match self.read(deadline, false).await {
+                Read::Data => drained += self.buf.len(),
+                _ => return,
+            }
+        }
     }
 
     /// Joins the client connection with the target of an accepted CONNECT until either closes.

@@ -44,7 +44,7 @@ fn split_trailer(out: &str) -> (&str, &str) {
 }
 
 #[tokio::test]
-async fn curl_over_http1_h2c_and_tls_h2_streams_the_backends_events() {
+async fn curl_over_http1_h2c_tls_http1_and_tls_h2_streams_the_backends_events() {
     let backend = sim(FAST_SIM);
     let gw = gateway(&[&backend], "tls_listen = \"127.0.0.1:0\"", "");
     let tls = gw.tls_addr.expect("TLS listener");
@@ -60,7 +60,7 @@ async fn curl_over_http1_h2c_and_tls_h2_streams_the_backends_events() {
             .iter()
             .map(|e| normalize(e))
             .collect();
-        let cases: [(String, Vec<&str>, &str); 3] = [
+        let cases: [(String, Vec<&str>, &str); 4] = [
             (
                 format!("{}/v1/chat/completions", gw.url()),
                 vec!["--http1.1"],
@@ -70,6 +70,11 @@ async fn curl_over_http1_h2c_and_tls_h2_streams_the_backends_events() {
                 format!("{}/v1/chat/completions", gw.url()),
                 vec!["--http2-prior-knowledge"],
                 "2 200",
+            ),
+            (
+                format!("https://{tls}/v1/chat/completions"),
+                vec!["--http1.1", "-k"],
+                "1.1 200",
             ),
             (
                 format!("https://{tls}/v1/chat/completions"),
