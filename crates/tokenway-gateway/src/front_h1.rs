@@ -898,6 +898,36 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// Any body, cut into any chunks and delivered in any read sizes, decodes to itself;
+        /// any bytes at all decode to a body, an error or "more needed", never a panic.
+        #[test]
+        fn chunked_bodies_round_trip_and_garbage_never_panics(
+            body in proptest::collection::vec(proptest::num::u8::ANY, 0..600),
+            cuts in proptest::collection::vec(1usize..64, 1..20),
+            step in 1usize..50,
+            garbage in proptest::collection::vec(proptest::num::u8::ANY, 0..200),
+        ) {
+            let mut wire = Vec::new();
+            let mut rest = &body[..];
+            for cut in cuts.iter().cycle() {
+                if rest.is_empty() {
+                    break;
+                }
+                let (chunk, tail) = rest.split_at((*cut).min(rest.len()));
+                wire.extend_from_slice(format!("{:X}\r\n", chunk.len()).as_bytes());
+                wire.extend_from_slice(chunk);
+                wire.extend_from_slice(b"\r\n");
+                rest = tail;
+            }
+            wire.extend_from_slice(b"0\r\n\r\n");
+            proptest::prop_assert_eq!(decode_in_steps(&wire, step, 1024), Ok(body));
+            let mut decoder = ChunkedBody::default();
+            let _ = decoder.decode(&mut BytesMut::from(&garbage[..]), 1024);
+            let _ = parse_request(&mut BytesMut::from(&garbage[..]));
+        }
+    }
+
     #[test]
     fn request_heads_parse_with_their_framing_and_keep_alive() {
         let mut buf = BytesMut::from(
