@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Instructions per request of the gateway's path (docs/benchmarks.md, "The gateway's own HTTP/1.1
+# front"): a zero-think-time sim and a gateway on loopback ports 18001/18002, the gateway under
+# callgrind, `wrk -t1 -c8` with the bench's 16-token streaming POST; prints requests and
+# instructions per request. Needs valgrind and wrk (Debian packages).
+# Usage: scripts/profile-gateway.sh [TOKENWAY_BINARY] [SECONDS]
+set -euo pipefail
+bin=${1:-target/release/tokenway}
+secs=${2:-10}
+for tool in valgrind callgrind_control callgrind_annotate wrk; do
+  command -v "$tool" >/dev/null || { echo "profile-gateway: needs $tool (apt-get install valgrind wrk)" >&2; exit 1; }
+done
+dir=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$dir"' EXIT
+cat > "$dir/sim.toml" <<'EOT'
+model_names = ["sim-model"]
+base_latency_ms = 0.0
+time_per_output_token_ms = 0.0
+prefill_tokens_per_second = 1.0e12
+batch_penalty = 0.0
+max_concurrency = 1024
+max_queue = 1024
+prefix_cache_tokens = 0
+EOT
+cat > "$dir/gateway.toml" <<'EOT'
+listen = "127.0.0.1:18002"
+[[backends]]
+url = "http://127.0.0.1:18001"
+models = ["sim-model"]
+max_inflight = 4096
+EOT
+cat > "$dir/post.lua" <<'EOT'
+wrk.method = "POST"
+wrk.headers["content-type"] = "application/json"
+wrk.body = '{"model":"sim-model","stream":true,"max_tokens":16,"messages":[{"role":"user","content":"Say something short about networks and latency."}]}'
+EOT
+"$bin" sim --listen 127.0.0.1:18001 --config "$dir/sim.toml" >"$dir/sim.log" 2>&1 &
+sleep 1
+valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "$bin" gateway --config "$dir/gateway.toml" >"$dir/gw.log" 2>&1 &
+gw=$!
+for _ in $(seq 60); do grep -q "listening on" "$dir/gw.log" && break; sleep 0.5; done
+url=http://127.0.0.1:18002/v1/chat/completions
+wrk -t1 -c8 -d2s -s "$dir/post.lua" "$url" >/dev/null
+callgrind_control -z "$gw" >/dev/null 2>&1
+requests=$(wrk -t1 -c8 -d"${secs}s" -s "$dir/post.lua" "$url" | awk '/requests in/ {print $1}')
+callgrind_control -d "$gw" >/dev/null 2>&1
+sleep 1
+total=$(callgrind_annotate "$dir/cg.out.1" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
+echo "requests: $requests; instructions: $total; per request: $((total / requests))"
