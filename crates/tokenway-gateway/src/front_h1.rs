@@ -984,6 +984,45 @@ mod tests {
         );
     }
 
+    /// A gateway state with one (unreached) backend, and an HTTP/1.1 front connection on one
+    /// end of an in-memory pipe, watched by `drain`.
+    fn serve(
+        drain: &Arc<crate::drain::Drain>,
+    ) -> (tokio::task::JoinHandle<()>, tokio::io::DuplexStream) {
+        let config = crate::config::GatewayConfig::from_toml_str(
+            "[[backends]]\nurl = \"http://127.0.0.1:9\"\nmodels = [\"m\"]\n",
+        )
+        .expect("valid config");
+        let shared = Shared::new(config).expect("gateway state");
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let peer = SocketAddr::from(([127, 0, 0, 1], 40000));
+        let conn = drain.watch(H1Connection::new(server, BytesMut::new(), peer, shared));
+        (tokio::spawn(conn), client)
+    }
+
+    #[tokio::test]
+    async fn a_drain_closes_an_idle_keep_alive_connection_after_its_answer() {
+        use tokio::io::AsyncReadExt;
+        let drain = Arc::new(crate::drain::Drain::default());
+        let (task, mut client) = serve(&drain);
+        client
+            .write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let mut buf = vec![0u8; 4096];
+        let n = client.read(&mut buf).await.expect("read");
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+        assert!(text.ends_with("\r\n\r\nok\n"), "{text}");
+        let shutdown = tokio::time::timeout(std::time::Duration::from_secs(5), drain.shutdown());
+        shutdown.await.expect("the drain finished");
+        tokio::time::timeout(std::time::Duration::from_secs(5), task)
+            .await
+            .expect("the connection ended")
+            .expect("no panic");
+        assert_eq!(client.read(&mut buf).await.expect("read"), 0, "closed");
+    }
+
     #[test]
     fn answers_are_framed_by_length_chunks_or_close() {
         let mut parts = Response::new(()).into_parts().0;
