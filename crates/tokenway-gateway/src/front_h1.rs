@@ -818,7 +818,8 @@ impl ChunkedBody {
                     } else if self.body.len().saturating_add(size) > limit {
                         return Err(ChunkError::TooLarge);
                     } else {
-                        self.body.reserve(size);
+                        // No reservation for the announced size: a client could announce a
+                        // chunk of the whole body limit and send nothing.
                         self.state = ChunkState::Data(size);
                     }
                 }
