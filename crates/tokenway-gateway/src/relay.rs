@@ -8,6 +8,11 @@
 //! (measured with callgrind on `bench gateway`'s workload: 19 % fewer instructions per request on
 //! the HTTP/1.1 front). Nothing ever waits for more bytes, so the first token leaves the moment it
 //! arrives. On the way the relay measures SSE events: time to first token and inter-token gaps.
+//! That bookkeeping (the SSE scan, the router's first-token report) is done for a frame after
+//! it has been handed to the client connection, at the next poll or at the drop: the connection
+//! writes a frame before it polls again, so the token goes first and the clocks keep the time
+//! it came. The last frame is the exception: the response's end is reported before it is handed
+//! out, so the metrics and the router know of a response before its client does.
 //!
 //! A silent backend (no bytes for `stream_idle`) ends the stream. A client that stops reading is
 //! handled below this layer, by the connection's write-stall guard (`stall_io`).
@@ -54,6 +59,8 @@ pub struct RelayBody {
     idle_timeout: Duration,
     last_activity: tokio::time::Instant,
     tail: Tail,
+    /// The last frame handed out and when, not yet scanned by the clock.
+    unobserved: Option<(Bytes, std::time::Instant)>,
 }
 
 impl RelayBody {
@@ -76,6 +83,19 @@ impl RelayBody {
             idle_timeout: stream_idle,
             last_activity: now,
             tail: Tail::Open,
+            unobserved: None,
+        }
+    }
+
+    /// Does the bookkeeping of the frame handed out last (see the module docs); before the
+    /// first frame is out there is none, and the attempt's first-token report waits for it.
+    fn settle(&mut self) {
+        if self.first.is_some() {
+            return;
+        }
+        self.attempt.settle();
+        if let Some((data, at)) = self.unobserved.take() {
+            self.clock.observe_at(&data, at);
         }
     }
 
@@ -120,11 +140,13 @@ impl RelayBody {
     /// (the client connection knows the length), so the end must be seen here, or a
     /// non-streaming answer would be counted as cancelled and its duration never recorded.
     fn data(&mut self, data: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.clock.observe(&data);
         if matches!(self.tail, Tail::Pending(None)) || self.upstream.is_end_stream() {
+            self.clock.observe(&data);
             self.tail = Tail::Closed;
             self.attempt.finish(Outcome::Success);
             self.clock.finish();
+        } else {
+            self.unobserved = Some((data.clone(), std::time::Instant::now()));
         }
         Poll::Ready(Some(Ok(Frame::data(data))))
     }
@@ -181,6 +203,7 @@ impl Body for RelayBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        this.settle();
         if let Some(frame) = this.first.take() {
             return match frame.into_data() {
                 Ok(data) => {
@@ -251,5 +274,116 @@ impl Body for RelayBody {
         }
         hint.set_lower(upstream.lower() + n);
         hint
+    }
+}
+
+impl Drop for RelayBody {
+    /// A client that leaves drops the body mid-stream; the frame it was handed is still
+    /// counted.
+    fn drop(&mut self) {
+        self.settle();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::poll_fn;
+    use std::sync::Arc;
+
+    use tokenway_router::{BackendId, RouteRequest};
+    use tokio::io::AsyncWriteExt;
+
+    use super::*;
+    use crate::state::Shared;
+
+    fn count(shared: &Shared, series: &str) -> f64 {
+        tokenway_telemetry::render(&shared.registry)
+            .lines()
+            .filter(|l| l.starts_with(series))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// The relay of an event stream whose first event came with the head and whose rest comes
+    /// from `backend`.
+    async fn relay() -> (Arc<Shared>, RelayBody, tokio::net::TcpStream) {
+        let config = crate::config::GatewayConfig::from_toml_str(
+            "[[backends]]\nurl = \"http://127.0.0.1:9\"\nmodels = [\"m\"]\n",
+        )
+        .expect("valid config");
+        let shared = Shared::new(config).expect("gateway state");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let near = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (backend, _) = listener.accept().await.expect("accept");
+        let id = BackendId(0);
+        let mut attempt = Attempt::start(shared.clone(), id, Arc::new(RouteRequest::new("m")));
+        attempt.first_byte(Duration::from_millis(1));
+        let [ttft, gap, duration] =
+            shared.stream_histograms(id, "/v1/chat/completions", "h1", "local");
+        let clock = StreamClock::new(
+            tokenway_telemetry::stream_clock::StreamHistograms {
+                ttft,
+                gap,
+                duration,
+            },
+            std::time::Instant::now(),
+            true,
+        );
+        let body = H1Body::chunked_for_test(near, b"");
+        let first = Frame::data(Bytes::from_static(b"data: {\"n\":1}\n\n"));
+        let relay = RelayBody::new(Some(first), body, attempt, clock, Duration::from_secs(5));
+        (shared, relay, backend)
+    }
+
+    async fn next(relay: &mut RelayBody) -> Bytes {
+        let frame = poll_fn(|cx| Pin::new(&mut *relay).poll_frame(cx)).await;
+        frame
+            .expect("a frame")
+            .expect("no error")
+            .into_data()
+            .expect("data")
+    }
+
+    #[tokio::test]
+    async fn a_frame_is_handed_out_before_it_is_counted_and_the_end_is_counted_before_the_last() {
+        let (shared, mut relay, mut backend) = relay().await;
+        let ttft = "tokenway_ttft_seconds_count";
+        let duration = "tokenway_request_duration_seconds_count";
+        assert_eq!(&next(&mut relay).await[..], b"data: {\"n\":1}\n\n");
+        // The first token is out; its scan and the router's report wait for the next poll.
+        assert_eq!(count(&shared, ttft), 0.0);
+        backend
+            .write_all(b"f\r\ndata: {\"n\":2}\n\n\r\n")
+            .await
+            .expect("write");
+        assert_eq!(&next(&mut relay).await[..], b"data: {\"n\":2}\n\n");
+        assert_eq!(count(&shared, ttft), 1.0);
+        assert_eq!(count(&shared, "tokenway_inter_token_seconds_count"), 0.0);
+        // The last frame: the response is complete (and timed) before it is handed out.
+        backend
+            .write_all(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+            .await
+            .expect("write");
+        assert_eq!(&next(&mut relay).await[..], b"data: [DONE]\n\n");
+        assert!(relay.is_end_stream());
+        assert_eq!(count(&shared, duration), 1.0);
+        assert_eq!(count(&shared, "tokenway_inter_token_seconds_count"), 1.0);
+        assert_eq!(count(&shared, "tokenway_backend_inflight"), 0.0);
+    }
+
+    #[tokio::test]
+    async fn a_frame_handed_out_to_a_client_that_leaves_is_still_counted() {
+        let (shared, mut relay, _backend) = relay().await;
+        next(&mut relay).await;
+        drop(relay);
+        assert_eq!(count(&shared, "tokenway_ttft_seconds_count"), 1.0);
+        assert_eq!(
+            count(&shared, "tokenway_request_duration_seconds_count"),
+            0.0
+        );
     }
 }

@@ -442,6 +442,9 @@ pub struct Attempt {
     id: BackendId,
     request: Arc<RouteRequest>,
     ticket: Option<AttemptTicket>,
+    /// A first token noted but not yet reported (time to it, when it came); see
+    /// [`Attempt::first_byte`].
+    first: Option<(Duration, Instant)>,
 }
 
 impl Attempt {
@@ -458,6 +461,7 @@ impl Attempt {
             id,
             request,
             ticket: Some(ticket),
+            first: None,
         }
     }
 
@@ -476,20 +480,31 @@ impl Attempt {
         self.shared.upstream(self.id).name.clone()
     }
 
-    /// Reports the first token (the first body frame) `ttft` after the request was sent.
+    /// Notes the first token (the first body frame) `ttft` after the request was sent. The
+    /// router hears of it at [`Attempt::settle`] or at the next report, whichever comes first:
+    /// the relay settles once that frame is on its way to the client, so the router's
+    /// bookkeeping (a lock, rate and health estimates) is not in the token's way.
     pub fn first_byte(&mut self, ttft: Duration) {
+        if self.first.is_none() {
+            self.first = Some((ttft, Instant::now()));
+        }
+    }
+
+    /// Reports a first token noted by [`Attempt::first_byte`], with the time it came.
+    pub fn settle(&mut self) {
+        let Some((ttft, at)) = self.first.take() else {
+            return;
+        };
         let Some(ticket) = self.ticket.as_mut() else {
             return;
         };
-        let t = self
-            .shared
-            .router()
-            .first_token(ticket, ttft, Instant::now());
+        let t = self.shared.router().first_token(ticket, ttft, at);
         self.shared.note_transition(self.id, t);
     }
 
     /// Reports that the stream went silent past the stall timeout.
     pub fn stalled(&mut self) {
+        self.settle();
         let Some(ticket) = self.ticket.as_mut() else {
             return;
         };
@@ -499,6 +514,7 @@ impl Attempt {
 
     /// Reports the outcome; later calls and the drop do nothing.
     pub fn finish(&mut self, outcome: Outcome) {
+        self.settle();
         let Some(ticket) = self.ticket.take() else {
             return;
         };

@@ -366,6 +366,21 @@ enum Decoded {
 }
 
 impl H1Body {
+    /// A chunked body whose first bytes, `buffered`, were read with the head, and whose rest
+    /// comes from `stream` (tests of the layers above).
+    #[cfg(test)]
+    pub(crate) fn chunked_for_test(stream: TcpStream, buffered: &[u8]) -> Self {
+        H1Body {
+            stream: Some(stream),
+            buf: BytesMut::from(buffered),
+            framing: Framing::Chunked(Chunk::Size),
+            pool: H1Pool::new(Duration::from_secs(1), 1),
+            authority: "x:1".into(),
+            reusable: false,
+            finished: false,
+        }
+    }
+
     /// Bytes read from the backend and not yet handed out (body data and its framing): an upper
     /// bound on what the next polls return without reading the socket again.
     pub fn buffered(&self) -> usize {

@@ -61,6 +61,11 @@ impl StreamClock {
 
     /// Notes body bytes as they are passed on.
     pub fn observe(&mut self, data: &[u8]) {
+        self.observe_at(data, Instant::now());
+    }
+
+    /// Notes body bytes that were passed on at `now` (a proxy may scan them after sending).
+    pub fn observe_at(&mut self, data: &[u8], now: Instant) {
         if data.is_empty() || !self.tokens {
             return;
         }
@@ -74,7 +79,6 @@ impl StreamClock {
         if tokens == 0 {
             return;
         }
-        let now = Instant::now();
         match self.last_event {
             None => self
                 .histograms
