@@ -18,28 +18,7 @@ done
 [ "$(id -u)" = 0 ] || { echo "hop-latency: perf tracepoints need root" >&2; exit 1; }
 dir=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; [ -f "$dir/nginx.pid" ] && kill "$(cat "$dir/nginx.pid")" 2>/dev/null; rm -rf "$dir"' EXIT
-cat > "$dir/sim.toml" <<'EOT'
-model_names = ["sim-model"]
-base_latency_ms = 0.0
-time_per_output_token_ms = 0.0
-prefill_tokens_per_second = 1.0e12
-batch_penalty = 0.0
-max_concurrency = 1024
-max_queue = 1024
-prefix_cache_tokens = 0
-EOT
-cat > "$dir/gateway.toml" <<'EOT'
-listen = "127.0.0.1:18002"
-[[backends]]
-url = "http://127.0.0.1:18001"
-models = ["sim-model"]
-max_inflight = 4096
-EOT
-cat > "$dir/post.lua" <<'EOT'
-wrk.method = "POST"
-wrk.headers["content-type"] = "application/json"
-wrk.body = '{"model":"sim-model","stream":true,"max_tokens":16,"messages":[{"role":"user","content":"Say something short about networks and latency."}]}'
-EOT
+profile=$(dirname "$(realpath "$0")")/profile
 cat > "$dir/hops.py" <<'EOT'
 # hops.py TRACE PROXY_TIDS SIM_TIDS: medians of the hops of each traced request.
 import re, sys
@@ -95,9 +74,9 @@ print(f"requests {len(ttft):5d}  request work p50 {p50(request):5.1f} us  "
       f"response work p50 {p50(response):5.1f} us  wrk first answer bytes p50 {p50(ttft):6.1f} us")
 EOT
 tids() { for p in "$@"; do ls "/proc/$p/task"; done; }
-"$bin" sim --listen 127.0.0.1:18001 --config "$dir/sim.toml" >"$dir/sim.log" 2>&1 &
+"$bin" sim --listen 127.0.0.1:18001 --config "$profile/sim.toml" >"$dir/sim.log" 2>&1 &
 sim=$!
-"$bin" gateway --config "$dir/gateway.toml" >"$dir/gw.log" 2>&1 &
+"$bin" gateway --config "$profile/gateway.toml" >"$dir/gw.log" 2>&1 &
 gw=$!
 targets="gateway:18002:$gw"
 if command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; then
@@ -135,7 +114,7 @@ for round in $(seq "$rounds"); do
     # shellcheck disable=SC2086
     tids $pids > "$dir/proxy.tids"
     tids "$sim" > "$dir/sim.tids"
-    wrk -t1 -c1 -d5s -s "$dir/post.lua" "http://127.0.0.1:$port/v1/chat/completions" >/dev/null &
+    wrk -t1 -c1 -d5s -s "$profile/post.lua" "http://127.0.0.1:$port/v1/chat/completions" >/dev/null &
     load=$!
     sleep 1.5
     timeout 2 perf record -q -o "$dir/trace.data" -a \

@@ -12,37 +12,16 @@ for tool in valgrind callgrind_control callgrind_annotate wrk; do
 done
 dir=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$dir"' EXIT
-cat > "$dir/sim.toml" <<'EOT'
-model_names = ["sim-model"]
-base_latency_ms = 0.0
-time_per_output_token_ms = 0.0
-prefill_tokens_per_second = 1.0e12
-batch_penalty = 0.0
-max_concurrency = 1024
-max_queue = 1024
-prefix_cache_tokens = 0
-EOT
-cat > "$dir/gateway.toml" <<'EOT'
-listen = "127.0.0.1:18002"
-[[backends]]
-url = "http://127.0.0.1:18001"
-models = ["sim-model"]
-max_inflight = 4096
-EOT
-cat > "$dir/post.lua" <<'EOT'
-wrk.method = "POST"
-wrk.headers["content-type"] = "application/json"
-wrk.body = '{"model":"sim-model","stream":true,"max_tokens":16,"messages":[{"role":"user","content":"Say something short about networks and latency."}]}'
-EOT
-"$bin" sim --listen 127.0.0.1:18001 --config "$dir/sim.toml" >"$dir/sim.log" 2>&1 &
+profile=$(dirname "$(realpath "$0")")/profile
+"$bin" sim --listen 127.0.0.1:18001 --config "$profile/sim.toml" >"$dir/sim.log" 2>&1 &
 sleep 1
-valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "$bin" gateway --config "$dir/gateway.toml" >"$dir/gw.log" 2>&1 &
+valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "$bin" gateway --config "$profile/gateway.toml" >"$dir/gw.log" 2>&1 &
 gw=$!
 for _ in $(seq 60); do grep -q "listening on" "$dir/gw.log" && break; sleep 0.5; done
 url=http://127.0.0.1:18002/v1/chat/completions
-wrk -t1 -c8 -d2s -s "$dir/post.lua" "$url" >/dev/null
+wrk -t1 -c8 -d2s -s "$profile/post.lua" "$url" >/dev/null
 callgrind_control -z "$gw" >/dev/null 2>&1
-requests=$(wrk -t1 -c8 -d"${secs}s" -s "$dir/post.lua" "$url" | awk '/requests in/ {print $1}')
+requests=$(wrk -t1 -c8 -d"${secs}s" -s "$profile/post.lua" "$url" | awk '/requests in/ {print $1}')
 callgrind_control -d "$gw" >/dev/null 2>&1
 sleep 1
 total=$(callgrind_annotate "$dir/cg.out.1" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
