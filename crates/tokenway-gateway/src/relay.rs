@@ -11,8 +11,14 @@
 //! That bookkeeping (the SSE scan, the router's first-token report) is done for a frame after
 //! it has been handed to the client connection, at the next poll or at the drop: the connection
 //! writes a frame before it polls again, so the token goes first and the clocks keep the time
-//! it came. The last frame is the exception: the response's end is reported before it is handed
-//! out, so the metrics and the router know of a response before its client does.
+//! it came. The last frame is no exception: the body says it has ended as it hands the frame
+//! out, and the response's end (its duration, the router's end of the attempt) is
+//! reported with that frame's bookkeeping, once the client connection is done with it. A whole
+//! short answer often arrives in one read, so this keeps the scan of all its events and the
+//! router's lock out of the first token's way (`bench gateway`, docs/benchmarks.md). The HTTP/1.1
+//! front drops the body before it reads the connection's next request, so a client that sends
+//! requests one after another on a connection never finds the previous one still in flight; on
+//! another connection, `/metrics` may lag the last byte of an answer by that bookkeeping.
 //!
 //! A silent backend (no bytes for `stream_idle`) ends the stream. A client that stops reading is
 //! handled below this layer, by the connection's write-stall guard (`stall_io`).
@@ -61,6 +67,9 @@ pub struct RelayBody {
     tail: Tail,
     /// The last frame handed out and when, not yet scanned by the clock.
     unobserved: Option<(Bytes, std::time::Instant)>,
+    /// The upstream body ended with the last frame handed out; the response's end is reported
+    /// with that frame's bookkeeping.
+    end_unreported: bool,
 }
 
 impl RelayBody {
@@ -84,6 +93,7 @@ impl RelayBody {
             last_activity: now,
             tail: Tail::Open,
             unobserved: None,
+            end_unreported: false,
         }
     }
 
@@ -96,6 +106,10 @@ impl RelayBody {
         self.attempt.settle();
         if let Some((data, at)) = self.unobserved.take() {
             self.clock.observe_at(&data, at);
+        }
+        if std::mem::take(&mut self.end_unreported) {
+            self.attempt.finish(Outcome::Success);
+            self.clock.finish();
         }
     }
 
@@ -135,19 +149,16 @@ impl RelayBody {
         Poll::Ready(None)
     }
 
-    /// Passes on a data frame; if the upstream body has ended with it, the response is
-    /// complete now. A body of known length is not polled again once its last byte is out
-    /// (the client connection knows the length), so the end must be seen here, or a
-    /// non-streaming answer would be counted as cancelled and its duration never recorded.
+    /// Passes on a data frame, whose bookkeeping waits for the next poll or the drop. If the
+    /// upstream body has ended with it, the body says so now (`is_end_stream`): a body of known
+    /// length is not polled again once its last byte is out (the client connection knows the
+    /// length), so its end is reported with the frame's bookkeeping, at the drop.
     fn data(&mut self, data: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         if matches!(self.tail, Tail::Pending(None)) || self.upstream.is_end_stream() {
-            self.clock.observe(&data);
             self.tail = Tail::Closed;
-            self.attempt.finish(Outcome::Success);
-            self.clock.finish();
-        } else {
-            self.unobserved = Some((data.clone(), std::time::Instant::now()));
+            self.end_unreported = true;
         }
+        self.unobserved = Some((data.clone(), std::time::Instant::now()));
         Poll::Ready(Some(Ok(Frame::data(data))))
     }
 
@@ -349,7 +360,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_frame_is_handed_out_before_it_is_counted_and_the_end_is_counted_before_the_last() {
+    async fn a_frame_is_handed_out_before_it_is_counted_and_the_end_is_counted_at_the_drop() {
         let (shared, mut relay, mut backend) = relay().await;
         let ttft = "tokenway_ttft_seconds_count";
         let duration = "tokenway_request_duration_seconds_count";
@@ -363,15 +374,40 @@ mod tests {
         assert_eq!(&next(&mut relay).await[..], b"data: {\"n\":2}\n\n");
         assert_eq!(count(&shared, ttft), 1.0);
         assert_eq!(count(&shared, "tokenway_inter_token_seconds_count"), 0.0);
-        // The last frame: the response is complete (and timed) before it is handed out.
+        // The last frame: the body says it has ended, and the response is reported (timed,
+        // its backend slot freed) once the client connection is done with it.
         backend
             .write_all(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
             .await
             .expect("write");
         assert_eq!(&next(&mut relay).await[..], b"data: [DONE]\n\n");
         assert!(relay.is_end_stream());
+        assert_eq!(count(&shared, duration), 0.0);
+        drop(relay);
         assert_eq!(count(&shared, duration), 1.0);
         assert_eq!(count(&shared, "tokenway_inter_token_seconds_count"), 1.0);
+        assert_eq!(count(&shared, "tokenway_backend_inflight"), 0.0);
+    }
+
+    #[tokio::test]
+    async fn a_body_polled_after_its_last_frame_reports_the_end_then() {
+        let (shared, mut relay, mut backend) = relay().await;
+        next(&mut relay).await;
+        backend
+            .write_all(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+            .await
+            .expect("write");
+        next(&mut relay).await;
+        assert_eq!(
+            count(&shared, "tokenway_request_duration_seconds_count"),
+            0.0
+        );
+        let end = poll_fn(|cx| Pin::new(&mut relay).poll_frame(cx)).await;
+        assert!(end.is_none());
+        assert_eq!(
+            count(&shared, "tokenway_request_duration_seconds_count"),
+            1.0
+        );
         assert_eq!(count(&shared, "tokenway_backend_inflight"), 0.0);
     }
 

@@ -337,6 +337,20 @@ where
     false
 }
 
+/// The `/metrics` text at `url` once `series` sums to at least `at_least` (or after 5 s, for
+/// the assertion to show). A role reports an answer's end once its connection is done with
+/// the last byte, so a scrape on another connection may come a moment early.
+pub async fn metrics_reaching(url: &str, series: &str, at_least: f64) -> String {
+    let end = Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = get(&format!("{url}/metrics")).await.body;
+        if metric_sum(&text, series) >= at_least || Instant::now() > end {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Starts an edge with `toml` (EdgeConfig keys; `--listen 127.0.0.1:0` overrides `listen`) and
 /// waits for its `listening on http://ADDR` line.
 pub fn edge(toml: &str) -> Proc {

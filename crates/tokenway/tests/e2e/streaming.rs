@@ -143,9 +143,12 @@ async fn gateway_metrics_count_requests_and_measure_ttft() {
         .await;
         assert_eq!(r.status, 200);
     }
-    let m = get(&format!("{}/metrics", gw.url())).await;
-    assert_eq!(m.status, 200);
-    let text = m.body;
+    let text = metrics_reaching(
+        &gw.url(),
+        "tokenway_request_duration_seconds_count{route=\"/v1/chat/completions\"",
+        3.0,
+    )
+    .await;
     assert_eq!(
         metric_sum(
             &text,
@@ -189,7 +192,12 @@ async fn gateway_metrics_count_requests_and_measure_ttft() {
         let r = post(&format!("{}/v1/chat/completions", gw.url()), &body, None).await;
         assert_eq!(r.status, status, "{}", r.body);
     }
-    let text = get(&format!("{}/metrics", gw.url())).await.body;
+    let text = metrics_reaching(
+        &gw.url(),
+        "tokenway_request_duration_seconds_count{route=\"/v1/chat/completions\"",
+        6.0,
+    )
+    .await;
     let series = |name: &str| {
         metric_sum(
             &text,

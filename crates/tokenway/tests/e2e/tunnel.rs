@@ -114,7 +114,12 @@ async fn streamed_chat_through_the_edge_over_quic_equals_the_backends_own() {
         "{text}"
     );
     // The gateway saw tunnel requests, not plain HTTP/3 ones.
-    let gw_text = metrics(&gw).await;
+    let gw_text = metrics_reaching(
+        &gw.url(),
+        "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"b0\",transport=\"tunnel\",",
+        2.0,
+    )
+    .await;
     assert!(
         metric_sum(&gw_text, "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"b0\",transport=\"tunnel\",") >= 2.0,
         "{gw_text}"
