@@ -70,13 +70,10 @@ impl StreamClock {
             return;
         }
         let tokens = match self.scanner.as_mut() {
-            Some(scanner) => {
-                let r = scanner.feed(data);
-                r.events.saturating_sub(u32::from(r.done))
-            }
-            None => u32::from(self.last_event.is_none()),
+            Some(scanner) => scanner.feed_tokens(data),
+            None => self.last_event.is_none(),
         };
-        if tokens == 0 {
+        if !tokens {
             return;
         }
         match self.last_event {

@@ -141,6 +141,32 @@ impl SseScanner {
         out
     }
 
+    /// Whether a data event other than a lone `data: [DONE]` ended inside `chunk` (what a clock
+    /// of token arrivals needs), leaving the scanner where [`feed`](Self::feed) would. A chunk
+    /// that ends with a blank line (`\n\n`) ends at an event boundary whatever it holds, so once
+    /// an event up to its first `\n\n` is seen to be a token, the rest is not scanned: a burst
+    /// of events that arrived together costs one event's scan. The totals
+    /// ([`events`](Self::events), [`comments`](Self::comments), [`saw_done`](Self::saw_done))
+    /// then leave out what was skipped.
+    pub fn feed_tokens(&mut self, chunk: &[u8]) -> bool {
+        if chunk.ends_with(b"\n\n") {
+            if let Some(i) = memchr::memmem::find(chunk, b"\n\n") {
+                let head = self.feed(&chunk[..i + 2]);
+                if head.events > u32::from(head.done) {
+                    // The state `feed` would leave after the chunk's closing blank line.
+                    self.line = Line::Start;
+                    self.pending = Pending::default();
+                    self.after_cr = false;
+                    return true;
+                }
+                let rest = self.feed(&chunk[i + 2..]);
+                return head.events.saturating_add(rest.events) > u32::from(head.done || rest.done);
+            }
+        }
+        let r = self.feed(chunk);
+        r.events > u32::from(r.done)
+    }
+
     /// Total data events dispatched so far.
     pub fn events(&self) -> u64 {
         self.events
@@ -569,7 +595,56 @@ mod tests {
         proptest::collection::vec(piece, 0..40).prop_map(|v| v.concat())
     }
 
+    fn bursts() -> impl Strategy<Value = Vec<u8>> {
+        let piece = prop_oneof![
+            stream(),
+            Just(b"\n\n".to_vec()),
+            Just(b"data: {\"t\":1}\n\n".to_vec()),
+            Just(b"data: [DONE]\n\n".to_vec()),
+            Just(b": keep-alive\n\n".to_vec()),
+            Just(b"data: a\r\ndata: b\r\n\r\n".to_vec()),
+        ];
+        proptest::collection::vec(piece, 0..12).prop_map(|v| v.concat())
+    }
+
+    /// The scanner's state, without its totals.
+    fn state(s: &SseScanner) -> (Line, Pending, bool, bool, u8) {
+        (s.line, s.pending, s.after_cr, s.in_prefix, s.bom_matched)
+    }
+
+    #[test]
+    fn a_burst_that_ends_with_a_blank_line_is_a_token_after_one_event() {
+        let mut s = SseScanner::new();
+        let burst = b"data: {\"t\":1}\n\ndata: {\"t\":2}\n\ndata: [DONE]\n\n";
+        assert!(s.feed_tokens(burst));
+        // Only the first event was scanned.
+        assert_eq!(s.events(), 1);
+        assert!(!s.feed_tokens(b"data: [DONE]\n\n"));
+        assert!(!s.feed_tokens(b": keep-alive\n\n"));
+        assert!(s.feed_tokens(b": keep-alive\n\ndata: x\n\n"));
+        assert!(!s.feed_tokens(b"data: half"));
+        assert!(s.feed_tokens(b" of it\n\n"));
+    }
+
     proptest! {
+        #[test]
+        fn feed_tokens_answers_and_leaves_the_state_as_feed_does(
+            input in bursts(),
+            cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..8),
+        ) {
+            let mut points: Vec<usize> = cuts.iter().map(|c| c.index(input.len() + 1)).collect();
+            points.sort_unstable();
+            let (mut full, mut fast) = (SseScanner::new(), SseScanner::new());
+            let mut start = 0;
+            for p in points.into_iter().chain([input.len()]) {
+                let piece = &input[start..p];
+                let r = full.feed(piece);
+                prop_assert_eq!(fast.feed_tokens(piece), r.events > u32::from(r.done));
+                prop_assert_eq!(state(&fast), state(&full));
+                start = p;
+            }
+        }
+
         #[test]
         fn splitting_anywhere_gives_the_same_counts_as_whole(
             input in stream(),
