@@ -672,19 +672,11 @@ fn encode_head(
         out.extend_from_slice(b"\r\n");
     }
     match framing {
-        AnswerBody::Length(n) => {
-            let _ = std::fmt::Write::write_fmt(
-                &mut BytesWriter(out),
-                format_args!("content-length: {n}\r\n"),
-            );
-        }
+        AnswerBody::Length(n) => content_length_line(out, n),
         // A HEAD answer says the length the body would have had.
         AnswerBody::None => {
             if let Some(n) = declared {
-                let _ = std::fmt::Write::write_fmt(
-                    &mut BytesWriter(out),
-                    format_args!("content-length: {n}\r\n"),
-                );
+                content_length_line(out, n);
             }
         }
         AnswerBody::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
@@ -709,8 +701,7 @@ fn encode_data(out: &mut BytesMut, data: &[u8], framing: AnswerBody) {
         return;
     }
     if framing == AnswerBody::Chunked {
-        let _ =
-            std::fmt::Write::write_fmt(&mut BytesWriter(out), format_args!("{:x}\r\n", data.len()));
+        chunk_size_line(out, data.len());
         out.extend_from_slice(data);
         out.extend_from_slice(b"\r\n");
     } else {
@@ -718,14 +709,30 @@ fn encode_data(out: &mut BytesMut, data: &[u8], framing: AnswerBody) {
     }
 }
 
-/// `fmt::Write` into a `BytesMut` (formatting numbers without a temporary string).
-struct BytesWriter<'a>(&'a mut BytesMut);
+/// Appends `content-length: n` and its CRLF. Numbers are written with `itoa` and by hand, not
+/// through `fmt`: its machinery was the only use of that code on an answer's way out, code a
+/// gateway woken for one request has to fetch from memory first.
+fn content_length_line(out: &mut BytesMut, n: u64) {
+    out.extend_from_slice(b"content-length: ");
+    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
 
-impl std::fmt::Write for BytesWriter<'_> {
-    fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        self.0.extend_from_slice(s.as_bytes());
-        Ok(())
+/// Appends a chunk's size line: `len` in lowercase hexadecimal and CRLF.
+fn chunk_size_line(out: &mut BytesMut, len: usize) {
+    let mut digits = [0u8; 2 * std::mem::size_of::<usize>()];
+    let mut at = digits.len();
+    let mut rest = len;
+    loop {
+        at -= 1;
+        digits[at] = b"0123456789abcdef"[rest & 0xf];
+        rest >>= 4;
+        if rest == 0 {
+            break;
+        }
     }
+    out.extend_from_slice(&digits[at..]);
+    out.extend_from_slice(b"\r\n");
 }
 
 thread_local! {
@@ -865,6 +872,18 @@ mod tests {
             }
         }
         Err(ChunkError::Malformed("incomplete"))
+    }
+
+    #[test]
+    fn size_lines_read_as_formatted_numbers() {
+        for n in [0usize, 1, 9, 10, 15, 16, 255, 4_404, 65_536, usize::MAX] {
+            let mut out = BytesMut::new();
+            chunk_size_line(&mut out, n);
+            assert_eq!(&out[..], format!("{n:x}\r\n").as_bytes());
+            let mut out = BytesMut::new();
+            content_length_line(&mut out, n as u64);
+            assert_eq!(&out[..], format!("content-length: {n}\r\n").as_bytes());
+        }
     }
 
     #[test]

@@ -23,6 +23,7 @@ use crate::relay::RelayBody;
 use crate::state::{Attempt, Shared, Upstream};
 use crate::upstream_h1::{encode_head, H1Body, H1Error};
 use tokenway_telemetry::stream_clock::{StreamClock, StreamHistograms};
+use tokenway_telemetry::{Counter, Histogram};
 
 /// Header naming the backend that served a response.
 pub const BACKEND_HEADER: &str = "x-tokenway-backend";
@@ -66,11 +67,11 @@ async fn try_backend(
     shared: &Arc<Shared>,
     id: BackendId,
     req: &ProxyRequest<'_>,
+    routed: &Route,
     last: bool,
 ) -> Tried {
-    let mut attempt = Attempt::start(shared.clone(), id, req.request.clone());
     let upstream = shared.upstream(id);
-    let sent = Instant::now();
+    let sent_at = Instant::now();
     let deadline = tokio::time::Instant::now() + shared.config.timeouts.first_byte();
     let head = encode_head(
         &upstream.authority,
@@ -89,7 +90,19 @@ async fn try_backend(
     let send = shared
         .h1
         .send(&upstream.authority, req.parts, &head, &req.body);
-    let (parts, mut body) = match tokio::time::timeout_at(deadline, send).await {
+    let written = tokio::time::timeout_at(deadline, send).await;
+    // The request is on its way: what does not depend on the answer is done while the backend
+    // works on it (the router's count of the attempt, the metric handles, most of
+    // `server-timing`), not between the answer's arrival and its first byte to the client.
+    let mut attempt = Attempt::start(shared.clone(), id, req.request.clone());
+    let sent = match written {
+        Err(_) => return fail(attempt, Failure::Timeout),
+        Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
+        Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
+        Ok(Ok(sent)) => sent,
+    };
+    let ready = Ready::new(shared, req, &upstream, id, routed);
+    let (parts, mut body) = match tokio::time::timeout_at(deadline, sent.response()).await {
         Err(_) => return fail(attempt, Failure::Timeout),
         Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
         Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
@@ -110,7 +123,7 @@ async fn try_backend(
         Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
         Ok(Ok(f)) => f,
     };
-    let ttfb = sent.elapsed();
+    let ttfb = sent_at.elapsed();
     attempt.first_byte(ttfb);
     if parts.status.is_server_error() {
         // The last candidate's own error answer goes to the client as it is; it still counts
@@ -123,17 +136,42 @@ async fn try_backend(
         body,
         first,
         ttfb,
+        ready,
     }))
+}
+
+/// What [`forward`] answers the client with.
+pub struct Forwarded {
+    /// The response to send.
+    pub response: Response<ResponseBody>,
+    /// The backend it came from, for `tokenway_requests_total` (`None`: no backend, or
+    /// already `counted`).
+    pub backend: Option<String>,
+    /// Already counted in `tokenway_requests_total` (a 200 answer, with the counter looked up
+    /// while the backend worked).
+    pub counted: bool,
+}
+
+impl Forwarded {
+    /// A response not counted yet, from `backend` if one.
+    pub fn uncounted(response: Response<ResponseBody>, backend: Option<String>) -> Self {
+        Self {
+            response,
+            backend,
+            counted: false,
+        }
+    }
+
+    /// Whether a backend (or a peer) answered, rather than the gateway with an error.
+    pub fn from_backend(&self) -> bool {
+        self.counted || self.backend.is_some()
+    }
 }
 
 /// Sends `req` to the backends in `routed` order (at most `max_attempts` of them), hedging to
 /// the next one when the router says the first token is late, and returns the response to send
-/// to the client plus the name of the backend it came from.
-pub async fn forward(
-    shared: &Arc<Shared>,
-    req: ProxyRequest<'_>,
-    routed: Route,
-) -> (Response<ResponseBody>, Option<String>) {
+/// to the client.
+pub async fn forward(shared: &Arc<Shared>, req: ProxyRequest<'_>, routed: Route) -> Forwarded {
     let candidates: Vec<BackendId> = routed
         .backends
         .iter()
@@ -145,7 +183,7 @@ pub async fn forward(
     while next < candidates.len() {
         let id = candidates[next];
         next += 1;
-        let primary = try_backend(shared, id, &req, next == candidates.len());
+        let primary = try_backend(shared, id, &req, &routed, next == candidates.len());
         let delay = if next < candidates.len() {
             shared.router().hedge_delay(id, Instant::now())
         } else {
@@ -162,7 +200,7 @@ pub async fn forward(
                             let hedge_id = candidates[next];
                             next += 1;
                             tracing::debug!(primary = %shared.upstream(id).name, hedge = %shared.upstream(hedge_id).name, "first token late: hedging");
-                            let hedge = try_backend(shared, hedge_id, &req, next == candidates.len());
+                            let hedge = try_backend(shared, hedge_id, &req, &routed, next == candidates.len());
                             race(shared, primary, hedge, id, hedge_id, &mut last_failure).await
                         } else {
                             primary.await
@@ -174,8 +212,18 @@ pub async fn forward(
         match tried {
             Tried::Failed { backend, failure } => last_failure = Some((backend, failure)),
             Tried::Answered(answer) => {
-                let name = answer.attempt.backend_name();
-                return (respond(shared, &req, &routed, *answer), Some(name));
+                let counted = answer.parts.status == StatusCode::OK;
+                let backend = if counted {
+                    answer.ready.ok_counter.inc();
+                    None
+                } else {
+                    Some(answer.attempt.backend_name())
+                };
+                return Forwarded {
+                    response: respond(shared, &req, *answer),
+                    backend,
+                    counted,
+                };
             }
         }
     }
@@ -202,7 +250,7 @@ pub async fn forward(
             "every backend answered with a server error",
         ),
     };
-    (error.into_response(), None)
+    Forwarded::uncounted(error.into_response(), None)
 }
 
 /// A backend's answer, ready to relay.
@@ -212,6 +260,55 @@ struct Answer {
     body: H1Body,
     first: Option<Frame<Bytes>>,
     ttfb: Duration,
+    ready: Ready,
+}
+
+/// The parts of the client's response that do not depend on the backend's answer, made while
+/// the backend works on the request.
+struct Ready {
+    /// The stream's time to first token, inter-token gap and duration histograms.
+    histograms: [Histogram; 3],
+    /// The end of `server-timing` after the gateway's and the backend's times: the expected
+    /// time to first token, the backend, and the route's reason.
+    timing_tail: String,
+    /// `tokenway_requests_total` of a 200 answer from this backend.
+    ok_counter: Counter,
+    /// The value of [`BACKEND_HEADER`], if the gateway names its backends.
+    name_header: Option<HeaderValue>,
+}
+
+impl Ready {
+    fn new(
+        shared: &Shared,
+        req: &ProxyRequest<'_>,
+        upstream: &Upstream,
+        id: BackendId,
+        routed: &Route,
+    ) -> Self {
+        let client_region = req
+            .request
+            .client_region
+            .as_deref()
+            .unwrap_or(&shared.config.region);
+        let histograms = shared.stream_histograms(id, req.route, req.transport, client_region);
+        let mut timing_tail = String::with_capacity(96 + upstream.timing_desc.len());
+        timing_tail.push_str(", expected;dur=");
+        push_millis(&mut timing_tail, routed.expected_ttft);
+        timing_tail.push_str(&upstream.timing_desc);
+        timing_tail.push_str(", route;desc=\"");
+        if upstream_is_first(routed, id) {
+            push_reason(&mut timing_tail, &routed.reason);
+        } else {
+            timing_tail.push_str("retry");
+        }
+        timing_tail.push('"');
+        Self {
+            histograms,
+            timing_tail,
+            ok_counter: shared.request_counter(req.route, Some(upstream.name.clone()), 200),
+            name_header: upstream.name_header.clone(),
+        }
+    }
 }
 
 /// Runs a primary attempt and its hedge side by side: the first to answer wins and the other
@@ -259,28 +356,16 @@ where
 }
 
 /// Builds the client's response around a relay of the backend's body.
-fn respond(
-    shared: &Arc<Shared>,
-    req: &ProxyRequest<'_>,
-    routed: &Route,
-    answer: Answer,
-) -> Response<ResponseBody> {
+fn respond(shared: &Arc<Shared>, req: &ProxyRequest<'_>, answer: Answer) -> Response<ResponseBody> {
     let Answer {
         attempt,
         parts,
         body,
         first,
         ttfb,
+        ready,
     } = answer;
-    let id = attempt.backend();
-    let upstream = shared.upstream(id);
-    let client_region = req
-        .request
-        .client_region
-        .as_deref()
-        .unwrap_or(&shared.config.region);
-    let [ttft, gap, duration] =
-        shared.stream_histograms(id, req.route, req.transport, client_region);
+    let [ttft, gap, duration] = ready.histograms;
     let mut clock = StreamClock::new(
         StreamHistograms {
             ttft,
@@ -308,27 +393,19 @@ fn respond(
     strip_hop_by_hop(&mut headers);
     *resp.headers_mut() = headers;
     let h = resp.headers_mut();
-    if let Some(v) = &upstream.name_header {
-        h.insert(HeaderName::from_static(BACKEND_HEADER), v.clone());
+    if let Some(v) = ready.name_header {
+        h.insert(HeaderName::from_static(BACKEND_HEADER), v);
     }
     // server-timing (W3C): time in the gateway before the backend answered, the backend's time
-    // to first byte, the backend chosen, and why.
+    // to first byte, then what `Ready` prepared (the expected time, the backend, why it was
+    // chosen).
     let gateway = req.start.elapsed().saturating_sub(ttfb);
-    let mut timing = String::with_capacity(160 + upstream.timing_desc.len());
+    let mut timing = String::with_capacity(48 + ready.timing_tail.len());
     timing.push_str("gateway;dur=");
     push_millis(&mut timing, gateway);
     timing.push_str(", ttfb;dur=");
     push_millis(&mut timing, ttfb);
-    timing.push_str(", expected;dur=");
-    push_millis(&mut timing, routed.expected_ttft);
-    timing.push_str(&upstream.timing_desc);
-    timing.push_str(", route;desc=\"");
-    if upstream_is_first(routed, id) {
-        push_reason(&mut timing, &routed.reason);
-    } else {
-        timing.push_str("retry");
-    }
-    timing.push('"');
+    timing.push_str(&ready.timing_tail);
     if let Ok(v) = http::HeaderValue::try_from(timing) {
         h.append(header::HeaderName::from_static("server-timing"), v);
     }

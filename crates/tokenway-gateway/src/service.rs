@@ -14,7 +14,7 @@ use subtle::ConstantTimeEq;
 use tokenway_router::{prompt_blocks, Route, RouteError, RouteRequest, SessionKind};
 
 use crate::error::{full, ApiError, ResponseBody};
-use crate::proxy::{self, ProxyRequest};
+use crate::proxy::{self, Forwarded, ProxyRequest};
 use crate::request_meta::RequestMeta;
 use crate::state::Shared;
 use crate::status;
@@ -130,12 +130,13 @@ where
             (r, "/v1/models", None)
         }
         (&Method::POST, _, Some(route)) => {
-            let (r, backend) = match proxy_route(&shared, req, route, transport, start, peer).await
-            {
-                Ok(rb) => rb,
-                Err(e) => (e.into_response(), None),
-            };
-            (r, route, backend)
+            match proxy_route(&shared, req, route, transport, start, peer).await {
+                // A 200 from a backend was counted with a counter looked up while the backend
+                // worked, so the count is not in the way of the answer's first byte.
+                Ok(f) if f.counted => return f.response,
+                Ok(f) => (f.response, route, f.backend),
+                Err(e) => (e.into_response(), route, None),
+            }
         }
         (_, "/health" | "/metrics" | "/v1/models", _) | (_, _, Some(_)) => (
             ApiError::new(
@@ -171,7 +172,7 @@ async fn proxy_route<B>(
     transport: &'static str,
     start: Instant,
     peer: SocketAddr,
-) -> Result<(Response<ResponseBody>, Option<String>), ApiError>
+) -> Result<Forwarded, ApiError>
 where
     B: Body + Send,
     B::Data: Send,
@@ -214,12 +215,12 @@ where
         ) if overflow.is_some() => {
             let tunnel = overflow.expect("checked");
             let (resp, peer) = crate::overflow::forward(tunnel, &parts, body).await?;
-            return Ok((resp, Some(peer)));
+            return Ok(Forwarded::uncounted(resp, Some(peer)));
         }
         Err(e) => return Err(route_error(shared, e)),
     };
     let spare = overflow.map(|t| (t, body.clone()));
-    let (resp, backend) = proxy::forward(
+    let forwarded = proxy::forward(
         shared,
         ProxyRequest {
             parts: &parts,
@@ -233,12 +234,12 @@ where
     )
     .await;
     // Every local attempt failed before the first byte: a peer region may still serve it.
-    if let (None, Some((tunnel, body))) = (&backend, spare) {
+    if let (false, Some((tunnel, body))) = (forwarded.from_backend(), spare) {
         if let Ok((resp, peer)) = crate::overflow::forward(tunnel, &parts, body).await {
-            return Ok((resp, Some(peer)));
+            return Ok(Forwarded::uncounted(resp, Some(peer)));
         }
     }
-    Ok((resp, backend))
+    Ok(forwarded)
 }
 
 /// What the router sees of a request: model, prompt blocks, session key, client region, sizes.

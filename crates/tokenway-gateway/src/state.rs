@@ -401,6 +401,16 @@ impl Shared {
 
     /// Counts a finished request in `tokenway_requests_total` (`backend` `None`: `none`).
     pub fn count_request(&self, route: &'static str, backend: Option<String>, status: u16) {
+        self.request_counter(route, backend, status).inc();
+    }
+
+    /// The `tokenway_requests_total` counter of these labels (`backend` `None`: `none`).
+    pub fn request_counter(
+        &self,
+        route: &'static str,
+        backend: Option<String>,
+        status: u16,
+    ) -> Counter {
         let key = (route, backend, status);
         if let Some(c) = self
             .request_counters
@@ -408,8 +418,7 @@ impl Shared {
             .unwrap_or_else(|p| p.into_inner())
             .get(&key)
         {
-            c.inc();
-            return;
+            return c.clone();
         }
         let counter = self
             .metrics
@@ -420,11 +429,11 @@ impl Shared {
                 status,
             })
             .clone();
-        counter.inc();
         self.request_counters
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(key, counter);
+            .insert(key, counter.clone());
+        counter
     }
 
     /// Whether every backend has reported (or been configured with) its models.

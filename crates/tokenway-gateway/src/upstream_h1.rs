@@ -133,48 +133,56 @@ impl H1Pool {
         Ok(stream)
     }
 
-    /// Sends a request (its `head` from [`encode_head`], then `body`) to `authority` and reads
-    /// the response head; the body streams from the returned [`H1Body`]. A pooled connection
-    /// that turns out to be closed is replaced by a fresh one once.
-    pub async fn send(
+    /// Writes a request (its `head` from [`encode_head`], then `body`) to `authority`; the
+    /// answer is read by [`Sent::response`]. The two steps are apart so that the caller can do
+    /// its own bookkeeping while the backend works on the request, not after its answer came.
+    pub async fn send<'r>(
         self: &Arc<Self>,
-        authority: &Arc<str>,
-        parts: &Parts,
-        head: &[u8],
-        body: &Bytes,
-    ) -> Result<(http::response::Parts, H1Body), H1Error> {
-        if let Some(stream) = self.checkout(authority) {
-            match self.exchange(stream, authority, parts, head, body).await {
-                Err(Exchange::Stale) => {}
-                Err(Exchange::Failed(e)) => return Err(e),
-                Ok(r) => return Ok(r),
+        authority: &'r Arc<str>,
+        parts: &'r Parts,
+        head: &'r [u8],
+        body: &'r Bytes,
+    ) -> Result<Sent<'r>, H1Error> {
+        let sent = |stream, pooled| Sent {
+            pool: self.clone(),
+            stream,
+            pooled,
+            authority,
+            parts,
+            head,
+            body,
+        };
+        if let Some(mut stream) = self.checkout(authority) {
+            // A pooled connection the backend has closed may still take the write; the read
+            // tells (see `Sent::response`).
+            if write_request(&mut stream, head, body).await.is_ok() {
+                return Ok(sent(stream, true));
             }
         }
-        let stream = self.connect(authority).await?;
-        match self.exchange(stream, authority, parts, head, body).await {
-            Ok(r) => Ok(r),
-            Err(Exchange::Stale) => Err(H1Error::Io(
-                "connection closed before the response".to_string(),
-            )),
-            Err(Exchange::Failed(e)) => Err(e),
-        }
+        Ok(sent(self.fresh(authority, head, body).await?, false))
     }
 
-    async fn exchange(
+    /// A new connection to `authority` with the request written on it.
+    async fn fresh(
+        &self,
+        authority: &str,
+        head: &[u8],
+        body: &Bytes,
+    ) -> Result<TcpStream, H1Error> {
+        let mut stream = self.connect(authority).await?;
+        write_request(&mut stream, head, body)
+            .await
+            .map_err(|e| H1Error::Io(format!("cannot send the request: {e}")))?;
+        Ok(stream)
+    }
+
+    /// Reads the response head off `stream`, after the request was written on it.
+    async fn read_head(
         self: &Arc<Self>,
         mut stream: TcpStream,
         authority: &Arc<str>,
         parts: &Parts,
-        head: &[u8],
-        body: &Bytes,
     ) -> Result<(http::response::Parts, H1Body), Exchange> {
-        // Head and body leave in one vectored write: one syscall, and the backend finds the
-        // whole request in its first read.
-        let mut request = bytes::Buf::chain(head, &body[..]);
-        let write = stream.write_all_buf(&mut request);
-        if write.await.is_err() {
-            return Err(Exchange::Stale);
-        }
         let mut buf = BytesMut::with_capacity(READ_BYTES);
         loop {
             reserve_read_space(&mut buf);
@@ -225,6 +233,54 @@ impl H1Pool {
     }
 }
 
+/// A request written to a backend, its answer not yet read ([`H1Pool::send`]).
+pub struct Sent<'r> {
+    pool: Arc<H1Pool>,
+    stream: TcpStream,
+    /// The connection came from the pool: if it turns out closed, the request is sent again,
+    /// once, on a new connection.
+    pooled: bool,
+    authority: &'r Arc<str>,
+    parts: &'r Parts,
+    head: &'r [u8],
+    body: &'r Bytes,
+}
+
+impl Sent<'_> {
+    /// Reads the response head; the body streams from the returned [`H1Body`].
+    pub async fn response(self) -> Result<(http::response::Parts, H1Body), H1Error> {
+        let Sent {
+            pool,
+            stream,
+            pooled,
+            authority,
+            parts,
+            head,
+            body,
+        } = self;
+        let stale = || H1Error::Io("connection closed before the response".to_string());
+        match pool.read_head(stream, authority, parts).await {
+            Ok(answer) => return Ok(answer),
+            Err(Exchange::Failed(e)) => return Err(e),
+            Err(Exchange::Stale) if pooled => {}
+            Err(Exchange::Stale) => return Err(stale()),
+        }
+        let stream = pool.fresh(authority, head, body).await?;
+        match pool.read_head(stream, authority, parts).await {
+            Ok(answer) => Ok(answer),
+            Err(Exchange::Stale) => Err(stale()),
+            Err(Exchange::Failed(e)) => Err(e),
+        }
+    }
+}
+
+/// Writes head and body in one vectored write: one syscall, and the backend finds the whole
+/// request in its first read.
+async fn write_request(stream: &mut TcpStream, head: &[u8], body: &Bytes) -> std::io::Result<()> {
+    let mut request = bytes::Buf::chain(head, &body[..]);
+    stream.write_all_buf(&mut request).await
+}
+
 /// Makes room for the next read: only when little is left, so that a buffer whose front was split
 /// off (and is still referenced) is not reallocated on every read.
 fn reserve_read_space(buf: &mut BytesMut) {
@@ -262,8 +318,9 @@ pub fn encode_head<'h>(
         out.extend_from_slice(b"\r\n");
     }
     if body_len > 0 || parts.method == Method::POST || parts.method == Method::PUT {
-        // Formatted straight into the buffer: no temporary string.
-        let _ = std::io::Write::write_fmt(&mut out, format_args!("content-length: {body_len}\r\n"));
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(itoa::Buffer::new().format(body_len).as_bytes());
+        out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(b"\r\n");
     out
@@ -506,10 +563,17 @@ impl H1Body {
         })
     }
 
+    /// Marks the body complete. Its connection goes back to the pool when the body is dropped:
+    /// after its last data went to the client, not between that data's read and its write.
     fn finish(&mut self) {
         self.finished = true;
+    }
+}
+
+impl Drop for H1Body {
+    fn drop(&mut self) {
         if let Some(stream) = self.stream.take() {
-            if self.reusable && self.buf.is_empty() {
+            if self.finished && self.reusable && self.buf.is_empty() {
                 self.pool.checkin(&self.authority, stream);
             }
         }
@@ -740,6 +804,75 @@ mod tests {
         assert!(parse_head(&mut partial).expect("valid so far").is_none());
         let mut garbage = BytesMut::from(&b"SSH-2.0-OpenSSH\r\n\r\n"[..]);
         assert!(parse_head(&mut garbage).is_err());
+    }
+
+    /// A backend that answers the first request on a connection and closes the connection on
+    /// the second without answering (an idle timeout racing the reuse).
+    async fn one_answer_per_connection() -> (std::net::SocketAddr, tokio::task::JoinHandle<usize>) {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = tokio::spawn(async move {
+            let mut connections = 0;
+            while let Ok((mut s, _)) = listener.accept().await {
+                connections += 1;
+                let mut buf = vec![0u8; 4096];
+                let mut answered = false;
+                loop {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(_) if answered => break,
+                        Ok(_) => {
+                            answered = true;
+                            let _ = s
+                                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                                .await;
+                        }
+                    }
+                }
+                if connections == 2 {
+                    break;
+                }
+            }
+            connections
+        });
+        (addr, server)
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_closed_under_a_request_is_replaced_once() {
+        let (addr, server) = one_answer_per_connection().await;
+        let pool = H1Pool::new(Duration::from_secs(1), 1);
+        let authority: Arc<str> = addr.to_string().into();
+        let parts = http::Request::post("/v1/completions")
+            .body(())
+            .expect("req")
+            .into_parts()
+            .0;
+        let body = Bytes::from_static(b"{}");
+        let head = encode_head(&authority, &parts, std::iter::empty(), body.len());
+        for round in 0..2 {
+            let sent = pool
+                .send(&authority, &parts, &head, &body)
+                .await
+                .expect("written");
+            assert_eq!(sent.pooled, round == 1, "round {round}");
+            let (resp, mut answer) = sent.response().await.expect("answered");
+            assert_eq!(resp.status, StatusCode::OK);
+            let frame = std::future::poll_fn(|cx| Pin::new(&mut answer).poll_frame(cx))
+                .await
+                .expect("a frame")
+                .expect("data");
+            assert_eq!(frame.into_data().expect("data"), "ok");
+            // The body ended with its data: the connection went back to the pool.
+            assert!(answer.is_end_stream());
+        }
+        // Round 1 reused round 0's connection, found it closed, and sent again on a new one;
+        // dropping the pool closes that one, which ends the server.
+        drop(pool);
+        assert_eq!(server.await.expect("server"), 2);
     }
 
     #[test]
