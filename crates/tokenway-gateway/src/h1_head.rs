@@ -24,31 +24,44 @@ pub struct HeaderSpans {
 impl HeaderSpans {
     /// The positions of `headers`, parsed from the buffer that starts at `base`.
     pub fn new(base: *const u8, headers: &[httparse::Header<'_>]) -> Self {
+        Self::new_kept(base, headers, |_| true)
+    }
+
+    /// The positions of those `headers` that `keep` accepts.
+    pub fn new_kept(
+        base: *const u8,
+        headers: &[httparse::Header<'_>],
+        keep: impl Fn(&httparse::Header<'_>) -> bool,
+    ) -> Self {
         let base = base as usize;
         let mut spans = Self {
             inline: [(0, 0, 0, 0); INLINE_SPANS],
             spilled: Vec::new(),
-            count: headers.len(),
+            count: 0,
         };
-        let slots = if headers.len() <= INLINE_SPANS {
-            &mut spans.inline[..headers.len()]
-        } else {
-            spans.spilled.resize(headers.len(), (0, 0, 0, 0));
-            &mut spans.spilled[..]
-        };
-        for (h, slot) in headers.iter().zip(slots.iter_mut()) {
-            *slot = (
+        let spill = headers.len() > INLINE_SPANS;
+        if spill {
+            spans.spilled.reserve_exact(headers.len());
+        }
+        for h in headers.iter().filter(|h| keep(h)) {
+            let span = (
                 h.name.as_ptr() as usize - base,
                 h.name.len(),
                 h.value.as_ptr() as usize - base,
                 h.value.len(),
             );
+            if spill {
+                spans.spilled.push(span);
+            } else {
+                spans.inline[spans.count] = span;
+            }
+            spans.count += 1;
         }
         spans
     }
 
     fn spans(&self) -> &[(usize, usize, usize, usize)] {
-        if self.count <= INLINE_SPANS {
+        if self.spilled.is_empty() {
             &self.inline[..self.count]
         } else {
             &self.spilled
@@ -73,9 +86,32 @@ impl HeaderSpans {
 
 /// Whether a comma-separated header (`connection`, `transfer-encoding`, ...) lists `token`.
 pub fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
-    headers.get_all(name).iter().any(|v| {
-        v.to_str()
-            .map(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
-            .unwrap_or(false)
-    })
+    headers
+        .get_all(name)
+        .iter()
+        .any(|v| lists_token(v.as_bytes(), token))
+}
+
+/// Whether a comma-separated header value lists `token` (ASCII case ignored).
+pub fn lists_token(value: &[u8], token: &str) -> bool {
+    value
+        .split(|&b| b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+}
+
+/// Whether `name` is a hop-by-hop header (RFC 9110 §7.6.1, plus the old `keep-alive` and
+/// `proxy-connection`): one a proxy answers itself and does not pass on.
+pub fn is_hop_by_hop(name: &str) -> bool {
+    const HOP_BY_HOP: [&str; 9] = [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    ];
+    HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
 }

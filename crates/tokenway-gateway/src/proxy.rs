@@ -21,7 +21,7 @@ use tokenway_router::{BackendId, HedgeWinner, Outcome, Route, RouteRequest};
 use crate::error::{ApiError, ResponseBody};
 use crate::relay::RelayBody;
 use crate::state::{Attempt, Shared, Upstream};
-use crate::upstream_h1::{encode_head, H1Body, H1Error};
+use crate::upstream_h1::{encode_head, H1Body, H1Error, ResponseHead};
 use tokenway_telemetry::stream_clock::{StreamClock, StreamHistograms};
 use tokenway_telemetry::{Counter, Histogram};
 
@@ -102,13 +102,13 @@ async fn try_backend(
         Ok(Ok(sent)) => sent,
     };
     let ready = Ready::new(shared, req, &upstream, id, routed);
-    let (parts, mut body) = match tokio::time::timeout_at(deadline, sent.response()).await {
+    let (head, mut body) = match tokio::time::timeout_at(deadline, sent.response()).await {
         Err(_) => return fail(attempt, Failure::Timeout),
         Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
         Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
         Ok(Ok(answer)) => answer,
     };
-    let status = parts.status;
+    let status = head.parts.status;
     let elsewhere = status.is_server_error()
         || status == StatusCode::TOO_MANY_REQUESTS
         || status == StatusCode::NOT_FOUND;
@@ -125,14 +125,14 @@ async fn try_backend(
     };
     let ttfb = sent_at.elapsed();
     attempt.first_byte(ttfb);
-    if parts.status.is_server_error() {
+    if status.is_server_error() {
         // The last candidate's own error answer goes to the client as it is; it still counts
         // against the backend's health.
         attempt.finish(Outcome::ServerError);
     }
     Tried::Answered(Box::new(Answer {
         attempt,
-        parts,
+        head,
         body,
         first,
         ttfb,
@@ -212,7 +212,7 @@ pub async fn forward(shared: &Arc<Shared>, req: ProxyRequest<'_>, routed: Route)
         match tried {
             Tried::Failed { backend, failure } => last_failure = Some((backend, failure)),
             Tried::Answered(answer) => {
-                let counted = answer.parts.status == StatusCode::OK;
+                let counted = answer.head.parts.status == StatusCode::OK;
                 let backend = if counted {
                     answer.ready.ok_counter.inc();
                     None
@@ -256,7 +256,7 @@ pub async fn forward(shared: &Arc<Shared>, req: ProxyRequest<'_>, routed: Route)
 /// A backend's answer, ready to relay.
 struct Answer {
     attempt: Attempt,
-    parts: http::response::Parts,
+    head: ResponseHead,
     body: H1Body,
     first: Option<Frame<Bytes>>,
     ttfb: Duration,
@@ -359,7 +359,7 @@ where
 fn respond(shared: &Arc<Shared>, req: &ProxyRequest<'_>, answer: Answer) -> Response<ResponseBody> {
     let Answer {
         attempt,
-        parts,
+        head,
         body,
         first,
         ttfb,
@@ -373,8 +373,9 @@ fn respond(shared: &Arc<Shared>, req: &ProxyRequest<'_>, answer: Answer) -> Resp
             duration,
         },
         req.start,
-        is_event_stream(&parts.headers),
+        head.event_stream,
     );
+    let parts = head.parts;
     if !parts.status.is_success() {
         clock = clock.error_answer();
     }
@@ -388,10 +389,8 @@ fn respond(shared: &Arc<Shared>, req: &ProxyRequest<'_>, answer: Answer) -> Resp
     let mut resp = Response::new(BodyExt::boxed(body));
     *resp.status_mut() = parts.status;
     // The backend's headers move over as they are (their values share the response head's
-    // bytes); only the hop-by-hop ones are dropped.
-    let mut headers = parts.headers;
-    strip_hop_by_hop(&mut headers);
-    *resp.headers_mut() = headers;
+    // bytes); the hop-by-hop ones were left out as the head was parsed.
+    *resp.headers_mut() = parts.headers;
     let h = resp.headers_mut();
     if let Some(v) = ready.name_header {
         h.insert(HeaderName::from_static(BACKEND_HEADER), v);
@@ -462,45 +461,9 @@ pub fn is_event_stream(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"))
 }
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1) and those the gateway sets itself.
+/// Hop-by-hop headers (RFC 9110 §7.6.1): not passed on.
 fn is_hop_by_hop(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-    )
-}
-
-/// Drops the hop-by-hop headers from `headers`.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    const HOP_BY_HOP: [HeaderName; 7] = [
-        header::CONNECTION,
-        header::PROXY_AUTHENTICATE,
-        header::PROXY_AUTHORIZATION,
-        header::TE,
-        header::TRAILER,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-    ];
-    // A scan of the few headers a response has, then removals of only what is there: a
-    // removal hashes its name, and nine of them per response cost more than the scan.
-    for name in &HOP_BY_HOP {
-        if headers.keys().any(|k| k == name) {
-            headers.remove(name);
-        }
-    }
-    for name in ["keep-alive", "proxy-connection"] {
-        if headers.keys().any(|k| k.as_str() == name) {
-            headers.remove(name);
-        }
-    }
+    crate::h1_head::is_hop_by_hop(name.as_str())
 }
 
 /// Appends a duration as milliseconds with three decimals (`12.345`), from integers: the
@@ -553,40 +516,6 @@ fn upstream_headers<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hop_by_hop_headers_are_dropped_and_the_rest_kept_in_order() {
-        let mut h = HeaderMap::new();
-        for (n, v) in [
-            ("content-type", "text/event-stream"),
-            ("transfer-encoding", "chunked"),
-            ("connection", "keep-alive"),
-            ("keep-alive", "timeout=5"),
-            ("x-request-id", "a"),
-            ("x-request-id", "b"),
-            ("proxy-connection", "close"),
-            ("te", "trailers"),
-            ("upgrade", "h2c"),
-        ] {
-            h.append(
-                HeaderName::from_static(n),
-                http::HeaderValue::from_static(v),
-            );
-        }
-        strip_hop_by_hop(&mut h);
-        let left: Vec<(&str, &str)> = h
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.to_str().expect("ascii")))
-            .collect();
-        assert_eq!(
-            left,
-            [
-                ("content-type", "text/event-stream"),
-                ("x-request-id", "a"),
-                ("x-request-id", "b")
-            ]
-        );
-    }
 
     #[test]
     fn millis_have_three_zero_padded_decimals() {

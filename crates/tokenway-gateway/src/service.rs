@@ -257,21 +257,22 @@ fn route_request(
     if let Some(limit) = meta.output_limit() {
         r = r.with_max_output_tokens(limit);
     }
-    let header = |name: &str| {
+    let header = |name: &http::HeaderName| {
         parts
             .headers
             .get(name)
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty())
     };
-    if let Some(session) = header(&settings.session_header) {
+    let [session_header, region_header] = &shared.routing_headers;
+    if let Some(session) = header(session_header) {
         r = r.with_session(SessionKind::Header, session);
     } else if let Some(user) = meta.user.as_deref().filter(|u| !u.is_empty()) {
         r = r.with_session(SessionKind::User, user);
     } else if settings.source_affinity {
         r = r.with_session(SessionKind::SourceAddr, peer.ip().to_string());
     }
-    let region = header(&settings.client_region_header).unwrap_or(&shared.config.region);
+    let region = header(region_header).unwrap_or(&shared.config.region);
     Ok(r.with_client_region(region))
 }
 

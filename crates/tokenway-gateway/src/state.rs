@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderValue, Uri};
+use http::{HeaderName, HeaderValue, Uri};
 use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -187,6 +187,9 @@ pub struct Shared {
     request_counters: std::sync::RwLock<HashMap<RequestKey, Counter>>,
     /// Known regions; the last entry is `other`.
     regions: Vec<String>,
+    /// `routing.session_header` and `routing.client_region_header`, parsed once: a lookup by
+    /// a string name parses it on every request.
+    pub routing_headers: [HeaderName; 2],
     /// The tunnel port's gatekeeping, when the tunnel is configured.
     pub tunnel: Option<TunnelState>,
     /// `Alt-Svc` value advertising the HTTP/3 front on TCP responses.
@@ -249,7 +252,19 @@ impl Shared {
         }
         regions.push("other".to_string());
         let h1 = H1Pool::new(config.timeouts.connect(), config.front_thread_count());
+        let header = |key: &str, v: &str| {
+            HeaderName::from_bytes(v.as_bytes()).map_err(|_| {
+                GatewayError::Config(format!(
+                    "{key} must be a valid HTTP header name (got {v:?})"
+                ))
+            })
+        };
+        let routing_headers = [
+            header("routing.session_header", &r.session_header)?,
+            header("routing.client_region_header", &r.client_region_header)?,
+        ];
         Ok(Arc::new(Self {
+            routing_headers,
             h1,
             tunnel,
             config,

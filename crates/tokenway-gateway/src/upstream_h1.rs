@@ -16,7 +16,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderName, HeaderValue};
+use http::header::{HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Method, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
@@ -25,7 +25,7 @@ use tokio::net::TcpStream;
 
 #[cfg(test)]
 use crate::h1_head::INLINE_SPANS;
-use crate::h1_head::{has_token, HeaderSpans, MAX_HEADERS};
+use crate::h1_head::{is_hop_by_hop, lists_token, HeaderSpans, MAX_HEADERS};
 
 /// Largest response head accepted.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
@@ -182,7 +182,7 @@ impl H1Pool {
         mut stream: TcpStream,
         authority: &Arc<str>,
         parts: &Parts,
-    ) -> Result<(http::response::Parts, H1Body), Exchange> {
+    ) -> Result<(ResponseHead, H1Body), Exchange> {
         let mut buf = BytesMut::with_capacity(READ_BYTES);
         loop {
             reserve_read_space(&mut buf);
@@ -212,11 +212,10 @@ impl H1Pool {
                 }
                 None => continue,
                 // 1xx informational answers precede the real one.
-                Some(head) if head.status.is_informational() => continue,
+                Some(head) if head.parts.status.is_informational() => continue,
                 Some(head) => {
                     let framing = framing(parts, &head);
-                    let reusable = head.version == Version::HTTP_11
-                        && !has_token(&head.headers, header::CONNECTION, "close");
+                    let reusable = head.parts.version == Version::HTTP_11 && !head.close;
                     let body = H1Body {
                         stream: Some(stream),
                         buf,
@@ -248,7 +247,7 @@ pub struct Sent<'r> {
 
 impl Sent<'_> {
     /// Reads the response head; the body streams from the returned [`H1Body`].
-    pub async fn response(self) -> Result<(http::response::Parts, H1Body), H1Error> {
+    pub async fn response(self) -> Result<(ResponseHead, H1Body), H1Error> {
         let Sent {
             pool,
             stream,
@@ -326,9 +325,26 @@ pub fn encode_head<'h>(
     out
 }
 
+/// A backend's response head, and what the gateway needs to know of it.
+pub struct ResponseHead {
+    /// Status, version and the end-to-end headers: hop-by-hop ones (RFC 9110 §7.6.1) are left
+    /// out as the head is parsed; what they say about this connection is kept below.
+    pub parts: http::response::Parts,
+    /// The `content-type` is `text/event-stream`.
+    pub event_stream: bool,
+    /// `transfer-encoding` lists `chunked`.
+    chunked: bool,
+    /// The `content-length`, if one was sent and is a number.
+    content_length: Option<u64>,
+    /// `connection` lists `close`.
+    close: bool,
+}
+
 /// Parses a complete response head off the front of `buf`, or `None` when more bytes are needed.
-/// Header values share the head's bytes instead of being copied one by one.
-fn parse_head(buf: &mut BytesMut) -> Result<Option<http::response::Parts>, H1Error> {
+/// Header values share the head's bytes instead of being copied one by one. One pass over the
+/// parsed headers finds what the gateway acts on and leaves the hop-by-hop ones out of the map,
+/// instead of looking each up (and removing some) in the map afterwards.
+fn parse_head(buf: &mut BytesMut) -> Result<Option<ResponseHead>, H1Error> {
     // Uninitialised header slots and a small span array: a response head has a handful of
     // headers, and initialising room for MAX_HEADERS of each cost more than parsing them.
     let mut headers =
@@ -352,14 +368,39 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<http::response::Parts>, H1Err
     } else {
         Version::HTTP_11
     };
-    let spans = HeaderSpans::new(buf.as_ptr(), resp.headers);
+    let (mut chunked, mut close) = (false, false);
+    let (mut content_length, mut content_type) = (None, None);
+    for h in resp.headers.iter() {
+        let name = h.name;
+        if name.eq_ignore_ascii_case("transfer-encoding") {
+            chunked |= lists_token(h.value, "chunked");
+        } else if name.eq_ignore_ascii_case("connection") {
+            close |= lists_token(h.value, "close");
+        } else if name.eq_ignore_ascii_case("content-length") {
+            content_length.get_or_insert(h.value);
+        } else if name.eq_ignore_ascii_case("content-type") {
+            content_type.get_or_insert(h.value);
+        }
+    }
+    let content_length = content_length
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let event_stream =
+        content_type.is_some_and(|v| v.trim_ascii_start().starts_with(b"text/event-stream"));
+    let spans = HeaderSpans::new_kept(buf.as_ptr(), resp.headers, |h| !is_hop_by_hop(h.name));
     let head = buf.split_to(consumed).freeze();
     let map = spans.into_map(&head).map_err(H1Error::Protocol)?;
     let mut out = http::Response::new(());
     *out.status_mut() = status;
     *out.version_mut() = version;
     *out.headers_mut() = map;
-    Ok(Some(out.into_parts().0))
+    Ok(Some(ResponseHead {
+        parts: out.into_parts().0,
+        event_stream,
+        chunked,
+        content_length,
+        close,
+    }))
 }
 
 /// How the end of a response body is found (RFC 9112 §6.3).
@@ -379,22 +420,18 @@ enum Chunk {
     Trailers,
 }
 
-fn framing(req: &Parts, head: &http::response::Parts) -> Framing {
+fn framing(req: &Parts, head: &ResponseHead) -> Framing {
+    let status = head.parts.status;
     if req.method == Method::HEAD
-        || head.status == StatusCode::NO_CONTENT
-        || head.status == StatusCode::NOT_MODIFIED
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
     {
         return Framing::Empty;
     }
-    if has_token(&head.headers, header::TRANSFER_ENCODING, "chunked") {
+    if head.chunked {
         return Framing::Chunked(Chunk::Size);
     }
-    match head
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-    {
+    match head.content_length {
         Some(0) => Framing::Empty,
         Some(n) => Framing::Length(n),
         None => Framing::UntilClose,
@@ -792,7 +829,7 @@ mod tests {
             &b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello"[..],
         );
         let head = parse_head(&mut buf).expect("valid").expect("complete");
-        assert_eq!(head.status, 200);
+        assert_eq!(head.parts.status, 200);
         let req = http::Request::post("/v1/chat/completions")
             .body(())
             .expect("req")
@@ -860,7 +897,7 @@ mod tests {
                 .expect("written");
             assert_eq!(sent.pooled, round == 1, "round {round}");
             let (resp, mut answer) = sent.response().await.expect("answered");
-            assert_eq!(resp.status, StatusCode::OK);
+            assert_eq!(resp.parts.status, StatusCode::OK);
             let frame = std::future::poll_fn(|cx| Pin::new(&mut answer).poll_frame(cx))
                 .await
                 .expect("a frame")
@@ -876,20 +913,60 @@ mod tests {
     }
 
     #[test]
+    fn hop_by_hop_headers_are_left_out_and_read_and_the_rest_kept_in_order() {
+        let mut buf = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n\
+               Transfer-Encoding: gzip, Chunked\r\nConnection: keep-alive, Close\r\n\
+               keep-alive: timeout=5\r\nx-request-id: a\r\nx-request-id: b\r\n\
+               proxy-connection: close\r\nTE: trailers\r\nupgrade: h2c\r\n\
+               trailer: x\r\ncontent-length: 12\r\n\r\n"[..],
+        );
+        let head = parse_head(&mut buf).expect("valid").expect("complete");
+        let left: Vec<(&str, &str)> = head
+            .parts
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.to_str().expect("ascii")))
+            .collect();
+        assert_eq!(
+            left,
+            [
+                ("content-type", "text/event-stream; charset=utf-8"),
+                ("x-request-id", "a"),
+                ("x-request-id", "b"),
+                ("content-length", "12"),
+            ]
+        );
+        assert!(head.event_stream && head.chunked && head.close);
+        assert_eq!(head.content_length, Some(12));
+        let mut plain = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: x\r\n\r\n"[..],
+        );
+        let head = parse_head(&mut plain).expect("valid").expect("complete");
+        assert!(!head.event_stream && !head.chunked && !head.close);
+        assert_eq!(head.content_length, None);
+    }
+
+    #[test]
     fn heads_with_more_headers_than_the_inline_spans_keep_every_one() {
         let mut raw = String::from("HTTP/1.1 200 OK\r\n");
         for i in 0..INLINE_SPANS + 10 {
             raw.push_str(&format!("x-h{i}: v{i}\r\n"));
         }
-        raw.push_str("content-length: 0\r\n\r\n");
+        raw.push_str("connection: close\r\ncontent-length: 0\r\n\r\n");
         let mut buf = BytesMut::from(raw.as_bytes());
         let head = parse_head(&mut buf).expect("valid").expect("complete");
-        assert_eq!(head.headers.len(), INLINE_SPANS + 11);
-        assert_eq!(head.headers["x-h0"], "v0");
+        let headers = &head.parts.headers;
+        assert_eq!(headers.len(), INLINE_SPANS + 11);
+        assert_eq!(headers["x-h0"], "v0");
         let last = format!("x-h{}", INLINE_SPANS + 9);
         assert_eq!(
-            head.headers[last.as_str()],
+            headers[last.as_str()],
             format!("v{}", INLINE_SPANS + 9).as_str()
+        );
+        assert!(
+            head.close,
+            "the hop-by-hop header among them was read, and left out"
         );
         let mut too_many = String::from("HTTP/1.1 200 OK\r\n");
         for i in 0..MAX_HEADERS + 1 {
