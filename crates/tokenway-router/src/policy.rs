@@ -97,6 +97,9 @@ pub(crate) struct Candidate {
     pub(crate) done_blocks: usize,
     /// When the pending part of `cached_blocks` is expected done (`None`: nothing pending).
     pub(crate) ready_at: Option<std::time::Instant>,
+    /// The `cost` policy's expected time to first token, seconds (without the region penalty
+    /// that `cost` includes); `None` under the other policies.
+    pub(crate) ttft: Option<f64>,
 }
 
 /// The mutable part of a policy decision: the rotation cursor and the seeded rng.

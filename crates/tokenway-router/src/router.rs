@@ -319,20 +319,21 @@ impl Router {
                 trial = Some(BackendId(i));
                 continue;
             }
-            let (cost, cached_blocks, share, (done_blocks, ready_at)) = match self.policy {
+            let (cost, cached_blocks, share, (done_blocks, ready_at), ttft) = match self.policy {
                 Policy::CostAware => {
                     let est = self.estimate(b, req, now);
                     let share = b.starts.get(now, self.cfg.cost.share_window);
                     let done = b.pending.done_prefix(&req.blocks, est.cached_blocks);
-                    (est.score, est.cached_blocks, share, done)
+                    (est.score, est.cached_blocks, share, done, Some(est.ttft))
                 }
                 Policy::P2cEwma => (
                     b.ttft.secs_or(self.cfg.default_ttft) * (f64::from(b.inflight) + 1.0),
                     0,
                     0.0,
                     (0, None),
+                    None,
                 ),
-                Policy::RoundRobin | Policy::LeastInflight => (0.0, 0, 0.0, (0, None)),
+                Policy::RoundRobin | Policy::LeastInflight => (0.0, 0, 0.0, (0, None), None),
             };
             cands.push(Candidate {
                 id: BackendId(i),
@@ -342,6 +343,7 @@ impl Router {
                 share,
                 done_blocks,
                 ready_at,
+                ttft,
             });
         }
         if cands.is_empty() && trial.is_none() {
@@ -392,19 +394,32 @@ impl Router {
             }
         }
         ranked.extend(cands.iter().map(|c| c.id));
-        let Some(first) = ranked.first().map(|id| &self.backends[id.0]) else {
+        let Some(&first) = ranked.first() else {
             // Only reachable if the due trial could not be reserved, which the filter above
             // rules out; answer as if it were not due.
             return Err(RouteError::NoHealthyBackend {
                 model: model.to_owned(),
             });
         };
-        let est = self.estimate(first, req, now);
+        // The first candidate's estimate was made above under `cost`; the state it read has not
+        // changed since.
+        let (ttft, cached_blocks) = match cands.first() {
+            Some(&Candidate {
+                id,
+                ttft: Some(ttft),
+                cached_blocks,
+                ..
+            }) if id == first => (ttft, cached_blocks),
+            _ => {
+                let est = self.estimate(&self.backends[first.0], req, now);
+                (est.ttft, est.cached_blocks)
+            }
+        };
         Ok(Route {
             backends: ranked,
             reason,
-            expected_ttft: Duration::try_from_secs_f64(est.ttft).unwrap_or(Duration::MAX),
-            cached_blocks: est.cached_blocks,
+            expected_ttft: Duration::try_from_secs_f64(ttft).unwrap_or(Duration::MAX),
+            cached_blocks,
             hold: hold.filter(|_| reason == RouteReason::PrefillHold),
         })
     }
