@@ -188,7 +188,9 @@ where
                 req.extensions_mut().insert(slot.clone());
                 slot
             });
-            let handling = service::handle(self.shared.clone(), req, self.peer);
+            // Boxed: the request's future is several KiB (every state of the proxy, inline), and
+            // unboxed it was copied whole at each move into its caller's state.
+            let handling = Box::pin(service::handle(self.shared.clone(), req, self.peer));
             let Some(Ok(resp)) = self.while_client_stays(handling).await else {
                 return;
             };
