@@ -220,7 +220,8 @@ where
         Err(e) => return Err(route_error(shared, e)),
     };
     let spare = overflow.map(|t| (t, body.clone()));
-    let forwarded = proxy::forward(
+    // Boxed, like the request's own future (`front_h1`): the proxy's states are kilobytes.
+    let forwarded = Box::pin(proxy::forward(
         shared,
         ProxyRequest {
             parts: &parts,
@@ -231,7 +232,7 @@ where
             request,
         },
         routed,
-    )
+    ))
     .await;
     // Every local attempt failed before the first byte: a peer region may still serve it.
     if let (false, Some((tunnel, body))) = (forwarded.from_backend(), spare) {
