@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::SystemTime;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{self, HeaderMap};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::Body;
@@ -78,6 +78,8 @@ impl H1Connection {
             io,
             buf: read,
             out: BytesMut::new(),
+            data: Bytes::new(),
+            after: BytesMut::new(),
             timer: Box::pin(tokio::time::sleep_until(Instant::now())),
             peer,
             shared,
@@ -155,8 +157,13 @@ struct Conn<S> {
     io: S,
     /// Bytes read from the client and not yet consumed.
     buf: BytesMut,
-    /// The next write: a head, a chunk, or both.
+    /// The next write: a head, a chunk, or both. A large data frame is not copied in: it waits
+    /// in `data` and leaves in the same vectored write, between `out` and `after`.
     out: BytesMut,
+    /// A data frame of [`COPY_BELOW`] bytes or more, written after `out`.
+    data: Bytes,
+    /// What is written after `data` (its framing, the end of the body).
+    after: BytesMut,
     /// Deadline of the read in progress, one timer per connection.
     timer: Pin<Box<Sleep>>,
     peer: SocketAddr,
@@ -440,7 +447,7 @@ where
                             tracing::warn!("an answer is longer than its content-length; cut");
                             return Err(());
                         }
-                        encode_data(&mut self.out, &data, framing);
+                        self.push_data(data, framing);
                     }
                     if !body.is_end_stream() {
                         next = Poll::Pending;
@@ -462,19 +469,55 @@ where
                 return Err(());
             }
             if framing == AnswerBody::Chunked {
-                self.out.extend_from_slice(b"0\r\n\r\n");
+                self.tail().extend_from_slice(b"0\r\n\r\n");
             }
             self.flush().await?;
             return Ok(keep_alive);
         }
     }
 
-    async fn flush(&mut self) -> Result<(), ()> {
-        if self.out.is_empty() {
-            return Ok(());
+    /// Queues one data frame of the answer, framed. A small frame is copied after what is
+    /// queued; a large one (the first of a write) stays where the backend's bytes were read, and
+    /// the kernel copies it from there.
+    fn push_data(&mut self, data: Bytes, framing: AnswerBody) {
+        if data.len() < COPY_BELOW || !self.data.is_empty() {
+            let out = if self.data.is_empty() {
+                &mut self.out
+            } else {
+                &mut self.after
+            };
+            return encode_data(out, &data, framing);
         }
-        let r = self.io.write_all(&self.out).await;
+        if framing == AnswerBody::Chunked {
+            chunk_size_line(&mut self.out, data.len());
+            self.after.extend_from_slice(b"\r\n");
+        }
+        self.data = data;
+    }
+
+    /// Where bytes queued now go: after a data frame waiting in `data`, if there is one.
+    fn tail(&mut self) -> &mut BytesMut {
+        if self.data.is_empty() {
+            &mut self.out
+        } else {
+            &mut self.after
+        }
+    }
+
+    async fn flush(&mut self) -> Result<(), ()> {
+        let r = if self.data.is_empty() {
+            if self.out.is_empty() {
+                return Ok(());
+            }
+            self.io.write_all(&self.out).await
+        } else {
+            // One `writev` where the stream supports it.
+            let mut queued = (&self.out[..]).chain(&self.data[..]).chain(&self.after[..]);
+            self.io.write_all_buf(&mut queued).await
+        };
         self.out.clear();
+        self.data = Bytes::new();
+        self.after.clear();
         r.map_err(|_| ())
     }
 
@@ -696,6 +739,11 @@ fn encode_head(
     }
     out.extend_from_slice(b"\r\n");
 }
+
+/// Data frames at least this long are written from where they lie, not copied into the write
+/// buffer (`Conn::push_data`): below it, a copy costs less than one more piece of a vectored
+/// write.
+const COPY_BELOW: usize = 1024;
 
 /// One data frame of the answer, framed.
 fn encode_data(out: &mut BytesMut, data: &[u8], framing: AnswerBody) {
@@ -1020,6 +1068,56 @@ mod tests {
         let peer = SocketAddr::from(([127, 0, 0, 1], 40000));
         let conn = drain.watch(H1Connection::new(server, BytesMut::new(), peer, shared));
         (tokio::spawn(conn), client)
+    }
+
+    /// An answer whose frames are small, large (written from where it lies, in a vectored
+    /// write) and small again arrives whole and in order, chunked.
+    #[tokio::test]
+    async fn large_frames_leave_uncopied_between_their_framing() {
+        use tokio::io::AsyncReadExt;
+        let config = crate::config::GatewayConfig::from_toml_str(
+            "[[backends]]\nurl = \"http://127.0.0.1:9\"\nmodels = [\"m\"]\n",
+        )
+        .expect("valid config");
+        let (mut client, server) = tokio::io::duplex(256 * 1024);
+        let mut conn = Conn {
+            io: server,
+            buf: BytesMut::new(),
+            out: BytesMut::new(),
+            data: Bytes::new(),
+            after: BytesMut::new(),
+            timer: Box::pin(tokio::time::sleep_until(Instant::now())),
+            peer: SocketAddr::from(([127, 0, 0, 1], 40000)),
+            shared: Shared::new(config).expect("gateway state"),
+            closing: Arc::new(AtomicBool::new(false)),
+        };
+        let large = "x".repeat(3 * COPY_BELOW);
+        let pieces = [
+            "data: a\n\n".to_string(),
+            large.clone(),
+            "data: b\n\n".to_string(),
+        ];
+        let frames = pieces
+            .clone()
+            .into_iter()
+            .map(|p| Ok::<_, crate::error::BoxError>(http_body::Frame::data(Bytes::from(p))));
+        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+        let resp = Response::new(http_body_util::BodyExt::boxed(body));
+        let keep = conn
+            .respond(resp, &Method::GET, Version::HTTP_11, true)
+            .await
+            .expect("written");
+        assert!(keep);
+        drop(conn);
+        let mut wire = Vec::new();
+        client.read_to_end(&mut wire).await.expect("read");
+        let text = String::from_utf8(wire).expect("ascii");
+        let body = &text[text.find("\r\n\r\n").expect("head") + 4..];
+        let want = format!(
+            "9\r\ndata: a\n\n\r\n{:x}\r\n{large}\r\n9\r\ndata: b\n\n\r\n0\r\n\r\n",
+            large.len()
+        );
+        assert_eq!(body, want);
     }
 
     #[tokio::test]
