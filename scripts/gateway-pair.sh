@@ -18,6 +18,8 @@ mkdir "$dir/shim"
 cat > "$dir/shim/nginx" <<'EOT'
 #!/usr/bin/env bash
 conf=""; while [ $# -gt 0 ]; do [ "$1" = -c ] && conf=$2; shift; done
+# `nginx -v` (the bench asks for the version) gets an answer, not a gateway.
+[ -n "$conf" ] || { echo "nginx version: stand-in for $PAIR_OTHER" >&2; exit 0; }
 listen=$(grep -oP 'listen \K[0-9.:]+' "$conf")
 upstream=$(grep -oP 'server \K[0-9.:]+(?=;)' "$conf")
 out=$(cd "$(dirname "$conf")" && pwd)/pair-gateway.toml
