@@ -15,6 +15,8 @@ for tool in valgrind callgrind_control wrk python3; do
 done
 root=$(realpath "$(dirname "$0")/..")
 profile=$root/scripts/profile
+# Under valgrind the code stays where the binary maps it (src/huge_text.rs).
+export TOKENWAY_HUGE_TEXT=off
 dir=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$dir"' EXIT
 "$bin" sim --listen 127.0.0.1:18001 --config "$profile/sim.toml" >"$dir/sim.log" 2>&1 &

@@ -10,6 +10,8 @@ secs=${2:-10}
 for tool in valgrind callgrind_control callgrind_annotate wrk; do
   command -v "$tool" >/dev/null || { echo "profile-gateway: needs $tool (apt-get install valgrind wrk)" >&2; exit 1; }
 done
+# Under valgrind the code stays where the binary maps it (src/huge_text.rs).
+export TOKENWAY_HUGE_TEXT=off
 dir=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$dir"' EXIT
 profile=$(dirname "$(realpath "$0")")/profile

@@ -7,6 +7,9 @@
 //! ~6 us (docs/benchmarks.md, "Hot code on few pages"). Names the linker does not find (code
 //! changed since the list was made) are skipped without a warning.
 //!
+//! The code segment starts on a 2 MiB boundary (`-z separate-code`, `-z max-page-size`), so
+//! that `src/huge_text.rs` can move those functions onto one huge page at run time.
+//!
 //! Only where the linker is LLD, as it is by default for `x86_64-unknown-linux-gnu` since Rust
 //! 1.90; elsewhere the binary links in the linker's own order.
 
@@ -17,7 +20,7 @@ fn main() {
     let lld_by_default = std::env::var("TARGET").as_deref() == Ok("x86_64-unknown-linux-gnu");
     if lld_by_default && order.exists() && std::env::var_os("TOKENWAY_NO_SYMBOL_ORDER").is_none() {
         println!(
-            "cargo:rustc-link-arg-bins=-Wl,--symbol-ordering-file={},--no-warn-symbol-ordering",
+            "cargo:rustc-link-arg-bins=-Wl,--symbol-ordering-file={},--no-warn-symbol-ordering,-z,separate-code,-z,max-page-size=0x200000",
             order.display()
         );
     }

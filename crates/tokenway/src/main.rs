@@ -4,6 +4,7 @@
 //! crates do the work. Every error ends in a clear message and a non-zero exit, never a panic.
 
 mod cmd;
+mod huge_text;
 
 use clap::{Parser, Subcommand};
 
@@ -45,6 +46,18 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     tokenway_telemetry::init_tracing();
+    if matches!(cli.command, Command::Gateway(_) | Command::Edge(_)) {
+        // Before any other thread exists (huge_text::remap).
+        match huge_text::remap() {
+            huge_text::Outcome::Huge => tracing::info!("request path code on a 2 MiB huge page"),
+            huge_text::Outcome::Small => {
+                tracing::info!("request path code copied, but no huge page was free for it")
+            }
+            huge_text::Outcome::Skipped(why) => {
+                tracing::info!("request path code left on small pages: {why}")
+            }
+        }
+    }
     // The gateway and the edge are proxies: a request's tasks wake each other many times, and a
     // wake-up that crosses to another worker thread costs a futex and an inter-processor
     // interrupt (several per request, measured). They run on one worker thread instead: the

@@ -14,6 +14,8 @@ mod failover;
 mod h3;
 mod harness;
 mod http1;
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+mod huge_text;
 mod lossy;
 mod overflow;
 mod roaming;
