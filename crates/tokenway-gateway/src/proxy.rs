@@ -305,7 +305,7 @@ impl Ready {
         Self {
             histograms,
             timing_tail,
-            ok_counter: shared.request_counter(req.route, Some(upstream.name.clone()), 200),
+            ok_counter: shared.ok_counter(upstream, req.route),
             name_header: upstream.name_header.clone(),
         }
     }

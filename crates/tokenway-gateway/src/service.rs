@@ -21,7 +21,7 @@ use crate::status;
 use crate::tunnel::AUTH_HEADER;
 
 /// The routes the gateway proxies.
-const PROXIED: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
+pub(crate) const PROXIED: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
 
 /// The client-side transport a request came in on, for metric labels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

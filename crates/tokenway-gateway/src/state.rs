@@ -4,7 +4,7 @@
 //! for one request sent to one backend: it counts in-flight work and reports exactly one outcome
 //! to the router, even when the client goes away and the guard is simply dropped.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
@@ -74,6 +74,10 @@ pub struct Upstream {
     /// Its `tokenway_backend_inflight` gauge, resolved at the first use (a family lookup hashes
     /// the label strings every time).
     inflight_gauge: std::sync::OnceLock<Gauge>,
+    /// Its `tokenway_requests_total{status="200"}` counters per proxied route (in the order of
+    /// [`crate::service::PROXIED`]), resolved at the first use: the counter of every answered
+    /// request, looked up without hashing or copying the name.
+    ok_counters: [std::sync::OnceLock<Counter>; 3],
 }
 
 /// Where a backend was configured.
@@ -142,6 +146,7 @@ impl Upstream {
             source,
             removed: AtomicBool::new(false),
             inflight_gauge: std::sync::OnceLock::new(),
+            ok_counters: Default::default(),
         })
     }
 
@@ -180,11 +185,13 @@ pub struct Shared {
     pub registry: Registry,
     /// Latency histogram handles by (backend, route, transport), resolved once: looking them up
     /// in the metric families per request would allocate label strings every time.
-    stream_histograms: std::sync::RwLock<HashMap<StreamKey, [Histogram; 3]>>,
+    /// (Fx hashing: the keys are the gateway's own, not a client's, and SipHash cost ~250
+    /// instructions a lookup.)
+    stream_histograms: std::sync::RwLock<FxHashMap<StreamKey, [Histogram; 3]>>,
     /// `tokenway_requests_total` handles by (route, backend, status), for the same reason.
     /// Bounded by the label set itself: routes and backends are configured, statuses are three
     /// digits.
-    request_counters: std::sync::RwLock<HashMap<RequestKey, Counter>>,
+    request_counters: std::sync::RwLock<FxHashMap<RequestKey, Counter>>,
     /// Known regions; the last entry is `other`.
     regions: Vec<String>,
     /// `routing.session_header` and `routing.client_region_header`, parsed once: a lookup by
@@ -275,8 +282,8 @@ impl Shared {
             backend_metrics,
             quic_metrics,
             registry,
-            stream_histograms: std::sync::RwLock::new(HashMap::new()),
-            request_counters: std::sync::RwLock::new(HashMap::new()),
+            stream_histograms: std::sync::RwLock::new(FxHashMap::default()),
+            request_counters: std::sync::RwLock::new(FxHashMap::default()),
             regions,
             alt_svc: std::sync::OnceLock::new(),
             overflow: std::sync::OnceLock::new(),
@@ -449,6 +456,16 @@ impl Shared {
             .unwrap_or_else(|p| p.into_inner())
             .insert(key, counter.clone());
         counter
+    }
+
+    /// The `tokenway_requests_total` counter of 200 answers from `upstream` on `route`.
+    pub fn ok_counter(&self, upstream: &Upstream, route: &'static str) -> Counter {
+        match crate::service::PROXIED.iter().position(|r| *r == route) {
+            Some(i) => upstream.ok_counters[i]
+                .get_or_init(|| self.request_counter(route, Some(upstream.name.clone()), 200))
+                .clone(),
+            None => self.request_counter(route, Some(upstream.name.clone()), 200),
+        }
     }
 
     /// Whether every backend has reported (or been configured with) its models.
