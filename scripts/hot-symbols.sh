@@ -4,33 +4,21 @@
 # (a zero-think-time sim, the gateway under callgrind, `wrk -t1 -c1` with the bench's 16-token
 # streaming POST) and lists, hottest first, every function of the binary with code executed on
 # at least every second request. The linker puts them side by side (crates/tokenway/build.rs),
-# so a request that finds the caches cold walks ~80 pages of code instead of ~190.
-# Regenerate after changes to the request path; names the linker no longer finds are skipped.
+# at the start of the code, which the gateway moves onto one 2 MiB huge page (src/huge_text.rs).
+# Regenerate after changes to the request path or to the dependencies of crates/tokenway (the
+# symbols' hashes change with them); names the linker no longer finds are skipped.
 # Usage: scripts/hot-symbols.sh [TOKENWAY_BINARY] [SECONDS]
 set -euo pipefail
 bin=${1:-target/release/tokenway}
 secs=${2:-5}
-for tool in valgrind callgrind_control wrk python3; do
-  command -v "$tool" >/dev/null || { echo "hot-symbols: needs $tool (apt-get install valgrind wrk python3)" >&2; exit 1; }
-done
+command -v python3 >/dev/null || { echo "hot-symbols: needs python3" >&2; exit 1; }
 root=$(realpath "$(dirname "$0")/..")
-profile=$root/scripts/profile
-# Under valgrind the code stays where the binary maps it (src/huge_text.rs).
-export TOKENWAY_HUGE_TEXT=off
 dir=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$dir"' EXIT
-"$bin" sim --listen 127.0.0.1:18001 --config "$profile/sim.toml" >"$dir/sim.log" 2>&1 &
-sleep 1
-valgrind --tool=callgrind --dump-instr=yes --demangle=no --callgrind-out-file="$dir/cg.out" \
-  "$bin" gateway --config "$profile/gateway.toml" >"$dir/gw.log" 2>&1 &
-gw=$!
-for _ in $(seq 60); do grep -q "listening on" "$dir/gw.log" && break; sleep 0.5; done
-url=http://127.0.0.1:18002/v1/chat/completions
-wrk -t1 -c1 -d2s -s "$profile/post.lua" "$url" >/dev/null
-callgrind_control -z "$gw" >/dev/null 2>&1
-requests=$(wrk -t1 -c1 -d"${secs}s" -s "$profile/post.lua" "$url" | awk '/requests in/ {print $1}')
-callgrind_control -d "$gw" >/dev/null 2>&1
-sleep 1
+trap 'rm -rf "$dir"' EXIT
+# One connection, as the bench's single stream; mangled names, as the linker knows them.
+run=$(CONNECTIONS=1 CALLGRIND_FLAGS="--dump-instr=yes --demangle=no" KEEP="$dir/cg.out.1" \
+  "$root/scripts/profile-gateway.sh" "$bin" "$secs")
+requests=$(echo "$run" | sed -E 's/^requests: ([0-9]+);.*/\1/')
 python3 - "$dir/cg.out.1" "$requests" "$root/crates/tokenway/hot-symbols.txt" "$(realpath "$bin")" <<'EOT'
 import collections, re, sys
 profile, requests, out, binary = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]

@@ -4,6 +4,8 @@
 # callgrind, `wrk -t1 -c8` with the bench's 16-token streaming POST; prints requests and
 # instructions per request. Needs valgrind and wrk (Debian packages).
 # Usage: scripts/profile-gateway.sh [TOKENWAY_BINARY] [SECONDS]
+# Environment: CONNECTIONS (wrk's, default 8), CALLGRIND_FLAGS (more valgrind flags), KEEP=FILE
+# (keep the profile there; scripts/hot-symbols.sh uses these).
 set -euo pipefail
 bin=${1:-target/release/tokenway}
 secs=${2:-10}
@@ -17,14 +19,17 @@ trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$dir"' EXIT
 profile=$(dirname "$(realpath "$0")")/profile
 "$bin" sim --listen 127.0.0.1:18001 --config "$profile/sim.toml" >"$dir/sim.log" 2>&1 &
 sleep 1
-valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "$bin" gateway --config "$profile/gateway.toml" >"$dir/gw.log" 2>&1 &
+conns=${CONNECTIONS:-8}
+# shellcheck disable=SC2086 # CALLGRIND_FLAGS is a list of flags
+valgrind --tool=callgrind ${CALLGRIND_FLAGS:-} --callgrind-out-file="$dir/cg.out" "$bin" gateway --config "$profile/gateway.toml" >"$dir/gw.log" 2>&1 &
 gw=$!
 for _ in $(seq 60); do grep -q "listening on" "$dir/gw.log" && break; sleep 0.5; done
 url=http://127.0.0.1:18002/v1/chat/completions
-wrk -t1 -c8 -d2s -s "$profile/post.lua" "$url" >/dev/null
+wrk -t1 -c"$conns" -d2s -s "$profile/post.lua" "$url" >/dev/null
 callgrind_control -z "$gw" >/dev/null 2>&1
-requests=$(wrk -t1 -c8 -d"${secs}s" -s "$profile/post.lua" "$url" | awk '/requests in/ {print $1}')
+requests=$(wrk -t1 -c"$conns" -d"${secs}s" -s "$profile/post.lua" "$url" | awk '/requests in/ {print $1}')
 callgrind_control -d "$gw" >/dev/null 2>&1
 sleep 1
 total=$(callgrind_annotate "$dir/cg.out.1" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
 echo "requests: $requests; instructions: $total; per request: $((total / requests))"
+[ -z "${KEEP:-}" ] || cp "$dir/cg.out.1" "$KEEP"
