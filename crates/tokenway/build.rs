@@ -17,11 +17,26 @@ fn main() {
     let order = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hot-symbols.txt");
     println!("cargo:rerun-if-changed={}", order.display());
     println!("cargo:rerun-if-env-changed=TOKENWAY_NO_SYMBOL_ORDER");
-    let lld_by_default = std::env::var("TARGET").as_deref() == Ok("x86_64-unknown-linux-gnu");
+    println!("cargo:rerun-if-env-changed=CARGO_ENCODED_RUSTFLAGS");
+    // Flags that choose another linker (`-C linker=...`, `-C linker-features=-lld`) may mean
+    // one without `--symbol-ordering-file`.
+    let own_linker = std::env::var("CARGO_ENCODED_RUSTFLAGS").is_ok_and(|f| f.contains("linker"));
+    let lld_by_default = std::env::var("TARGET").as_deref() == Ok("x86_64-unknown-linux-gnu")
+        && rustc_minor().is_some_and(|minor| minor >= 90)
+        && !own_linker;
     if lld_by_default && order.exists() && std::env::var_os("TOKENWAY_NO_SYMBOL_ORDER").is_none() {
         println!(
             "cargo:rustc-link-arg-bins=-Wl,--symbol-ordering-file={},--no-warn-symbol-ordering,-z,separate-code,-z,max-page-size=0x200000",
             order.display()
         );
     }
+}
+
+/// The minor version of the compiler building this crate (`1.MINOR.patch`).
+fn rustc_minor() -> Option<u32> {
+    let rustc = std::env::var_os("RUSTC")?;
+    let out = std::process::Command::new(rustc).arg("-vV").output().ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    let release = text.lines().find_map(|l| l.strip_prefix("release: "))?;
+    release.split('.').nth(1)?.parse().ok()
 }
