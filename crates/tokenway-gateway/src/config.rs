@@ -9,6 +9,7 @@ use serde::Deserialize;
 use tokenway_router::{HealthConfig, Policy};
 use tokenway_transport::{DatagramSettings, QuicSettings};
 
+use crate::cpu_affinity::Affinity;
 use crate::error::GatewayError;
 
 /// The whole `tokenway gateway` configuration.
@@ -40,6 +41,10 @@ pub struct GatewayConfig {
     /// no wake-up crosses cores. 0 (default) means one per CPU. The QUIC fronts, health probes
     /// and discovery run on the main thread, which is also the first front thread.
     pub front_threads: usize,
+    /// Whether front thread `i` runs only on the `i`-th CPU the process may use, so that a
+    /// request's thread wakes where its caches are: `auto` (default: when there is one front
+    /// thread per such CPU), `on` or `off` (see `cpu_affinity.rs`).
+    pub front_cpu_affinity: Affinity,
     /// Routing policy: `cost` (default), `round_robin`, `least_inflight` or `p2c_ewma`.
     pub policy: Policy,
     /// Attempts per request before the first byte (1 = no retry).
@@ -76,6 +81,7 @@ impl Default for GatewayConfig {
             max_body_bytes: 32 * 1024 * 1024,
             max_connections: 10_000,
             front_threads: 0,
+            front_cpu_affinity: Affinity::Auto,
             policy: Policy::default(),
             max_attempts: 3,
             region: "local".to_string(),

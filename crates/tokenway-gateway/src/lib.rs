@@ -11,6 +11,7 @@
 //! credentials upstream, and never let one client's behaviour stall another's.
 
 pub mod config;
+pub mod cpu_affinity;
 pub mod discovery;
 pub mod drain;
 pub mod error;

@@ -28,7 +28,7 @@ use crate::front_h1::H1Connection;
 use crate::h3_front::{self, Front};
 use crate::stall_io::StallGuard;
 use crate::state::Shared;
-use crate::{discovery, probe, service};
+use crate::{cpu_affinity, discovery, probe, service};
 use tokenway_transport::certs::Identity;
 
 /// How long open connections get to finish after shutdown is asked.
@@ -193,8 +193,14 @@ impl BoundGateway {
             permits: permits.clone(),
             stop: stop_rx.clone(),
         };
-        let mut extra = fronts.spawn_threads(&listeners);
-        // This thread is front thread 0.
+        // Read before any front thread is pinned (`front_cpu_affinity`).
+        let config = &self.shared.config;
+        let cpus = cpu_affinity::front_cpus(config.front_cpu_affinity, config.front_thread_count());
+        let mut extra = fronts.spawn_threads(&listeners, &cpus);
+        // This runtime's worker is front thread 0.
+        if let Some(&cpu) = cpus.first() {
+            tokio::spawn(async move { cpu_affinity::pin_current_thread(cpu) });
+        }
         tokio::spawn(keep_timer_armed(stop_rx.clone()));
         for (l, tls) in listeners {
             match TcpListener::from_std(l) {
@@ -269,6 +275,7 @@ impl FrontThreads {
     fn spawn_threads(
         &self,
         listeners: &[(std::net::TcpListener, Option<TlsAcceptor>)],
+        cpus: &[usize],
     ) -> ExtraFronts {
         let (exit, exit_rx) = watch::channel(false);
         let mut extra = ExtraFronts {
@@ -290,10 +297,11 @@ impl FrontThreads {
             let (exited_tx, exited_rx) = tokio::sync::oneshot::channel();
             let fronts = self.clone();
             let exit = exit_rx.clone();
+            let cpu = cpus.get(index).copied();
             let spawned = std::thread::Builder::new()
                 .name(format!("tokenway-front-{index}"))
                 .spawn(move || {
-                    fronts.run_thread(index, own, stopped_tx, exit);
+                    fronts.run_thread(index, cpu, own, stopped_tx, exit);
                     let _ = exited_tx.send(());
                 });
             match spawned {
@@ -307,10 +315,11 @@ impl FrontThreads {
         extra
     }
 
-    /// Body of front thread `index`.
+    /// Body of front thread `index`, whose event loop runs on `cpu` only if one is given.
     fn run_thread(
         self,
         index: usize,
+        cpu: Option<usize>,
         listeners: Vec<(std::net::TcpListener, Option<TlsAcceptor>)>,
         stopped: tokio::sync::oneshot::Sender<()>,
         mut exit: watch::Receiver<bool>,
@@ -319,7 +328,12 @@ impl FrontThreads {
         let runtime = match tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name(format!("tokenway-front-{index}"))
-            .on_thread_start(move || crate::upstream_h1::set_front_thread(index))
+            .on_thread_start(move || {
+                crate::upstream_h1::set_front_thread(index);
+                if let Some(cpu) = cpu {
+                    cpu_affinity::pin_current_thread(cpu);
+                }
+            })
             .enable_all()
             .build()
         {

@@ -8,6 +8,7 @@ mod bad_input;
 mod bench;
 mod clients;
 mod cloud_origin;
+mod cpu_affinity;
 mod discovery;
 mod examples;
 mod failover;
