@@ -103,7 +103,14 @@ impl H1Pool {
             if since.elapsed() > IDLE_TIMEOUT {
                 continue;
             }
-            // A closed or chatty idle connection is not reusable: it reads EOF or data.
+            // A closed or chatty idle connection is not reusable: it reads EOF or data. The
+            // event loop's record says whether anything arrived since the last read drained
+            // the socket, without a system call on the request's way; only when it says so
+            // (or that last read filled its buffer) does a read tell.
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            if stream.poll_read_ready(&mut cx).is_pending() {
+                return Some(stream);
+            }
             let mut probe = [0u8; 1];
             match stream.try_read(&mut probe) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(stream),
@@ -911,6 +918,98 @@ mod tests {
         // dropping the pool closes that one, which ends the server.
         drop(pool);
         assert_eq!(server.await.expect("server"), 2);
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_the_backend_closed_is_not_reused() {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        // Answers one request per connection, then closes it while it idles in the pool.
+        let server = tokio::spawn(async move {
+            for _ in 0..2 {
+                let (mut s, _) = listener.accept().await.expect("accept");
+                let mut buf = vec![0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
+            }
+        });
+        let pool = H1Pool::new(Duration::from_secs(1), 1);
+        let authority: Arc<str> = addr.to_string().into();
+        let parts = http::Request::post("/v1/completions")
+            .body(())
+            .expect("req")
+            .into_parts()
+            .0;
+        let body = Bytes::from_static(b"{}");
+        let head = encode_head(&authority, &parts, std::iter::empty(), body.len());
+        for round in 0..2 {
+            let sent = pool
+                .send(&authority, &parts, &head, &body)
+                .await
+                .expect("written");
+            // Round 1 finds round 0's connection closed by the backend before writing on it.
+            assert!(!sent.pooled, "round {round}");
+            let (resp, mut answer) = sent.response().await.expect("answered");
+            assert_eq!(resp.parts.status, StatusCode::OK);
+            let frame = std::future::poll_fn(|cx| Pin::new(&mut answer).poll_frame(cx))
+                .await
+                .expect("a frame")
+                .expect("data");
+            assert_eq!(frame.into_data().expect("data"), "ok");
+            drop(answer);
+            // The backend's close reaches the event loop while the connection idles.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        server.await.expect("server");
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_is_reused() {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let mut buf = vec![0u8; 4096];
+            for _ in 0..3 {
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
+            }
+        });
+        let pool = H1Pool::new(Duration::from_secs(1), 1);
+        let authority: Arc<str> = addr.to_string().into();
+        let parts = http::Request::post("/v1/completions")
+            .body(())
+            .expect("req")
+            .into_parts()
+            .0;
+        let body = Bytes::from_static(b"{}");
+        let head = encode_head(&authority, &parts, std::iter::empty(), body.len());
+        for round in 0..3 {
+            let sent = pool
+                .send(&authority, &parts, &head, &body)
+                .await
+                .expect("written");
+            assert_eq!(sent.pooled, round > 0, "round {round}");
+            let (_, mut answer) = sent.response().await.expect("answered");
+            let frame = std::future::poll_fn(|cx| Pin::new(&mut answer).poll_frame(cx))
+                .await
+                .expect("a frame")
+                .expect("data");
+            assert_eq!(frame.into_data().expect("data"), "ok");
+            drop(answer);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        server.await.expect("server");
     }
 
     #[test]
