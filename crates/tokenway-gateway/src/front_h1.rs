@@ -614,7 +614,7 @@ fn parse_request(buf: &mut BytesMut) -> Result<Option<Head>, End> {
     let head = buf.split_to(consumed).freeze();
     let uri = http::Uri::from_maybe_shared(head.slice(path_at..path_at + path_len))
         .map_err(|e| bad_request(format!("bad request target: {e}")))?;
-    let headers = spans.into_map(&head).map_err(bad_request)?;
+    let headers = spans.into_map(&head, 0).map_err(bad_request)?;
     let body = request_body(&headers, version)?;
     let keep_alive = if version == Version::HTTP_10 {
         has_token(&headers, header::CONNECTION, "keep-alive")

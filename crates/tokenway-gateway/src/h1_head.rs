@@ -69,9 +69,10 @@ impl HeaderSpans {
     }
 
     /// The headers as a map whose values are slices of `head` (the bytes the spans were taken
-    /// from, split off and frozen). Fails on a name or value `http` does not accept, saying which.
-    pub fn into_map(self, head: &Bytes) -> Result<HeaderMap, String> {
-        let mut map = HeaderMap::with_capacity(self.count);
+    /// from, split off and frozen), with room for `extra` more that the gateway adds. Fails on a
+    /// name or value `http` does not accept, saying which.
+    pub fn into_map(self, head: &Bytes, extra: usize) -> Result<HeaderMap, String> {
+        let mut map = HeaderMap::with_capacity(self.count + extra);
         for &(name_at, name_len, at, len) in self.spans() {
             let raw_name = &head[name_at..name_at + name_len];
             let name = HeaderName::from_bytes(raw_name)

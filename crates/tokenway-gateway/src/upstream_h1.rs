@@ -397,7 +397,10 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ResponseHead>, H1Error> {
         content_type.is_some_and(|v| v.trim_ascii_start().starts_with(b"text/event-stream"));
     let spans = HeaderSpans::new_kept(buf.as_ptr(), resp.headers, |h| !is_hop_by_hop(h.name));
     let head = buf.split_to(consumed).freeze();
-    let map = spans.into_map(&head).map_err(H1Error::Protocol)?;
+    // Room for what the gateway adds to an answer (`x-tokenway-backend`, `server-timing`,
+    // `alt-svc`): a map sized for the backend's headers alone grew, and rehashed, as they were
+    // added.
+    let map = spans.into_map(&head, 3).map_err(H1Error::Protocol)?;
     let mut out = http::Response::new(());
     *out.status_mut() = status;
     *out.version_mut() = version;
