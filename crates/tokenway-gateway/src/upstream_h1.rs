@@ -889,82 +889,81 @@ mod tests {
         (addr, server)
     }
 
-    #[tokio::test]
-    async fn a_pooled_connection_closed_under_a_request_is_replaced_once() {
-        let (addr, server) = one_answer_per_connection().await;
-        let pool = H1Pool::new(Duration::from_secs(1), 1);
-        let authority: Arc<str> = addr.to_string().into();
+    /// POSTs `{}` to `authority` through `pool`, checks the answer (200, `ok`), and says whether
+    /// the request went out on a pooled connection. The body is dropped after its end, which
+    /// returns the connection to the pool.
+    async fn post_once(pool: &Arc<H1Pool>, authority: &Arc<str>) -> bool {
         let parts = http::Request::post("/v1/completions")
             .body(())
             .expect("req")
             .into_parts()
             .0;
         let body = Bytes::from_static(b"{}");
-        let head = encode_head(&authority, &parts, std::iter::empty(), body.len());
-        for round in 0..2 {
-            let sent = pool
-                .send(&authority, &parts, &head, &body)
-                .await
-                .expect("written");
-            assert_eq!(sent.pooled, round == 1, "round {round}");
-            let (resp, mut answer) = sent.response().await.expect("answered");
-            assert_eq!(resp.parts.status, StatusCode::OK);
-            let frame = std::future::poll_fn(|cx| Pin::new(&mut answer).poll_frame(cx))
-                .await
-                .expect("a frame")
-                .expect("data");
-            assert_eq!(frame.into_data().expect("data"), "ok");
-            // The body ended with its data: the connection went back to the pool.
-            assert!(answer.is_end_stream());
-        }
-        // Round 1 reused round 0's connection, found it closed, and sent again on a new one;
+        let head = encode_head(authority, &parts, std::iter::empty(), body.len());
+        let sent = pool
+            .send(authority, &parts, &head, &body)
+            .await
+            .expect("written");
+        let pooled = sent.pooled;
+        let (resp, mut answer) = sent.response().await.expect("answered");
+        assert_eq!(resp.parts.status, StatusCode::OK);
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut answer).poll_frame(cx))
+            .await
+            .expect("a frame")
+            .expect("data");
+        assert_eq!(frame.into_data().expect("data"), "ok");
+        // The body ended with its data: the connection goes back to the pool.
+        assert!(answer.is_end_stream());
+        pooled
+    }
+
+    /// A backend that answers `answers` requests on each of `connections` connections, then
+    /// closes the connection.
+    async fn backend(
+        connections: usize,
+        answers: usize,
+    ) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = tokio::spawn(async move {
+            for _ in 0..connections {
+                let (mut s, _) = listener.accept().await.expect("accept");
+                let mut buf = vec![0u8; 4096];
+                for _ in 0..answers {
+                    let _ = s.read(&mut buf).await;
+                    let _ = s
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await;
+                }
+            }
+        });
+        (addr, server)
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_closed_under_a_request_is_replaced_once() {
+        let (addr, server) = one_answer_per_connection().await;
+        let pool = H1Pool::new(Duration::from_secs(1), 1);
+        let authority: Arc<str> = addr.to_string().into();
+        assert!(!post_once(&pool, &authority).await);
+        // Round 1 reuses round 0's connection, finds it closed, and sends again on a new one;
         // dropping the pool closes that one, which ends the server.
+        assert!(post_once(&pool, &authority).await);
         drop(pool);
         assert_eq!(server.await.expect("server"), 2);
     }
 
     #[tokio::test]
     async fn an_idle_connection_the_backend_closed_is_not_reused() {
-        use tokio::io::AsyncReadExt;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        // Answers one request per connection, then closes it while it idles in the pool.
-        let server = tokio::spawn(async move {
-            for _ in 0..2 {
-                let (mut s, _) = listener.accept().await.expect("accept");
-                let mut buf = vec![0u8; 4096];
-                let _ = s.read(&mut buf).await;
-                let _ = s
-                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                    .await;
-            }
-        });
+        let (addr, server) = backend(2, 1).await;
         let pool = H1Pool::new(Duration::from_secs(1), 1);
         let authority: Arc<str> = addr.to_string().into();
-        let parts = http::Request::post("/v1/completions")
-            .body(())
-            .expect("req")
-            .into_parts()
-            .0;
-        let body = Bytes::from_static(b"{}");
-        let head = encode_head(&authority, &parts, std::iter::empty(), body.len());
         for round in 0..2 {
-            let sent = pool
-                .send(&authority, &parts, &head, &body)
-                .await
-                .expect("written");
             // Round 1 finds round 0's connection closed by the backend before writing on it.
-            assert!(!sent.pooled, "round {round}");
-            let (resp, mut answer) = sent.response().await.expect("answered");
-            assert_eq!(resp.parts.status, StatusCode::OK);
-            let frame = std::future::poll_fn(|cx| Pin::new(&mut answer).poll_frame(cx))
-                .await
-                .expect("a frame")
-                .expect("data");
-            assert_eq!(frame.into_data().expect("data"), "ok");
-            drop(answer);
+            assert!(!post_once(&pool, &authority).await, "round {round}");
             // The backend's close reaches the event loop while the connection idles.
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -973,43 +972,15 @@ mod tests {
 
     #[tokio::test]
     async fn an_idle_connection_is_reused() {
-        use tokio::io::AsyncReadExt;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let server = tokio::spawn(async move {
-            let (mut s, _) = listener.accept().await.expect("accept");
-            let mut buf = vec![0u8; 4096];
-            for _ in 0..3 {
-                let _ = s.read(&mut buf).await;
-                let _ = s
-                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                    .await;
-            }
-        });
+        let (addr, server) = backend(1, 3).await;
         let pool = H1Pool::new(Duration::from_secs(1), 1);
         let authority: Arc<str> = addr.to_string().into();
-        let parts = http::Request::post("/v1/completions")
-            .body(())
-            .expect("req")
-            .into_parts()
-            .0;
-        let body = Bytes::from_static(b"{}");
-        let head = encode_head(&authority, &parts, std::iter::empty(), body.len());
         for round in 0..3 {
-            let sent = pool
-                .send(&authority, &parts, &head, &body)
-                .await
-                .expect("written");
-            assert_eq!(sent.pooled, round > 0, "round {round}");
-            let (_, mut answer) = sent.response().await.expect("answered");
-            let frame = std::future::poll_fn(|cx| Pin::new(&mut answer).poll_frame(cx))
-                .await
-                .expect("a frame")
-                .expect("data");
-            assert_eq!(frame.into_data().expect("data"), "ok");
-            drop(answer);
+            assert_eq!(
+                post_once(&pool, &authority).await,
+                round > 0,
+                "round {round}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         server.await.expect("server");
