@@ -32,8 +32,11 @@ const MAX_HEAD_BYTES: usize = 64 * 1024;
 const MAX_LINE_BYTES: usize = 4 * 1024;
 /// Read buffer growth step: 8 KiB hold a burst of token events or a short JSON answer, head
 /// included, in one read (with 4 KiB, a 16-token answer took two); large bodies simply take
-/// more reads. Kept small because every open stream holds one.
+/// more reads. Kept small because every open stream and idle connection holds one.
 const READ_BYTES: usize = 8 * 1024;
+/// An idle connection keeps its read buffer for the next request up to this size; one grown
+/// larger by a big answer is freed.
+const KEEP_READ_BYTES: usize = 32 * 1024;
 /// Below this much free space the read buffer grows by [`READ_BYTES`] before a read.
 const MIN_READ_BYTES: usize = 1024;
 /// Idle connections kept per backend.
@@ -69,7 +72,16 @@ pub fn set_front_thread(index: usize) {
 /// Idle connections of one front thread, per backend authority.
 /// (Fx hashing: the authorities are the configured backends', and SipHash cost ~250
 /// instructions at every checkout and check-in.)
-type IdleMap = rustc_hash::FxHashMap<String, Vec<(TcpStream, Instant)>>;
+type IdleMap = rustc_hash::FxHashMap<String, Vec<Idle>>;
+
+/// A pooled connection with its read buffer: the next request on it reads into the same memory
+/// (an 8 KiB allocation and free per request were the costliest ones of the allocator under
+/// load, large enough to miss its per-thread cache and make it merge free chunks).
+struct Idle {
+    stream: TcpStream,
+    buf: BytesMut,
+    since: Instant,
+}
 
 /// Idle keep-alive connections per front thread and backend authority: a request reuses only
 /// connections opened on its own thread's event loop, so no I/O readiness crosses threads.
@@ -95,11 +107,11 @@ impl H1Pool {
         self.idle[i].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A live idle connection to `authority`, if one is pooled.
-    fn checkout(&self, authority: &str) -> Option<TcpStream> {
+    /// A live idle connection to `authority` and its read buffer, if one is pooled.
+    fn checkout(&self, authority: &str) -> Option<(TcpStream, BytesMut)> {
         let mut idle = self.idle();
         let list = idle.get_mut(authority)?;
-        while let Some((stream, since)) = list.pop() {
+        while let Some(Idle { stream, buf, since }) = list.pop() {
             if since.elapsed() > IDLE_TIMEOUT {
                 continue;
             }
@@ -109,18 +121,24 @@ impl H1Pool {
             // (or that last read filled its buffer) does a read tell.
             let mut cx = Context::from_waker(std::task::Waker::noop());
             if stream.poll_read_ready(&mut cx).is_pending() {
-                return Some(stream);
+                return Some((stream, buf));
             }
             let mut probe = [0u8; 1];
             match stream.try_read(&mut probe) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(stream),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some((stream, buf)),
                 _ => continue,
             }
         }
         None
     }
 
-    fn checkin(&self, authority: &str, stream: TcpStream) {
+    /// Pools `stream`, idle with nothing unread, and its emptied read buffer.
+    fn checkin(&self, authority: &str, stream: TcpStream, buf: BytesMut) {
+        let buf = if buf.capacity() > KEEP_READ_BYTES {
+            BytesMut::new()
+        } else {
+            buf
+        };
         let mut idle = self.idle();
         // Look up before inserting: the key is allocated once per backend, not per request.
         let list = match idle.get_mut(authority) {
@@ -128,7 +146,11 @@ impl H1Pool {
             None => idle.entry(authority.to_string()).or_default(),
         };
         if list.len() < MAX_IDLE_PER_BACKEND {
-            list.push((stream, Instant::now()));
+            list.push(Idle {
+                stream,
+                buf,
+                since: Instant::now(),
+            });
         }
     }
 
@@ -151,23 +173,25 @@ impl H1Pool {
         head: &'r [u8],
         body: &'r Bytes,
     ) -> Result<Sent<'r>, H1Error> {
-        let sent = |stream, pooled| Sent {
+        let sent = |stream, buf, pooled| Sent {
             pool: self.clone(),
             stream,
+            buf,
             pooled,
             authority,
             parts,
             head,
             body,
         };
-        if let Some(mut stream) = self.checkout(authority) {
+        if let Some((mut stream, buf)) = self.checkout(authority) {
             // A pooled connection the backend has closed may still take the write; the read
             // tells (see `Sent::response`).
             if write_request(&mut stream, head, body).await.is_ok() {
-                return Ok(sent(stream, true));
+                return Ok(sent(stream, buf, true));
             }
         }
-        Ok(sent(self.fresh(authority, head, body).await?, false))
+        let stream = self.fresh(authority, head, body).await?;
+        Ok(sent(stream, BytesMut::new(), false))
     }
 
     /// A new connection to `authority` with the request written on it.
@@ -184,14 +208,18 @@ impl H1Pool {
         Ok(stream)
     }
 
-    /// Reads the response head off `stream`, after the request was written on it.
+    /// Reads the response head off `stream`, after the request was written on it, into `buf`
+    /// (empty: a new one, or the pooled connection's own).
     async fn read_head(
         self: &Arc<Self>,
         mut stream: TcpStream,
+        mut buf: BytesMut,
         authority: &Arc<str>,
         parts: &Parts,
     ) -> Result<(ResponseHead, H1Body), Exchange> {
-        let mut buf = BytesMut::with_capacity(READ_BYTES);
+        // Room for a whole answer from the buffer's start: a pooled buffer whose previous answer
+        // the client side has let go of is rewound in place, one still shared is replaced.
+        buf.reserve(READ_BYTES);
         loop {
             reserve_read_space(&mut buf);
             let n = tokio::io::AsyncReadExt::read_buf(&mut stream, &mut buf)
@@ -244,6 +272,8 @@ impl H1Pool {
 pub struct Sent<'r> {
     pool: Arc<H1Pool>,
     stream: TcpStream,
+    /// The connection's read buffer (see [`Idle`]).
+    buf: BytesMut,
     /// The connection came from the pool: if it turns out closed, the request is sent again,
     /// once, on a new connection.
     pooled: bool,
@@ -259,6 +289,7 @@ impl Sent<'_> {
         let Sent {
             pool,
             stream,
+            buf,
             pooled,
             authority,
             parts,
@@ -266,14 +297,17 @@ impl Sent<'_> {
             body,
         } = self;
         let stale = || H1Error::Io("connection closed before the response".to_string());
-        match pool.read_head(stream, authority, parts).await {
+        match pool.read_head(stream, buf, authority, parts).await {
             Ok(answer) => return Ok(answer),
             Err(Exchange::Failed(e)) => return Err(e),
             Err(Exchange::Stale) if pooled => {}
             Err(Exchange::Stale) => return Err(stale()),
         }
         let stream = pool.fresh(authority, head, body).await?;
-        match pool.read_head(stream, authority, parts).await {
+        match pool
+            .read_head(stream, BytesMut::new(), authority, parts)
+            .await
+        {
             Ok(answer) => Ok(answer),
             Err(Exchange::Stale) => Err(stale()),
             Err(Exchange::Failed(e)) => Err(e),
@@ -622,7 +656,8 @@ impl Drop for H1Body {
     fn drop(&mut self) {
         if let Some(stream) = self.stream.take() {
             if self.finished && self.reusable && self.buf.is_empty() {
-                self.pool.checkin(&self.authority, stream);
+                let buf = std::mem::take(&mut self.buf);
+                self.pool.checkin(&self.authority, stream, buf);
             }
         }
     }
@@ -892,7 +927,8 @@ mod tests {
     /// POSTs `{}` to `authority` through `pool`, checks the answer (200, `ok`), and says whether
     /// the request went out on a pooled connection. The body is dropped after its end, which
     /// returns the connection to the pool.
-    async fn post_once(pool: &Arc<H1Pool>, authority: &Arc<str>) -> bool {
+    /// Whether the request went out on a pooled connection, and the answer's data.
+    async fn post_once(pool: &Arc<H1Pool>, authority: &Arc<str>) -> (bool, Bytes) {
         let parts = http::Request::post("/v1/completions")
             .body(())
             .expect("req")
@@ -911,10 +947,11 @@ mod tests {
             .await
             .expect("a frame")
             .expect("data");
-        assert_eq!(frame.into_data().expect("data"), "ok");
+        let data = frame.into_data().expect("data");
+        assert_eq!(data, "ok");
         // The body ended with its data: the connection goes back to the pool.
         assert!(answer.is_end_stream());
-        pooled
+        (pooled, data)
     }
 
     /// A backend that answers `answers` requests on each of `connections` connections, then
@@ -948,10 +985,10 @@ mod tests {
         let (addr, server) = one_answer_per_connection().await;
         let pool = H1Pool::new(Duration::from_secs(1), 1);
         let authority: Arc<str> = addr.to_string().into();
-        assert!(!post_once(&pool, &authority).await);
+        assert!(!post_once(&pool, &authority).await.0);
         // Round 1 reuses round 0's connection, finds it closed, and sends again on a new one;
         // dropping the pool closes that one, which ends the server.
-        assert!(post_once(&pool, &authority).await);
+        assert!(post_once(&pool, &authority).await.0);
         drop(pool);
         assert_eq!(server.await.expect("server"), 2);
     }
@@ -963,7 +1000,7 @@ mod tests {
         let authority: Arc<str> = addr.to_string().into();
         for round in 0..2 {
             // Round 1 finds round 0's connection closed by the backend before writing on it.
-            assert!(!post_once(&pool, &authority).await, "round {round}");
+            assert!(!post_once(&pool, &authority).await.0, "round {round}");
             // The backend's close reaches the event loop while the connection idles.
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -977,12 +1014,37 @@ mod tests {
         let authority: Arc<str> = addr.to_string().into();
         for round in 0..3 {
             assert_eq!(
-                post_once(&pool, &authority).await,
+                post_once(&pool, &authority).await.0,
                 round > 0,
                 "round {round}"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        server.await.expect("server");
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_keeps_its_read_buffer_unless_an_answer_still_holds_it() {
+        let (addr, server) = backend(1, 3).await;
+        let pool = H1Pool::new(Duration::from_secs(1), 1);
+        let authority: Arc<str> = addr.to_string().into();
+        let (_, first) = post_once(&pool, &authority).await;
+        let at = first.as_ptr();
+        drop(first);
+        // The first answer is gone: the second is read into the same memory, from its start.
+        let (pooled, second) = post_once(&pool, &authority).await;
+        assert!(pooled);
+        assert_eq!(
+            second.as_ptr(),
+            at,
+            "the pooled buffer was rewound and reused"
+        );
+        // The second answer is still held: the third gets a buffer of its own and the second's
+        // bytes stay as they were.
+        let (pooled, third) = post_once(&pool, &authority).await;
+        assert!(pooled);
+        assert_ne!(third.as_ptr(), second.as_ptr());
+        assert_eq!((&second[..], &third[..]), (&b"ok"[..], &b"ok"[..]));
         server.await.expect("server");
     }
 
