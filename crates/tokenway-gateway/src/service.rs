@@ -214,14 +214,16 @@ where
             | RouteError::UnknownModel { .. },
         ) if overflow.is_some() => {
             let tunnel = overflow.expect("checked");
-            let (resp, peer) = crate::overflow::forward(tunnel, &parts, body).await?;
+            let (resp, peer) = Box::pin(crate::overflow::forward(tunnel, &parts, body)).await?;
             return Ok(Forwarded::uncounted(resp, Some(peer)));
         }
         Err(e) => return Err(route_error(shared, e)),
     };
     let spare = overflow.map(|t| (t, body.clone()));
-    // Boxed, like the request's own future (`front_h1`): the proxy's states are kilobytes.
-    let forwarded = Box::pin(proxy::forward(
+    // Inline: the request's future is boxed whole (`front_h1`), one allocation for all its
+    // states; only the rare overflow to a peer region is boxed apart, so that its kilobytes do
+    // not enlarge every request's.
+    let forwarded = proxy::forward(
         shared,
         ProxyRequest {
             parts: &parts,
@@ -232,11 +234,11 @@ where
             request,
         },
         routed,
-    ))
+    )
     .await;
     // Every local attempt failed before the first byte: a peer region may still serve it.
     if let (false, Some((tunnel, body))) = (forwarded.from_backend(), spare) {
-        if let Ok((resp, peer)) = crate::overflow::forward(tunnel, &parts, body).await {
+        if let Ok((resp, peer)) = Box::pin(crate::overflow::forward(tunnel, &parts, body)).await {
             return Ok(Forwarded::uncounted(resp, Some(peer)));
         }
     }
