@@ -2,9 +2,10 @@
 //! `tokenway gateway`, and through nginx, side by side in one run.
 //!
 //! Scenarios: sequential single-stream requests (time to first token), interleaved across the
-//! targets, all running at once; then, per target, a closed-loop throughput level per
-//! concurrency, with one connection per concurrent worker. For the gateway only, a fresh gateway in front
-//! of a slow sim holds many streams open at once to measure its memory per open stream.
+//! targets, all running at once; then a closed-loop throughput level per concurrency, with one
+//! connection per concurrent worker, the targets taking turns in slices of the level's time. For
+//! the gateway only, a fresh gateway in front of a slow sim holds many streams open at once to
+//! measure its memory per open stream.
 //! The sim answers instantly (no base latency, no per-token time, effectively infinite prefill)
 //! so that what is measured is the network path, not the simulated model.
 
@@ -29,6 +30,12 @@ const MAX_TOKENS: u32 = 16;
 const OPEN_STREAM_TOKENS: u32 = 50;
 /// The sim's time per output token for the open streams: 50 tokens live about 5 s.
 const OPEN_STREAM_TPOT_MS: f64 = 100.0;
+/// Slices of each throughput level: the targets take turns, `duration / LOAD_SLICES` each, the
+/// first of a round rotating. A shared machine's speed drifts by ±20 % within a minute (seen on
+/// a 2-core VM: the same sim's direct rate between 18k and 24k requests/s from one minute to the
+/// next); run whole, one after the other, a target that met a slow spell lost to one that did
+/// not. In turns, the drift falls on every target alike.
+const LOAD_SLICES: u32 = 5;
 /// How long a server may take to print its address and answer a first request.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -130,11 +137,18 @@ pub async fn run(opts: &GatewayBenchOptions) -> Result<GatewayBenchReport, Bench
         load::interleaved(&mut connections, opts.sequential_requests, MAX_TOKENS).await;
     drop(connections);
 
-    let mut targets = Vec::new();
-    for ((kind, addr, proxy), samples) in live.iter().zip(sequential) {
-        let result = run_load(opts, *kind, *addr, &sim, *proxy, summarize(&samples)).await?;
-        targets.push(result);
-    }
+    let levels = run_levels(opts, &live, &sim).await;
+    let targets = live
+        .iter()
+        .zip(sequential)
+        .zip(levels)
+        .map(|(((kind, _, proxy), samples), load)| TargetResult {
+            target: *kind,
+            sequential: summarize(&samples),
+            load,
+            proxy_memory: proxy.and_then(ChildProcess::memory),
+        })
+        .collect();
     drop(live);
     drop(nginx_proxy);
     drop(gateway);
@@ -308,45 +322,95 @@ pub fn summarize(samples: &[Sample]) -> ScenarioResult {
     }
 }
 
-/// The throughput levels against one target, after its `sequential` scenario.
-async fn run_load(
+/// The throughput levels, all targets in turns (see [`LOAD_SLICES`]): per target, its levels.
+async fn run_levels(
     opts: &GatewayBenchOptions,
-    kind: TargetKind,
-    addr: std::net::SocketAddr,
+    live: &[(TargetKind, std::net::SocketAddr, Option<&ChildProcess>)],
     sim: &ChildProcess,
-    proxy: Option<&ChildProcess>,
-    sequential: ScenarioResult,
-) -> Result<TargetResult, BenchError> {
-    let label = kind.label();
+) -> Vec<Vec<LoadResult>> {
     let warmup = (opts.duration / 4).min(Duration::from_secs(1));
-    let mut levels = Vec::new();
-    let mut connections = Vec::new();
+    let slice = opts.duration / LOAD_SLICES;
+    let mut connections: Vec<Vec<load::LoadConnection>> = live.iter().map(|_| Vec::new()).collect();
+    let mut levels: Vec<Vec<LoadResult>> = live.iter().map(|_| Vec::new()).collect();
     for &c in &opts.concurrency {
         eprintln!(
-            "[bench gateway] {label}: concurrency {c} for {:?}",
+            "[bench gateway] concurrency {c}: {:?} per target, in {LOAD_SLICES} turns",
             opts.duration
         );
-        let _ = load::closed_loop(&mut connections, addr, c, warmup, MAX_TOKENS).await;
-        let cpu_before = cpu_snapshot(sim, proxy);
-        let (samples, wall) =
-            load::closed_loop(&mut connections, addr, c, opts.duration, MAX_TOKENS).await;
-        let cpu = cpu_use(cpu_before, cpu_snapshot(sim, proxy), wall);
-        let scenario = summarize(&samples);
-        let ok = scenario.requests - scenario.errors;
-        levels.push(LoadResult {
-            concurrency: c,
-            wall_secs: wall.as_secs_f64(),
-            rps: ok as f64 / wall.as_secs_f64(),
-            scenario,
-            cpu,
-        });
+        for (conns, (_, addr, _)) in connections.iter_mut().zip(live) {
+            let _ = load::closed_loop(conns, *addr, c, warmup, MAX_TOKENS).await;
+        }
+        let mut turns: Vec<Turns> = live.iter().map(|_| Turns::new()).collect();
+        for round in 0..LOAD_SLICES as usize {
+            for k in 0..live.len() {
+                let i = (round + k) % live.len();
+                let (_, addr, proxy) = live[i];
+                let before = cpu_snapshot(sim, proxy);
+                let (samples, wall) =
+                    load::closed_loop(&mut connections[i], addr, c, slice, MAX_TOKENS).await;
+                turns[i].add(samples, wall, before, cpu_snapshot(sim, proxy));
+            }
+        }
+        for (level, turns) in levels.iter_mut().zip(turns) {
+            level.push(turns.result(c));
+        }
     }
-    Ok(TargetResult {
-        target: kind,
-        sequential,
-        load: levels,
-        proxy_memory: proxy.and_then(ChildProcess::memory),
-    })
+    levels
+}
+
+/// One target's turns at one throughput level, added up.
+struct Turns {
+    samples: Vec<Sample>,
+    wall: Duration,
+    /// CPU seconds of the load generator, the sim and the proxy while the turns ran.
+    cpu: [Option<f64>; 3],
+}
+
+impl Turns {
+    fn new() -> Self {
+        Turns {
+            samples: Vec::new(),
+            wall: Duration::ZERO,
+            cpu: [Some(0.0); 3],
+        }
+    }
+
+    /// Adds a turn; a CPU figure that cannot be read in one turn is unknown for the level.
+    fn add(
+        &mut self,
+        samples: Vec<Sample>,
+        wall: Duration,
+        before: CpuSnapshot,
+        after: CpuSnapshot,
+    ) {
+        self.samples.extend(samples);
+        self.wall += wall;
+        let deltas = [
+            (before.0, after.0),
+            (before.1, after.1),
+            (before.2, after.2),
+        ];
+        for (sum, (b, a)) in self.cpu.iter_mut().zip(deltas) {
+            *sum = sum.zip(a.zip(b)).map(|(s, (a, b))| s + a - b);
+        }
+    }
+
+    fn result(self, concurrency: usize) -> LoadResult {
+        let scenario = summarize(&self.samples);
+        let secs = self.wall.as_secs_f64();
+        let pct = |cpu: Option<f64>| cpu.map(|c| c / secs * 100.0);
+        LoadResult {
+            concurrency,
+            wall_secs: secs,
+            rps: (scenario.requests - scenario.errors) as f64 / secs,
+            scenario,
+            cpu: CpuUse {
+                load_generator: pct(self.cpu[0]),
+                sim: pct(self.cpu[1]),
+                proxy: pct(self.cpu[2]),
+            },
+        }
+    }
 }
 
 type CpuSnapshot = (Option<f64>, Option<f64>, Option<f64>);
@@ -357,15 +421,6 @@ fn cpu_snapshot(sim: &ChildProcess, proxy: Option<&ChildProcess>) -> CpuSnapshot
         sim.cpu_seconds(),
         proxy.and_then(ChildProcess::cpu_seconds),
     )
-}
-
-fn cpu_use(before: CpuSnapshot, after: CpuSnapshot, wall: Duration) -> CpuUse {
-    let pct = |b: Option<f64>, a: Option<f64>| Some((a? - b?) / wall.as_secs_f64() * 100.0);
-    CpuUse {
-        load_generator: pct(before.0, after.0),
-        sim: pct(before.1, after.1),
-        proxy: pct(before.2, after.2),
-    }
 }
 
 /// Many streams open at once through a fresh gateway in front of a slow sim; the gateway's

@@ -403,7 +403,7 @@ impl GatewayBenchReport {
 
         let _ = writeln!(
             s,
-            "\n### Under load (closed loop, {} s per level)\n",
+            "\n### Under load (closed loop, {} s per level and target, in turns)\n",
             st.duration_secs
         );
         let _ = writeln!(
