@@ -408,16 +408,16 @@ impl GatewayBenchReport {
         );
         let _ = writeln!(
             s,
-            "| target | concurrency | requests | rps | TTFT p50 | TTFT p99 | total p50 | total p99 | errors | CPU load gen | CPU sim | CPU proxy |"
+            "| target | concurrency | requests | rps | TTFT p50 | TTFT p99 | total p50 | total p99 | errors | CPU load gen | CPU sim | CPU proxy | proxy CPU per request |"
         );
-        let _ = writeln!(s, "|{}", "---|".repeat(12));
+        let _ = writeln!(s, "|{}", "---|".repeat(13));
         let pct = |v: Option<f64>| v.map_or("—".to_owned(), |v| format!("{v:.0}%"));
         for t in &self.targets {
             for l in &t.load {
                 let sc = &l.scenario;
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                     t.target.label(),
                     l.concurrency,
                     sc.requests,
@@ -429,13 +429,21 @@ impl GatewayBenchReport {
                     sc.errors,
                     pct(l.cpu.load_generator),
                     pct(l.cpu.sim),
-                    pct(l.cpu.proxy)
+                    pct(l.cpu.proxy),
+                    l.cpu
+                        .proxy
+                        .filter(|_| l.rps > 0.0)
+                        .map_or("—".to_owned(), |p| format!(
+                            "{:.0} µs",
+                            p / 100.0 / l.rps * 1e6
+                        ))
                 );
             }
         }
         let _ = writeln!(
             s,
-            "\nCPU is percent of one core over the level's wall time."
+            "\nCPU is percent of one core over the level's wall time; the proxy's CPU per request is \
+             its CPU time divided by its successful requests."
         );
 
         if let Some(o) = &self.open_streams {
@@ -685,6 +693,30 @@ mod tests {
         let v = verdict(&r, "gateway added TTFT p50 <= nginx's");
         assert_eq!(v.pass, None);
         assert!(r.to_markdown().contains("| SKIP |"));
+    }
+
+    #[test]
+    fn the_load_table_gives_the_proxy_cpu_per_request() {
+        let mut gateway = target(TargetKind::Gateway, 1.25, 2.5, [900.0, 1000.0], 20);
+        gateway.load[1].cpu.proxy = Some(50.0);
+        let r = report(
+            vec![
+                target(TargetKind::Direct, 1.0, 2.0, [1000.0, 2000.0], 0),
+                gateway,
+            ],
+            40,
+        );
+        let md = r.to_markdown();
+        let row = |label: &str, concurrency: &str| {
+            md.lines()
+                .find(|l| l.starts_with(&format!("| {label} | {concurrency} |")))
+                .unwrap_or_else(|| panic!("no load row for {label} at {concurrency}"))
+                .to_owned()
+        };
+        // Half a core at 1,000 requests/s: 500 µs of the proxy's CPU per request.
+        assert!(row("tokenway gateway", "256").ends_with("| 50% | 500 µs |"));
+        assert!(row("tokenway gateway", "64").ends_with("| — | — |"));
+        assert!(row("direct (sim)", "256").ends_with("| — | — |"));
     }
 
     #[test]
