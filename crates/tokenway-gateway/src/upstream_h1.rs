@@ -134,11 +134,6 @@ impl H1Pool {
 
     /// Pools `stream`, idle with nothing unread, and its emptied read buffer.
     fn checkin(&self, authority: &str, stream: TcpStream, buf: BytesMut) {
-        let buf = if buf.capacity() > KEEP_READ_BYTES {
-            BytesMut::new()
-        } else {
-            buf
-        };
         let mut idle = self.idle();
         // Look up before inserting: the key is allocated once per backend, not per request.
         let list = match idle.get_mut(authority) {
@@ -220,8 +215,9 @@ impl H1Pool {
         // Room for a whole answer from the buffer's start: a pooled buffer whose previous answer
         // the client side has let go of is rewound in place, one still shared is replaced.
         buf.reserve(READ_BYTES);
+        let mut largest = buf.capacity();
         loop {
-            reserve_read_space(&mut buf);
+            largest = largest.max(reserve_read_space(&mut buf));
             let n = tokio::io::AsyncReadExt::read_buf(&mut stream, &mut buf)
                 .await
                 .map_err(|e| {
@@ -260,6 +256,7 @@ impl H1Pool {
                         authority: authority.clone(),
                         reusable,
                         finished: false,
+                        largest,
                     };
                     return Ok((head, body));
                 }
@@ -323,11 +320,13 @@ async fn write_request(stream: &mut TcpStream, head: &[u8], body: &Bytes) -> std
 }
 
 /// Makes room for the next read: only when little is left, so that a buffer whose front was split
-/// off (and is still referenced) is not reallocated on every read.
-fn reserve_read_space(buf: &mut BytesMut) {
+/// off (and is still referenced) is not reallocated on every read. Returns the capacity after:
+/// right after a growth, the size of the buffer's allocation.
+fn reserve_read_space(buf: &mut BytesMut) -> usize {
     if buf.capacity() - buf.len() < MIN_READ_BYTES {
         buf.reserve(READ_BYTES);
     }
+    buf.capacity()
 }
 
 enum Exchange {
@@ -492,6 +491,9 @@ pub struct H1Body {
     authority: Arc<str>,
     reusable: bool,
     finished: bool,
+    /// The largest capacity the read buffer had: the size it grew to. (Its capacity at the end
+    /// is only what is left behind the data split off, however large the allocation.)
+    largest: usize,
 }
 
 /// What decoding the buffered bytes gave.
@@ -517,6 +519,7 @@ impl H1Body {
             authority: "x:1".into(),
             reusable: false,
             finished: false,
+            largest: 0,
         }
     }
 
@@ -656,7 +659,12 @@ impl Drop for H1Body {
     fn drop(&mut self) {
         if let Some(stream) = self.stream.take() {
             if self.finished && self.reusable && self.buf.is_empty() {
-                let buf = std::mem::take(&mut self.buf);
+                // A buffer grown by a large answer is freed, not kept by an idle connection.
+                let buf = if self.largest > KEEP_READ_BYTES {
+                    BytesMut::new()
+                } else {
+                    std::mem::take(&mut self.buf)
+                };
                 self.pool.checkin(&self.authority, stream, buf);
             }
         }
@@ -697,7 +705,7 @@ impl Body for H1Body {
             let Some(stream) = this.stream.as_mut() else {
                 return Poll::Ready(None);
             };
-            reserve_read_space(&mut this.buf);
+            this.largest = this.largest.max(reserve_read_space(&mut this.buf));
             match tokio_util::io::poll_read_buf(Pin::new(stream), cx, &mut this.buf) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(e)) => {
@@ -747,6 +755,7 @@ mod tests {
             authority: "x:1".into(),
             reusable: false,
             finished: false,
+            largest: 0,
         }
     }
 
@@ -1020,6 +1029,58 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        server.await.expect("server");
+    }
+
+    #[tokio::test]
+    async fn a_read_buffer_grown_by_a_large_head_is_not_kept() {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let mut buf = vec![0u8; 4096];
+            let _ = s.read(&mut buf).await;
+            // A body streams through buffers of the usual size; a head must be read whole.
+            let mut answer = b"HTTP/1.1 200 OK\r\nx-large: ".to_vec();
+            answer.resize(answer.len() + 40_000, b'x');
+            answer.extend_from_slice(b"\r\ncontent-length: 100000\r\n\r\n");
+            answer.resize(answer.len() + 100_000, b'y');
+            let _ = s.write_all(&answer).await;
+            // Hold the connection open until the client side is done.
+            let _ = s.read(&mut buf).await;
+        });
+        let pool = H1Pool::new(Duration::from_secs(1), 1);
+        let authority: Arc<str> = addr.to_string().into();
+        let parts = http::Request::post("/v1/embeddings")
+            .body(())
+            .expect("req")
+            .into_parts()
+            .0;
+        let body = Bytes::from_static(b"{}");
+        let head = encode_head(&authority, &parts, std::iter::empty(), body.len());
+        let sent = pool
+            .send(&authority, &parts, &head, &body)
+            .await
+            .expect("written");
+        let (_, mut answer) = sent.response().await.expect("answered");
+        let mut got = 0;
+        while let Some(frame) =
+            std::future::poll_fn(|cx| Pin::new(&mut answer).poll_frame(cx)).await
+        {
+            got += frame.expect("data").into_data().expect("data").len();
+        }
+        assert_eq!(got, 100_000);
+        drop(answer);
+        {
+            let idle = pool.idle();
+            let pooled = &idle[&*authority];
+            assert_eq!(pooled.len(), 1, "the connection itself is pooled");
+            assert_eq!(pooled[0].buf.capacity(), 0, "its grown buffer is not");
+        }
+        drop(pool);
         server.await.expect("server");
     }
 
