@@ -191,22 +191,17 @@ pub async fn forward(shared: &Arc<Shared>, req: ProxyRequest<'_>, routed: Route)
         };
         let tried = match delay {
             None => primary.await,
+            // Boxed: the hedging states hold the primary attempt pinned and then a second one,
+            // and inline they would make every request's future (allocated and copied whole per
+            // request) larger by both, hedged or not.
             Some(delay) => {
-                tokio::pin!(primary);
-                tokio::select! {
-                    t = &mut primary => t,
-                    _ = tokio::time::sleep(delay) => {
-                        if shared.router().on_hedge_sent(Instant::now()) {
-                            let hedge_id = candidates[next];
-                            next += 1;
-                            tracing::debug!(primary = %shared.upstream(id).name, hedge = %shared.upstream(hedge_id).name, "first token late: hedging");
-                            let hedge = try_backend(shared, hedge_id, &req, &routed, next == candidates.len());
-                            race(shared, primary, hedge, id, hedge_id, &mut last_failure).await
-                        } else {
-                            primary.await
-                        }
-                    }
-                }
+                let hedge = || {
+                    let hedge_id = candidates[next];
+                    next += 1;
+                    let last = next == candidates.len();
+                    (hedge_id, try_backend(shared, hedge_id, &req, &routed, last))
+                };
+                Box::pin(hedged(shared, id, primary, delay, hedge, &mut last_failure)).await
             }
         };
         match tried {
@@ -307,6 +302,35 @@ impl Ready {
             timing_tail,
             ok_counter: shared.ok_counter(upstream, req.route),
             name_header: upstream.name_header.clone(),
+        }
+    }
+}
+
+/// Awaits the primary attempt to `primary_id`; if it has not answered after `delay` and the
+/// router allows another hedge, starts the one `hedge` makes and races the two.
+async fn hedged<P, H>(
+    shared: &Arc<Shared>,
+    primary_id: BackendId,
+    primary: P,
+    delay: Duration,
+    hedge: impl FnOnce() -> (BackendId, H),
+    last_failure: &mut Option<(String, Failure)>,
+) -> Tried
+where
+    P: std::future::Future<Output = Tried>,
+    H: std::future::Future<Output = Tried>,
+{
+    tokio::pin!(primary);
+    tokio::select! {
+        t = &mut primary => t,
+        _ = tokio::time::sleep(delay) => {
+            if shared.router().on_hedge_sent(Instant::now()) {
+                let (hedge_id, hedge) = hedge();
+                tracing::debug!(primary = %shared.upstream(primary_id).name, hedge = %shared.upstream(hedge_id).name, "first token late: hedging");
+                race(shared, primary, hedge, primary_id, hedge_id, last_failure).await
+            } else {
+                primary.await
+            }
         }
     }
 }

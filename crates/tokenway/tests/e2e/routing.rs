@@ -78,6 +78,40 @@ async fn a_hung_backend_is_ejected_within_five_seconds_and_its_requests_go_elsew
 }
 
 #[tokio::test]
+async fn a_request_whose_first_token_is_late_is_hedged_to_the_next_backend() {
+    let mut slow = sim(FAST_SIM);
+    let addr = slow.addr;
+    let fast = sim(FAST_SIM);
+    // Without the hedge a request to the hung backend would wait a minute for its first byte,
+    // longer than `post` waits.
+    let gw = gateway(
+        &[&slow, &fast],
+        "policy = \"round_robin\"",
+        "[routing]\nhedge = true\n[timeouts]\nfirst_byte_ms = 60000\n",
+    );
+    let url = format!("{}/v1/chat/completions", gw.url());
+    // Enough answers from b0 for its recent time to first token to count (20 samples).
+    for i in 0..50 {
+        let r = post(&url, &chat(&format!("warm {i}"), true, 2), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    // b0 comes back hung: it accepts and its /health answers, but no request ever does.
+    slow.kill();
+    let _hung = sim_at(addr, "[faults]\nhang = true\n");
+    for i in 0..4 {
+        let r = post(&url, &chat(&format!("late {i}"), true, 2), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(backend_of(&r), "b1");
+        assert!(r.body.contains("data: [DONE]"), "{}", r.body);
+    }
+    let admin = get(&format!("{}/admin/backends", gw.url())).await;
+    let v: serde_json::Value = serde_json::from_str(&admin.body).expect("JSON");
+    assert!(v["hedges_sent"].as_u64() >= Some(1), "{v}");
+    let won = v["backends"][1]["hedges_won"].as_u64();
+    assert!(won >= Some(1), "b1 won no hedge: {v}");
+}
+
+#[tokio::test]
 async fn a_session_stays_on_its_backend_and_the_gateway_says_why() {
     let sims: Vec<Proc> = (0..4).map(|_| sim(FAST_SIM)).collect();
     let refs: Vec<&Proc> = sims.iter().collect();
