@@ -17,56 +17,21 @@ for tool in wrk /usr/bin/time; do
   command -v "$tool" >/dev/null || { echo "cpu-split: needs $tool (apt-get install wrk time)" >&2; exit 1; }
 done
 dir=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; [ -f "$dir/nginx.pid" ] && kill "$(cat "$dir/nginx.pid")" 2>/dev/null; rm -rf "$dir"' EXIT
+# shellcheck source=scripts/lib/lab.sh
+. "$(dirname "$(realpath "$0")")/lib/lab.sh"
+trap 'kill $(jobs -p) 2>/dev/null || true; lab_stop; rm -rf "$dir"' EXIT
 profile=$(dirname "$(realpath "$0")")/profile
 tick=$(getconf CLK_TCK)
 # CPU ticks and context switches of every thread of the given processes.
 ticks() { local t=0 p s; for p in "$@"; do for s in /proc/"$p"/task/*/stat; do t=$((t + $(awk '{print $14 + $15}' "$s"))); done; done; echo "$t"; }
 switches() { local t=0 p s; for p in "$@"; do for s in /proc/"$p"/task/*/status; do t=$((t + $(awk '/ctxt_switches/ {n += $2} END {print n}' "$s"))); done; done; echo "$t"; }
-"$bin" sim --listen 127.0.0.1:18001 --config "$profile/sim.toml" >"$dir/sim.log" 2>&1 &
-sim=$!
-"$bin" gateway --config "$profile/gateway.toml" >"$dir/gw.log" 2>&1 &
-gw=$!
-targets="direct:18001:- gateway:18002:$gw"
-if command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; then
-  mkdir -p "$dir/ng/tmp"
-  # The proxy settings of `bench gateway` (crates/tokenway-bench/src/nginx.rs).
-  cat > "$dir/ng/nginx.conf" <<EOT
-daemon on;
-worker_processes auto;
-worker_rlimit_nofile 65536;
-pid $dir/nginx.pid;
-error_log $dir/ng/error.log warn;
-events { worker_connections 16384; multi_accept on; }
-http {
-  access_log off;
-  client_body_temp_path $dir/ng/tmp; proxy_temp_path $dir/ng/tmp; fastcgi_temp_path $dir/ng/tmp;
-  uwsgi_temp_path $dir/ng/tmp; scgi_temp_path $dir/ng/tmp;
-  keepalive_requests 1000000; keepalive_timeout 120s; tcp_nodelay on;
-  upstream sim { server 127.0.0.1:18001; keepalive 256; keepalive_requests 1000000; keepalive_timeout 120s; }
-  server {
-    listen 127.0.0.1:18003 backlog=4096;
-    location / {
-      proxy_pass http://sim; proxy_http_version 1.1; proxy_set_header Connection "";
-      proxy_buffering off; proxy_request_buffering off; proxy_cache off;
-    }
-  }
-}
-EOT
-  PATH=$PATH:/usr/sbin nginx -p "$dir/ng" -c "$dir/ng/nginx.conf"
-  targets="$targets nginx:18003:nginx"
-fi
-for _ in $(seq 60); do grep -q "listening on" "$dir/gw.log" && break; sleep 0.5; done
-sleep 1
+lab_start "$bin" "$dir"
+targets="direct:18001:- $targets"
 echo "CPU time per request in µs (context switches per request); $conns connections, ${secs} s per turn"
 for round in $(seq "$rounds"); do
   for target in $targets; do
     IFS=: read -r name port pid <<<"$target"
-    case $pid in
-      -) pids="" ;;
-      nginx) pids=$(pgrep -P "$(cat "$dir/nginx.pid")" | tr '\n' ' ') ;;
-      *) pids=$pid ;;
-    esac
+    if [ "$pid" = - ]; then pids=""; else pids=$(lab_pids "$pid"); fi
     url="http://127.0.0.1:$port/v1/chat/completions"
     wrk -t1 -c"$conns" -d1s -s "$profile/post.lua" "$url" >/dev/null
     # shellcheck disable=SC2086 # pids is a list

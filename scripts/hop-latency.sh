@@ -17,7 +17,9 @@ for tool in perf wrk python3; do
 done
 [ "$(id -u)" = 0 ] || { echo "hop-latency: perf tracepoints need root" >&2; exit 1; }
 dir=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; [ -f "$dir/nginx.pid" ] && kill "$(cat "$dir/nginx.pid")" 2>/dev/null; rm -rf "$dir"' EXIT
+# shellcheck source=scripts/lib/lab.sh
+. "$(dirname "$(realpath "$0")")/lib/lab.sh"
+trap 'kill $(jobs -p) 2>/dev/null || true; lab_stop; rm -rf "$dir"' EXIT
 profile=$(dirname "$(realpath "$0")")/profile
 cat > "$dir/hops.py" <<'EOT'
 # hops.py TRACE PROXY_TIDS SIM_TIDS: medians of the hops of each traced request.
@@ -74,43 +76,11 @@ print(f"requests {len(ttft):5d}  request work p50 {p50(request):5.1f} us  "
       f"response work p50 {p50(response):5.1f} us  wrk first answer bytes p50 {p50(ttft):6.1f} us")
 EOT
 tids() { for p in "$@"; do ls "/proc/$p/task"; done; }
-"$bin" sim --listen 127.0.0.1:18001 --config "$profile/sim.toml" >"$dir/sim.log" 2>&1 &
-sim=$!
-"$bin" gateway --config "$profile/gateway.toml" >"$dir/gw.log" 2>&1 &
-gw=$!
-targets="gateway:18002:$gw"
-if command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; then
-  mkdir -p "$dir/ng/tmp"
-  cat > "$dir/ng/nginx.conf" <<EOT
-daemon on;
-worker_processes auto;
-pid $dir/nginx.pid;
-error_log $dir/ng/error.log warn;
-events { worker_connections 16384; }
-http {
-  access_log off;
-  client_body_temp_path $dir/ng/tmp; proxy_temp_path $dir/ng/tmp; fastcgi_temp_path $dir/ng/tmp;
-  uwsgi_temp_path $dir/ng/tmp; scgi_temp_path $dir/ng/tmp;
-  keepalive_requests 1000000; keepalive_timeout 120s; tcp_nodelay on;
-  upstream sim { server 127.0.0.1:18001; keepalive 256; }
-  server {
-    listen 127.0.0.1:18003 backlog=4096;
-    location / {
-      proxy_pass http://sim; proxy_http_version 1.1; proxy_set_header Connection "";
-      proxy_buffering off; proxy_request_buffering off;
-    }
-  }
-}
-EOT
-  PATH=$PATH:/usr/sbin nginx -p "$dir/ng" -c "$dir/ng/nginx.conf"
-  targets="$targets nginx:18003:nginx"
-fi
-for _ in $(seq 60); do grep -q "listening on" "$dir/gw.log" && break; sleep 0.5; done
-sleep 1
+lab_start "$bin" "$dir"
 for round in $(seq "$rounds"); do
   for target in $targets; do
     IFS=: read -r name port pid <<<"$target"
-    if [ "$pid" = nginx ]; then pids=$(pgrep -P "$(cat "$dir/nginx.pid")" | tr '\n' ' '); else pids=$pid; fi
+    pids=$(lab_pids "$pid")
     # shellcheck disable=SC2086
     tids $pids > "$dir/proxy.tids"
     tids "$sim" > "$dir/sim.tids"
