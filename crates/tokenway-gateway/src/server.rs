@@ -162,6 +162,10 @@ impl BoundGateway {
         for (id, _) in self.shared.live_upstreams() {
             tokio::spawn(probe::run(self.shared.clone(), id, stop_rx.clone()));
         }
+        tokio::spawn(crate::upstream_h1::sweep_idle(
+            self.shared.h1.clone(),
+            stop_rx.clone(),
+        ));
         if let Some(path) = self.shared.config.backends_file.clone() {
             tokio::spawn(discovery::watch_file(
                 self.shared.clone(),

@@ -43,6 +43,8 @@ const MIN_READ_BYTES: usize = 1024;
 const MAX_IDLE_PER_BACKEND: usize = 512;
 /// An idle connection older than this is closed instead of reused.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often connections idle past [`IDLE_TIMEOUT`] are looked for when no check-in does it.
+const IDLE_SWEEP: Duration = Duration::from_secs(15);
 
 /// Why a request to a backend failed.
 #[derive(Debug, thiserror::Error)]
@@ -134,19 +136,45 @@ impl H1Pool {
 
     /// Pools `stream`, idle with nothing unread, and its emptied read buffer.
     fn checkin(&self, authority: &str, stream: TcpStream, buf: BytesMut) {
+        let now = Instant::now();
         let mut idle = self.idle();
         // Look up before inserting: the key is allocated once per backend, not per request.
         let list = match idle.get_mut(authority) {
             Some(list) => list,
             None => idle.entry(authority.to_string()).or_default(),
         };
+        close_expired(list, now);
         if list.len() < MAX_IDLE_PER_BACKEND {
             list.push(Idle {
                 stream,
                 buf,
-                since: Instant::now(),
+                since: now,
             });
         }
+    }
+
+    /// Closes every pooled connection that has been idle longer than [`IDLE_TIMEOUT`] at `now`,
+    /// on all front threads, with its read buffer; returns how many.
+    pub fn close_idle(&self, now: Instant) -> usize {
+        let mut closed = 0;
+        for idle in &self.idle {
+            let mut idle = idle.lock().unwrap_or_else(|p| p.into_inner());
+            for list in idle.values_mut() {
+                closed += close_expired(list, now);
+            }
+        }
+        closed
+    }
+
+    /// Pooled connections on all front threads.
+    pub fn idle_connections(&self) -> usize {
+        self.idle
+            .iter()
+            .map(|idle| {
+                let idle = idle.lock().unwrap_or_else(|p| p.into_inner());
+                idle.values().map(Vec::len).sum::<usize>()
+            })
+            .sum()
     }
 
     async fn connect(&self, authority: &str) -> Result<TcpStream, H1Error> {
@@ -261,6 +289,37 @@ impl H1Pool {
                     return Ok((head, body));
                 }
             }
+        }
+    }
+}
+
+/// Closes the connections at the bottom of `list` that are idle past [`IDLE_TIMEOUT`] at `now`.
+/// A checkout takes the newest, so the list is ordered by idle time and, after a burst, the
+/// connections under the few a steady load reuses would otherwise keep their sockets and
+/// buffers until another burst dug down to them.
+fn close_expired(list: &mut Vec<Idle>, now: Instant) -> usize {
+    let expired = list
+        .iter()
+        .take_while(|i| now.saturating_duration_since(i.since) > IDLE_TIMEOUT)
+        .count();
+    list.drain(..expired);
+    expired
+}
+
+/// Every [`IDLE_SWEEP`], closes the pool's connections idle past [`IDLE_TIMEOUT`] (when no
+/// request comes, no check-in does it), until `stop` turns true.
+pub async fn sweep_idle(pool: Arc<H1Pool>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(IDLE_SWEEP);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                let closed = pool.close_idle(Instant::now());
+                if closed > 0 {
+                    tracing::debug!(closed, "idle upstream connections closed");
+                }
+            }
+            _ = stop.changed() => return,
         }
     }
 }
@@ -1014,6 +1073,83 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         server.await.expect("server");
+    }
+
+    #[tokio::test]
+    async fn connections_idle_past_the_timeout_are_closed_with_their_buffers() {
+        use tokio::io::AsyncReadExt;
+        // Answers one request per connection, then waits for the client to close it.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = tokio::spawn(async move {
+            let mut open = Vec::new();
+            for _ in 0..3 {
+                let (mut s, _) = listener.accept().await.expect("accept");
+                open.push(tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    let _ = s.read(&mut buf).await;
+                    let _ = s
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await;
+                    while s.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+                }));
+            }
+            for c in open {
+                c.await.expect("connection");
+            }
+        });
+        let pool = H1Pool::new(Duration::from_secs(1), 1);
+        let authority: Arc<str> = addr.to_string().into();
+        // Three requests at once: three connections, all pooled afterwards.
+        let (a, b, c) = tokio::join!(
+            post_once(&pool, &authority),
+            post_once(&pool, &authority),
+            post_once(&pool, &authority)
+        );
+        assert!(!a.0 && !b.0 && !c.0, "three new connections");
+        drop((a, b, c));
+        assert_eq!(pool.idle_connections(), 3);
+        let now = Instant::now();
+        assert_eq!(pool.close_idle(now), 0, "none is idle that long yet");
+        assert_eq!(
+            pool.close_idle(now + IDLE_TIMEOUT + Duration::from_secs(1)),
+            3
+        );
+        assert_eq!(pool.idle_connections(), 0);
+        // Closed, not leaked: the backend sees every connection end.
+        server.await.expect("server");
+    }
+
+    #[test]
+    fn a_check_in_closes_the_expired_connections_under_it_and_keeps_the_rest() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let mut list = Vec::new();
+            let start = Instant::now();
+            for age in [90, 70, 30, 5] {
+                let stream = TcpStream::connect(addr).await.expect("connect");
+                list.push(Idle {
+                    stream,
+                    buf: BytesMut::with_capacity(READ_BYTES),
+                    since: start - Duration::from_secs(age),
+                });
+            }
+            assert_eq!(close_expired(&mut list, start), 2);
+            let left: Vec<u64> = list
+                .iter()
+                .map(|i| start.duration_since(i.since).as_secs())
+                .collect();
+            assert_eq!(left, [30, 5]);
+        });
     }
 
     #[tokio::test]
