@@ -240,8 +240,9 @@ impl H1Pool {
         authority: &Arc<str>,
         parts: &Parts,
     ) -> Result<(ResponseHead, H1Body), Exchange> {
-        // Room for a whole answer from the buffer's start: a pooled buffer whose previous answer
-        // the client side has let go of is rewound in place, one still shared is replaced.
+        // Room for a whole answer: a pooled buffer whose previous answer the client side has let
+        // go of is rewound in place; one still shared is read on after the old bytes when 8 KiB
+        // are left in its allocation, and replaced when not (the old bytes are never touched).
         buf.reserve(READ_BYTES);
         let mut largest = buf.capacity();
         loop {
