@@ -167,7 +167,8 @@ impl H1Pool {
     }
 
     /// Pooled connections on all front threads.
-    pub fn idle_connections(&self) -> usize {
+    #[cfg(test)]
+    fn idle_connections(&self) -> usize {
         self.idle
             .iter()
             .map(|idle| {
