@@ -143,7 +143,7 @@ impl H1Pool {
             Some(list) => list,
             None => idle.entry(authority.to_string()).or_default(),
         };
-        close_expired(list, now);
+        let expired = take_expired(list, now);
         if list.len() < MAX_IDLE_PER_BACKEND {
             list.push(Idle {
                 stream,
@@ -151,6 +151,9 @@ impl H1Pool {
                 since: now,
             });
         }
+        // Closed after the lock is let go: closing sockets is system calls.
+        drop(idle);
+        drop(expired);
     }
 
     /// Closes every pooled connection that has been idle longer than [`IDLE_TIMEOUT`] at `now`,
@@ -158,10 +161,13 @@ impl H1Pool {
     pub fn close_idle(&self, now: Instant) -> usize {
         let mut closed = 0;
         for idle in &self.idle {
-            let mut idle = idle.lock().unwrap_or_else(|p| p.into_inner());
-            for list in idle.values_mut() {
-                closed += close_expired(list, now);
-            }
+            let expired: Vec<Vec<Idle>> = {
+                let mut idle = idle.lock().unwrap_or_else(|p| p.into_inner());
+                idle.values_mut()
+                    .map(|list| take_expired(list, now))
+                    .collect()
+            };
+            closed += expired.iter().map(Vec::len).sum::<usize>();
         }
         closed
     }
@@ -295,17 +301,16 @@ impl H1Pool {
     }
 }
 
-/// Closes the connections at the bottom of `list` that are idle past [`IDLE_TIMEOUT`] at `now`.
-/// A checkout takes the newest, so the list is ordered by idle time and, after a burst, the
-/// connections under the few a steady load reuses would otherwise keep their sockets and
-/// buffers until another burst dug down to them.
-fn close_expired(list: &mut Vec<Idle>, now: Instant) -> usize {
+/// Takes out the connections at the bottom of `list` that are idle past [`IDLE_TIMEOUT`] at
+/// `now`, for the caller to close. A checkout takes the newest, so the list is ordered by idle
+/// time and, after a burst, the connections under the few a steady load reuses would otherwise
+/// keep their sockets and buffers until another burst dug down to them.
+fn take_expired(list: &mut Vec<Idle>, now: Instant) -> Vec<Idle> {
     let expired = list
         .iter()
         .take_while(|i| now.saturating_duration_since(i.since) > IDLE_TIMEOUT)
         .count();
-    list.drain(..expired);
-    expired
+    list.drain(..expired).collect()
 }
 
 /// Every [`IDLE_SWEEP`], closes the pool's connections idle past [`IDLE_TIMEOUT`] (when no
@@ -1145,7 +1150,7 @@ mod tests {
                     since: start - Duration::from_secs(age),
                 });
             }
-            assert_eq!(close_expired(&mut list, start), 2);
+            assert_eq!(take_expired(&mut list, start).len(), 2);
             let left: Vec<u64> = list
                 .iter()
                 .map(|i| start.duration_since(i.since).as_secs())
