@@ -16,12 +16,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::load::{self, LoadClient, Sample};
+use crate::plot;
 use crate::process::{self, write_file, ChildProcess};
 use crate::report::{
     self, CpuUse, GatewayBenchReport, LoadResult, Machine, OpenStreamsResult, ScenarioResult,
     Settings, TargetKind, TargetResult,
 };
-use crate::stats::LatencySummary;
+use crate::stats::{LatencySummary, TailSummary};
 use crate::{nginx, BenchError};
 
 /// Output tokens per request in the sequential and throughput scenarios.
@@ -137,14 +138,19 @@ pub async fn run(opts: &GatewayBenchOptions) -> Result<GatewayBenchReport, Bench
         load::interleaved(&mut connections, opts.sequential_requests, MAX_TOKENS).await;
     drop(connections);
 
+    let ttfts: Vec<Vec<Duration>> = sequential.iter().map(|s| ok_ttfts(s)).collect();
+    write_ttft_cdf(opts, &live, &ttfts);
+
     let levels = run_levels(opts, &live, &sim).await;
     let targets = live
         .iter()
         .zip(sequential)
+        .zip(ttfts)
         .zip(levels)
-        .map(|(((kind, _, proxy), samples), load)| TargetResult {
+        .map(|((((kind, _, proxy), samples), ttft), load)| TargetResult {
             target: *kind,
             sequential: summarize(&samples),
+            sequential_ttft_tail: TailSummary::from_durations(&ttft),
             load,
             proxy_memory: proxy.and_then(ChildProcess::memory),
         })
@@ -306,6 +312,37 @@ fn command_output(command: &mut Command, stderr: bool) -> Option<String> {
         .trim()
         .to_owned();
     (!line.is_empty()).then_some(line)
+}
+
+/// The times to first token of the successful requests among `samples`.
+fn ok_ttfts(samples: &[Sample]) -> Vec<Duration> {
+    samples
+        .iter()
+        .filter(|s| s.ok())
+        .filter_map(|s| s.ttft)
+        .collect()
+}
+
+/// `ttft-cdf.svg` in the output directory: the sequential requests' time to first token per
+/// target. A plot that cannot be written is reported and skipped; the numbers are in the report.
+fn write_ttft_cdf(
+    opts: &GatewayBenchOptions,
+    live: &[(TargetKind, std::net::SocketAddr, Option<&ChildProcess>)],
+    ttfts: &[Vec<Duration>],
+) {
+    let series: Vec<plot::Series> = live
+        .iter()
+        .zip(ttfts)
+        .map(|((kind, _, _), ttft)| plot::Series {
+            label: kind.label().to_owned(),
+            values: ttft.iter().map(|d| d.as_secs_f64() * 1e3).collect(),
+        })
+        .collect();
+    let path = opts.out_dir.join("ttft-cdf.svg");
+    let title = "single stream: time to first token";
+    if let Err(e) = plot::cdf_svg(&path, title, "TTFT (ms)", &series) {
+        eprintln!("[bench gateway] {e}");
+    }
 }
 
 /// Counts, latencies and the first error of a set of samples.

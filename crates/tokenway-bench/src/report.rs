@@ -11,7 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::Serialize;
 
 use crate::process::Memory;
-use crate::stats::LatencySummary;
+use crate::stats::{LatencySummary, TailSummary};
 use crate::BenchError;
 
 /// Targets of the issue: added TTFT p50, milliseconds.
@@ -130,6 +130,8 @@ pub struct TargetResult {
     pub target: TargetKind,
     /// Sequential single-stream requests.
     pub sequential: ScenarioResult,
+    /// The tail of their times to first token.
+    pub sequential_ttft_tail: Option<TailSummary>,
     /// Throughput levels, in the order of `Settings::concurrency`.
     pub load: Vec<LoadResult>,
     /// The proxy's memory after the throughput levels (`None` for direct).
@@ -403,6 +405,34 @@ impl GatewayBenchReport {
 
         let _ = writeln!(
             s,
+            "\n### The single stream's tail\n\n\
+             Time to first token of the sequential requests; the p99's 95 % interval is \
+             distribution-free (the ranks a rerun of as many requests would land on). Two p99s \
+             whose intervals overlap are not told apart by this run. CDF: `ttft-cdf.svg`.\n"
+        );
+        let _ = writeln!(
+            s,
+            "| target | requests | p90 | p99 | p99 95 % interval | p99.9 | max |\n|---|---|---|---|---|---|---|"
+        );
+        for t in &self.targets {
+            let Some(tail) = t.sequential_ttft_tail else {
+                continue;
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {:.3}–{:.3} ms | {} | {} |",
+                t.target.label(),
+                tail.count,
+                ms(Some(tail.p90_ms)),
+                ms(Some(tail.p99_ms)),
+                tail.p99_low_ms,
+                tail.p99_high_ms,
+                ms(Some(tail.p999_ms)),
+                ms(t.sequential.ttft.map(|x| x.max_ms)),
+            );
+        }
+        let _ = writeln!(
+            s,
             "\n### Under load (closed loop, {} s per level and target, in turns)\n",
             st.duration_secs
         );
@@ -569,6 +599,7 @@ mod tests {
         TargetResult {
             target: kind,
             sequential: scenario(p50, p99, 0),
+            sequential_ttft_tail: None,
             load: [64, 256]
                 .into_iter()
                 .zip(rps)

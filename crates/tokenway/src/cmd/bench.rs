@@ -110,7 +110,7 @@ pub struct GatewayBenchArgs {
     /// Directory for results.json, results.md, generated configs and server logs.
     #[arg(long, default_value = "bench-out/gateway")]
     pub out: PathBuf,
-    /// Sequential single-stream requests per target [default: 2000, --quick 200].
+    /// Sequential single-stream requests per target [default: 10000, --quick 200].
     #[arg(long)]
     pub requests: Option<usize>,
     /// Seconds per concurrency level [default: 10, --quick 2].
@@ -299,7 +299,9 @@ async fn gateway(args: GatewayBenchArgs) -> anyhow::Result<()> {
     let options = GatewayBenchOptions {
         exe: std::env::current_exe().context("cannot locate the tokenway executable")?,
         out_dir: args.out,
-        sequential_requests: args.requests.unwrap_or(if args.quick { 200 } else { 2000 }),
+        sequential_requests: args
+            .requests
+            .unwrap_or(if args.quick { 200 } else { 10_000 }),
         duration: Duration::from_secs_f64(duration_secs),
         concurrency: args.concurrency,
         open_streams: args.open_streams,

@@ -228,6 +228,18 @@ fn bench_gateway_short_run_has_every_target_without_errors() {
         // The interleaved single streams: every target got every request, none failed.
         assert_eq!(t["sequential"]["requests"], 100, "{t}");
         assert_eq!(t["sequential"]["errors"], 0, "{t}");
+        // The tail of those 100: its p99 lies inside its interval, under its p99.9.
+        let tail = &t["sequential_ttft_tail"];
+        assert_eq!(tail["count"], 100, "{t}");
+        let at = |k: &str| tail[k].as_f64().unwrap_or_else(|| panic!("no {k}: {t}"));
+        assert!(
+            at("p99_low_ms") <= at("p99_ms") && at("p99_ms") <= at("p99_high_ms"),
+            "{t}"
+        );
+        assert!(
+            at("p90_ms") <= at("p99_ms") && at("p99_ms") <= at("p999_ms"),
+            "{t}"
+        );
         let levels = t["load"].as_array().expect("load is a list");
         assert_eq!(levels.len(), 2, "{t}");
         for l in levels {
@@ -240,4 +252,10 @@ fn bench_gateway_short_run_has_every_target_without_errors() {
     assert_eq!(open["scenario"]["errors"], 0, "{open}");
     let md = non_empty(&out.join("results.md"));
     assert!(md.contains("| tokenway gateway |"), "{md}");
+    assert!(md.contains("### The single stream's tail"), "{md}");
+    let svg = non_empty(&out.join("ttft-cdf.svg"));
+    assert!(
+        svg.contains("<svg") && svg.contains("tokenway gateway"),
+        "{svg}"
+    );
 }
