@@ -20,7 +20,7 @@ use crate::plot;
 use crate::process::{self, write_file, ChildProcess};
 use crate::report::{
     self, CpuUse, GatewayBenchReport, LoadResult, Machine, OpenStreamsResult, ScenarioResult,
-    Settings, TargetKind, TargetResult,
+    Settings, StealPercent, TargetKind, TargetResult,
 };
 use crate::stats::{LatencySummary, TailSummary};
 use crate::{nginx, BenchError};
@@ -134,14 +134,18 @@ pub async fn run(opts: &GatewayBenchOptions) -> Result<GatewayBenchReport, Bench
         "[bench gateway] {} sequential requests per target, interleaved",
         opts.sequential_requests
     );
+    let ticks = process::machine_cpu_ticks();
     let sequential =
         load::interleaved(&mut connections, opts.sequential_requests, MAX_TOKENS).await;
+    let steal_sequential = process::steal_percent(ticks, process::machine_cpu_ticks());
     drop(connections);
 
     let ttfts: Vec<Vec<Duration>> = sequential.iter().map(|s| ok_ttfts(s)).collect();
     write_ttft_cdf(opts, &live, &ttfts);
 
+    let ticks = process::machine_cpu_ticks();
     let levels = run_levels(opts, &live, &sim).await;
+    let steal_load = process::steal_percent(ticks, process::machine_cpu_ticks());
     let targets = live
         .iter()
         .zip(sequential)
@@ -180,6 +184,10 @@ pub async fn run(opts: &GatewayBenchOptions) -> Result<GatewayBenchReport, Bench
             ),
             nginx_version,
             loadavg_before,
+            steal_percent: StealPercent {
+                sequential: steal_sequential,
+                load: steal_load,
+            },
         },
         command_line: opts.command_line.clone(),
         timestamp,

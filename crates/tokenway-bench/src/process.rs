@@ -297,6 +297,34 @@ fn parse_stat_cpu(stat: &str) -> Option<f64> {
     Some((utime + stime) as f64 / CLOCK_TICKS_PER_SECOND)
 }
 
+/// The machine's CPU time so far from `/proc/stat`, in clock ticks: (all, stolen). Stolen time is
+/// when the hypervisor ran something else while a virtual CPU had work: on a shared VM the share
+/// stolen during a run says how much of its noise came from outside.
+pub fn machine_cpu_ticks() -> Option<(u64, u64)> {
+    parse_proc_stat(&std::fs::read_to_string("/proc/stat").ok()?)
+}
+
+/// Percent of the CPU time between two [`machine_cpu_ticks`] readings that was stolen.
+pub fn steal_percent(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+    let ((all0, steal0), (all1, steal1)) = (before?, after?);
+    let all = all1.checked_sub(all0).filter(|&t| t > 0)?;
+    Some(steal1.saturating_sub(steal0) as f64 / all as f64 * 100.0)
+}
+
+fn parse_proc_stat(stat: &str) -> Option<(u64, u64)> {
+    // "cpu  user nice system idle iowait irq softirq steal guest guest_nice": guest time is
+    // already in user and nice, so the total is the first eight.
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    (ticks.len() == 8).then(|| (ticks.iter().sum(), ticks[7]))
+}
+
 /// Writes a generated file (a config, a script) for a child process.
 pub fn write_file(path: &Path, text: &str) -> Result<(), BenchError> {
     std::fs::write(path, text).map_err(|source| BenchError::Io {
@@ -327,5 +355,15 @@ mod tests {
         let stat = "42 (a b) c) S 1 42 42 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0";
         assert_eq!(parse_stat_cpu(stat), Some(3.0));
         assert_eq!(parse_stat_ppid(stat), Some(1));
+    }
+    #[test]
+    fn stolen_time_is_read_from_the_cpu_line() {
+        let stat = "cpu  100 5 50 800 10 0 5 30 0 0\ncpu0 50 2 25 400 5 0 2 15 0 0\n";
+        assert_eq!(parse_proc_stat(stat), Some((1000, 30)));
+        assert_eq!(parse_proc_stat("cpu0 1 2 3\n"), None);
+        assert_eq!(parse_proc_stat("cpu  1 2 3\n"), None);
+        assert_eq!(steal_percent(Some((1000, 30)), Some((2000, 80))), Some(5.0));
+        assert_eq!(steal_percent(Some((1000, 30)), Some((1000, 30))), None);
+        assert_eq!(steal_percent(None, Some((1000, 30))), None);
     }
 }

@@ -61,6 +61,18 @@ pub struct Machine {
     pub nginx_version: Option<String>,
     /// `/proc/loadavg` before the run: other work on the machine skews every number.
     pub loadavg_before: Option<String>,
+    /// Percent of the machine's CPU time stolen by the hypervisor during the sequential requests
+    /// and during the throughput levels (`/proc/stat`).
+    pub steal_percent: StealPercent,
+}
+
+/// CPU time stolen from this virtual machine while the scenarios ran, percent.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct StealPercent {
+    /// During the sequential requests.
+    pub sequential: Option<f64>,
+    /// During the throughput levels.
+    pub load: Option<f64>,
 }
 
 /// The knobs of the run.
@@ -201,6 +213,10 @@ fn mib(kib: u64) -> f64 {
 
 fn ms(v: Option<f64>) -> String {
     v.map_or("—".to_owned(), |v| format!("{v:.3} ms"))
+}
+
+fn percent(v: Option<f64>) -> String {
+    v.map_or("unknown".to_owned(), |v| format!("{v:.1} %"))
 }
 
 fn signed_ms(v: Option<f64>) -> String {
@@ -349,10 +365,14 @@ impl GatewayBenchReport {
         let _ = writeln!(
             s,
             "- when: {}; load average before the run: {}\n\
+             - CPU time stolen by the hypervisor: {} during the sequential requests, {} during \
+             the throughput levels\n\
              - {} sequential requests; {} s per concurrency level; max_tokens {}; \
              load generator, sim and proxy share the machine\n",
             self.timestamp,
             m.loadavg_before.as_deref().unwrap_or("unknown"),
+            percent(m.steal_percent.sequential),
+            percent(m.steal_percent.load),
             st.sequential_requests,
             st.duration_secs,
             st.max_tokens
@@ -626,6 +646,7 @@ mod tests {
                 git_commit: Some("abc1234".to_owned()),
                 nginx_version: None,
                 loadavg_before: Some("0.10 0.20 0.30 1/100 42".to_owned()),
+                steal_percent: StealPercent::default(),
             },
             command_line: "tokenway bench gateway --quick".to_owned(),
             timestamp: "2024-01-01T00:00:00Z".to_owned(),

@@ -247,6 +247,12 @@ fn bench_gateway_short_run_has_every_target_without_errors() {
             assert_eq!(l["scenario"]["errors"], 0, "{l}");
         }
     }
+    // How much of the run's noise came from outside: read from /proc/stat for both phases.
+    let steal = &json["machine"]["steal_percent"];
+    for phase in ["sequential", "load"] {
+        let p = steal[phase].as_f64().unwrap_or(-1.0);
+        assert!((0.0..=100.0).contains(&p), "{steal}");
+    }
     let open = &json["open_streams"];
     assert_eq!(open["streams"], 50, "{open}");
     assert_eq!(open["scenario"]["errors"], 0, "{open}");
