@@ -36,6 +36,10 @@ pub struct GatewayConfig {
     /// Largest number of concurrently open client connections; further ones wait in the
     /// kernel's accept queue.
     pub max_connections: usize,
+    /// Most requests that wait at once for a backend slot while every healthy backend of their
+    /// model is at its `max_inflight` (each waits at most `timeouts.queue_ms`); beyond it, and
+    /// with 0, such a request gets a 503 at once. See `admission.rs`.
+    pub queue_max: usize,
     /// Threads serving the TCP fronts (HTTP/1.1, h2c, TLS), each with its own event loop
     /// accepting from the same listeners; a request is handled start to end on one thread, so
     /// no wake-up crosses cores. 0 (default) means one per CPU. The QUIC fronts, health probes
@@ -80,6 +84,7 @@ impl Default for GatewayConfig {
             api_keys: Vec::new(),
             max_body_bytes: 32 * 1024 * 1024,
             max_connections: 10_000,
+            queue_max: 1_024,
             front_threads: 0,
             front_cpu_affinity: Affinity::Auto,
             policy: Policy::default(),
@@ -236,6 +241,8 @@ pub struct Timeouts {
     pub client_read_ms: u64,
     /// Longest time a client may leave response data unread before its stream is closed.
     pub client_write_ms: u64,
+    /// Longest wait for a backend slot while every backend of the model is full (`queue_max`).
+    pub queue_ms: u64,
 }
 
 impl Default for Timeouts {
@@ -246,6 +253,7 @@ impl Default for Timeouts {
             stream_idle_ms: 60_000,
             client_read_ms: 30_000,
             client_write_ms: 30_000,
+            queue_ms: 10_000,
         }
     }
 }
@@ -262,6 +270,10 @@ impl Timeouts {
     /// Stream idle timeout.
     pub fn stream_idle(&self) -> Duration {
         Duration::from_millis(self.stream_idle_ms)
+    }
+    /// Longest wait for a backend slot.
+    pub fn queue(&self) -> Duration {
+        Duration::from_millis(self.queue_ms)
     }
     /// Client read timeout.
     pub fn client_read(&self) -> Duration {
@@ -557,6 +569,13 @@ impl GatewayConfig {
         if self.region.is_empty() {
             return Err(bad("region", "a non-empty string", "\"\""));
         }
+        if self.queue_max > 1_000_000 {
+            return Err(bad(
+                "queue_max",
+                "in 0..=1000000 (0: no request waits for a full backend)",
+                self.queue_max,
+            ));
+        }
         let t = &self.timeouts;
         for (key, v) in [
             ("timeouts.connect_ms", t.connect_ms),
@@ -564,6 +583,7 @@ impl GatewayConfig {
             ("timeouts.stream_idle_ms", t.stream_idle_ms),
             ("timeouts.client_read_ms", t.client_read_ms),
             ("timeouts.client_write_ms", t.client_write_ms),
+            ("timeouts.queue_ms", t.queue_ms),
             ("health.probe_interval_ms", self.health.probe_interval_ms),
             ("health.probe_timeout_ms", self.health.probe_timeout_ms),
         ] {

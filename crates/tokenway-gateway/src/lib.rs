@@ -2,7 +2,8 @@
 //! buffering and route every request to the best inference backend.
 //!
 //! Layout: [`config`] (what an operator sets), [`server`] (listeners, TLS, connection limits),
-//! [`service`] (the per-request stack: route, auth, bounded body, parse, rank), [`proxy`] (attempts
+//! [`service`] (the per-request stack: route, auth, bounded body, parse, rank), [`admission`]
+//! (requests waiting for a slot while every backend is full), [`proxy`] (attempts
 //! and retries before the first byte), [`relay`] (streaming the answer and measuring it),
 //! [`probe`] (active health checks), [`state`] (router, pool, metrics). Routing decisions
 //! themselves live in the sans-IO `tokenway-router` crate.
@@ -10,6 +11,7 @@
 //! The gateway must never buffer a whole streamed response, never forward the client's
 //! credentials upstream, and never let one client's behaviour stall another's.
 
+pub mod admission;
 pub mod config;
 pub mod cpu_affinity;
 pub mod discovery;

@@ -20,7 +20,7 @@ use tokenway_router::{BackendId, HedgeWinner, Outcome, Route, RouteRequest};
 
 use crate::error::{ApiError, ResponseBody};
 use crate::relay::RelayBody;
-use crate::state::{Attempt, Shared, Upstream};
+use crate::state::{Attempt, Reservation, Shared, Upstream};
 use crate::upstream_h1::{encode_head, H1Body, H1Error, ResponseHead};
 use tokenway_telemetry::stream_clock::{StreamClock, StreamHistograms};
 use tokenway_telemetry::{Counter, Histogram};
@@ -66,6 +66,7 @@ enum Tried {
 async fn try_backend(
     shared: &Arc<Shared>,
     id: BackendId,
+    held: Option<Reservation>,
     req: &ProxyRequest<'_>,
     routed: &Route,
     last: bool,
@@ -94,7 +95,10 @@ async fn try_backend(
     // The request is on its way: what does not depend on the answer is done while the backend
     // works on it (the router's count of the attempt, the metric handles, most of
     // `server-timing`), not between the answer's arrival and its first byte to the client.
-    let mut attempt = Attempt::start(shared.clone(), id, req.request.clone());
+    let mut attempt = match held {
+        Some(held) => Attempt::start_reserved(held, req.request.clone()),
+        None => Attempt::start(shared.clone(), id, req.request.clone()),
+    };
     let sent = match written {
         Err(_) => return fail(attempt, Failure::Timeout),
         Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
@@ -171,7 +175,13 @@ impl Forwarded {
 /// Sends `req` to the backends in `routed` order (at most `max_attempts` of them), hedging to
 /// the next one when the router says the first token is late, and returns the response to send
 /// to the client.
-pub async fn forward(shared: &Arc<Shared>, req: ProxyRequest<'_>, routed: Route) -> Forwarded {
+pub async fn forward(
+    shared: &Arc<Shared>,
+    req: ProxyRequest<'_>,
+    routed: Route,
+    reservation: Option<Reservation>,
+) -> Forwarded {
+    let mut reservation = reservation;
     let candidates: Vec<BackendId> = routed
         .backends
         .iter()
@@ -183,7 +193,10 @@ pub async fn forward(shared: &Arc<Shared>, req: ProxyRequest<'_>, routed: Route)
     while next < candidates.len() {
         let id = candidates[next];
         next += 1;
-        let primary = try_backend(shared, id, &req, &routed, next == candidates.len());
+        // The slot reserved when the request was routed is the first candidate's; any other
+        // use gives it back.
+        let held = reservation.take().filter(|r| r.backend() == Some(id));
+        let primary = try_backend(shared, id, held, &req, &routed, next == candidates.len());
         let delay = if next < candidates.len() {
             shared.router().hedge_delay(id, Instant::now())
         } else {
@@ -199,7 +212,10 @@ pub async fn forward(shared: &Arc<Shared>, req: ProxyRequest<'_>, routed: Route)
                     let hedge_id = candidates[next];
                     next += 1;
                     let last = next == candidates.len();
-                    (hedge_id, try_backend(shared, hedge_id, &req, &routed, last))
+                    (
+                        hedge_id,
+                        try_backend(shared, hedge_id, None, &req, &routed, last),
+                    )
                 };
                 Box::pin(hedged(shared, id, primary, delay, hedge, &mut last_failure)).await
             }

@@ -13,10 +13,11 @@ use http_body_util::{BodyExt, Limited};
 use subtle::ConstantTimeEq;
 use tokenway_router::{prompt_blocks, Route, RouteError, RouteRequest, SessionKind};
 
+use crate::admission::Refused;
 use crate::error::{full, ApiError, ResponseBody};
 use crate::proxy::{self, Forwarded, ProxyRequest};
 use crate::request_meta::RequestMeta;
-use crate::state::Shared;
+use crate::state::{Reservation, Shared};
 use crate::status;
 use crate::tunnel::AUTH_HEADER;
 
@@ -184,8 +185,25 @@ where
     let meta = RequestMeta::parse(&body)?;
     let request = Arc::new(route_request(shared, &parts, &meta, peer)?);
     let overflow = crate::overflow::eligible(shared, &parts);
-    // A statement of its own: the router's lock must not be held across an await.
-    let mut routed = shared.router().route(&request, Instant::now());
+    let (mut routed, mut reservation) = route_reserving(shared, &request);
+    // Every healthy backend of the model is at its max_inflight: wait for a slot, bounded
+    // (admission.rs), unless a peer region can take the request now.
+    if let (Err(RouteError::Saturated { model }), None) = (&routed, overflow) {
+        let model = model.clone();
+        let waited = shared
+            .admission
+            .wait_for(shared.config.timeouts.queue(), || {
+                match route_reserving(shared, &request) {
+                    (Err(RouteError::Saturated { .. }), _) => None,
+                    other => Some(other),
+                }
+            })
+            .await;
+        (routed, reservation) = match waited {
+            Ok(routed) => routed,
+            Err(refused) => return Err(queue_refused(shared, &model, refused)),
+        };
+    }
     // The router may say "hold": a backend is prefilling this prompt's prefix for another
     // request right now. Wait, then route again as a held request; the router bounds the
     // total by `routing.prefill_hold_max_ms` (docs/routing.md, "Holding for a prefill").
@@ -203,7 +221,7 @@ where
         };
         tokio::time::sleep(wait).await;
         let again = (*request).clone().with_held(first, held_since.elapsed());
-        routed = shared.router().route(&again, Instant::now());
+        (routed, reservation) = route_reserving(shared, &again);
     }
     let routed = match routed {
         Ok(routed) => routed,
@@ -234,6 +252,7 @@ where
             request,
         },
         routed,
+        reservation,
     )
     .await;
     // Every local attempt failed before the first byte: a peer region may still serve it.
@@ -391,6 +410,52 @@ fn route_error(shared: &Shared, e: RouteError) -> ApiError {
                 format!("every backend serving `{model}` is at its max_inflight limit"),
             )
         },
+    }
+}
+
+/// Routes `request` and, unless the router says to hold it, reserves a slot of the first
+/// backend under the same lock (state.rs, `Reservation`). The lock is let go before this
+/// returns: it must never be held across an await.
+fn route_reserving(
+    shared: &Arc<Shared>,
+    request: &RouteRequest,
+) -> (Result<Route, RouteError>, Option<Reservation>) {
+    let mut router = shared.router();
+    let routed = router.route(request, Instant::now());
+    let reservation = match &routed {
+        Ok(Route {
+            hold: None,
+            backends,
+            ..
+        }) => backends
+            .first()
+            .map(|&id| Reservation::take(shared, &mut router, id)),
+        _ => None,
+    };
+    (routed, reservation)
+}
+
+/// The 503 of a request that found every backend of `model` full and could not wait for a slot.
+fn queue_refused(shared: &Shared, model: &str, refused: Refused) -> ApiError {
+    let why = match refused {
+        Refused::Full if shared.config.queue_max == 0 => String::new(),
+        Refused::Full => format!(
+            ", and {} requests already wait for a slot (queue_max)",
+            shared.config.queue_max
+        ),
+        Refused::TimedOut => format!(
+            "; no slot freed within {} ms (timeouts.queue_ms)",
+            shared.config.timeouts.queue_ms
+        ),
+    };
+    ApiError {
+        retry_after: Some(1),
+        ..ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "backends_saturated",
+            format!("every backend serving `{model}` is at its max_inflight limit{why}"),
+        )
     }
 }
 

@@ -25,6 +25,7 @@ use tokenway_telemetry::{
     RequestMetrics, StreamLabels,
 };
 
+use crate::admission::Admission;
 use crate::config::{BackendConfig, GatewayConfig};
 use crate::error::GatewayError;
 use crate::tunnel::TunnelState;
@@ -203,6 +204,8 @@ pub struct Shared {
     pub alt_svc: std::sync::OnceLock<HeaderValue>,
     /// The tunnel to peer gateways, when `[overflow]` is configured (set once at bind).
     pub overflow: std::sync::OnceLock<Arc<tokenway_edge::tunnel::Tunnel>>,
+    /// Requests waiting for a slot while every backend of their model is full.
+    pub admission: Admission,
 }
 
 impl Shared {
@@ -246,6 +249,7 @@ impl Shared {
         let metrics = RequestMetrics::register(&mut registry);
         let backend_metrics = BackendMetrics::register(&mut registry);
         let quic_metrics = QuicMetrics::register(&mut registry);
+        let admission = Admission::new(config.queue_max, &mut registry);
         for u in upstreams.iter() {
             backend_metrics.healthy.get_or_create(&u.labels).set(1);
             backend_metrics.inflight.get_or_create(&u.labels).set(0);
@@ -287,6 +291,7 @@ impl Shared {
             regions,
             alt_svc: std::sync::OnceLock::new(),
             overflow: std::sync::OnceLock::new(),
+            admission,
         }))
     }
 
@@ -491,8 +496,26 @@ pub struct Attempt {
 impl Attempt {
     /// Counts a new attempt of `request` on `id`.
     pub fn start(shared: Arc<Shared>, id: BackendId, request: Arc<RouteRequest>) -> Self {
+        Self::start_with(shared, id, request, false)
+    }
+
+    /// Counts a new attempt of `request` on the backend `held` reserved, taking its slot over.
+    pub fn start_reserved(held: Reservation, request: Arc<RouteRequest>) -> Self {
+        let (shared, id) = held.into_parts();
+        Self::start_with(shared, id, request, true)
+    }
+
+    fn start_with(
+        shared: Arc<Shared>,
+        id: BackendId,
+        request: Arc<RouteRequest>,
+        reserved: bool,
+    ) -> Self {
         let (ticket, inflight) = {
             let mut r = shared.router();
+            if reserved {
+                r.unreserve(id);
+            }
             let t = r.start_attempt(id, &request, Instant::now());
             (t, r.backend(id).map_or(0, |b| b.inflight))
         };
@@ -566,11 +589,49 @@ impl Attempt {
         };
         self.shared.set_inflight_gauge(self.id, inflight);
         self.shared.note_transition(self.id, transition);
+        self.shared.admission.slot_freed();
     }
 
     /// The request this attempt carries.
     pub fn request(&self) -> &RouteRequest {
         &self.request
+    }
+}
+
+/// A slot of a backend held from the moment a request is routed to it until its attempt starts
+/// (the request is written first, which may wait on a connect): without it, requests that
+/// arrive meanwhile see the slot free, and a burst overshoots the backend's `max_inflight`.
+/// Dropped unused, it gives the slot back and wakes a request waiting for one.
+pub struct Reservation {
+    held: Option<(Arc<Shared>, BackendId)>,
+}
+
+impl Reservation {
+    /// Takes a slot of `id`; the caller holds the router's lock as `router` (the lock it routed
+    /// under, so that nobody routes between the two).
+    pub fn take(shared: &Arc<Shared>, router: &mut Router, id: BackendId) -> Self {
+        router.reserve(id);
+        Self {
+            held: Some((shared.clone(), id)),
+        }
+    }
+
+    /// The backend whose slot it holds.
+    pub fn backend(&self) -> Option<BackendId> {
+        self.held.as_ref().map(|(_, id)| *id)
+    }
+
+    fn into_parts(mut self) -> (Arc<Shared>, BackendId) {
+        self.held.take().expect("a reservation is used once")
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some((shared, id)) = self.held.take() {
+            shared.router().unreserve(id);
+            shared.admission.slot_freed();
+        }
     }
 }
 

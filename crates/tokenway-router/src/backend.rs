@@ -59,6 +59,9 @@ pub(crate) struct BackendState {
     pub(crate) removed: bool,
     pub(crate) health: HealthState,
     pub(crate) inflight: u32,
+    /// Slots held for attempts about to start ([`crate::Router::reserve`]): counted against
+    /// `max_inflight` with `inflight`, nowhere else.
+    pub(crate) reserved: u32,
     /// Of those, attempts started with their size (ticket API); the others are priced at
     /// `avg_attempt_work` each.
     pub(crate) sized_inflight: u32,
@@ -105,6 +108,7 @@ impl BackendState {
             removed: false,
             health: HealthState::new(),
             inflight: 0,
+            reserved: 0,
             sized_inflight: 0,
             work_tokens: 0,
             avg_attempt_work: f64::from(cost.default_output_tokens) + 512.0,
@@ -137,7 +141,8 @@ impl BackendState {
     }
 
     pub(crate) fn has_headroom(&self) -> bool {
-        self.spec.max_inflight == 0 || self.inflight < self.spec.max_inflight
+        self.spec.max_inflight == 0
+            || self.inflight.saturating_add(self.reserved) < self.spec.max_inflight
     }
 
     pub(crate) fn observe_rtt(&mut self, rtt: Duration, now: Instant) {

@@ -894,6 +894,24 @@ impl Router {
         after_transition(b, t)
     }
 
+    /// Holds a slot of `id` for an attempt that is about to start: until [`Router::unreserve`],
+    /// routes count it against the backend's `max_inflight` as if the attempt were in flight.
+    /// A caller that routes and then awaits (a connect, a write) before
+    /// [`Router::start_attempt`] reserves under the same lock as the route, so that requests
+    /// arriving meanwhile cannot all take the same last slot.
+    pub fn reserve(&mut self, id: BackendId) {
+        if let Some(b) = self.backends.get_mut(id.0) {
+            b.reserved = b.reserved.saturating_add(1);
+        }
+    }
+
+    /// Gives back a slot held by [`Router::reserve`] (the attempt started, or never will).
+    pub fn unreserve(&mut self, id: BackendId) {
+        if let Some(b) = self.backends.get_mut(id.0) {
+            b.reserved = b.reserved.saturating_sub(1);
+        }
+    }
+
     /// `ticket`'s attempt ended with `outcome` at `now`: its work leaves the queue and health
     /// sees the outcome (as the trial's verdict if it was the trial).
     pub fn end_attempt(
@@ -1790,6 +1808,30 @@ mod tests {
             r.rank(M, t0),
             Err(RouteError::Saturated { model: M.into() })
         );
+    }
+
+    #[test]
+    fn a_reserved_slot_counts_against_max_inflight_until_given_back() {
+        let mut r = Router::new(Policy::RoundRobin, HealthConfig::default(), 0);
+        let b = r.add_backend(spec("b", &[M], 2));
+        let now = Instant::now();
+        let req = RouteRequest::new(M);
+        r.reserve(b);
+        let t = r.start_attempt(b, &req, now);
+        // One in flight and one reserved: the two slots are taken.
+        assert_eq!(
+            r.route(&req, now).map(|_| ()),
+            Err(RouteError::Saturated { model: M.into() })
+        );
+        r.unreserve(b);
+        assert!(r.route(&req, now).is_ok());
+        r.end_attempt(t, Outcome::Success, now);
+        // Giving back more than was held does not wrap.
+        r.unreserve(b);
+        r.unreserve(b);
+        r.reserve(b);
+        r.reserve(b);
+        assert!(r.route(&req, now).is_err());
     }
 
     #[test]

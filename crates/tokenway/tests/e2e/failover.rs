@@ -151,3 +151,113 @@ async fn no_healthy_backend_is_a_503_with_retry_after() {
     let v: serde_json::Value = serde_json::from_str(&r.body).expect("OpenAI error JSON");
     assert_eq!(v["error"]["code"], "no_healthy_backend");
 }
+
+/// A gateway with one backend of `max_inflight = 1`, the top-level keys `top` and the
+/// `[timeouts]` lines `timeouts`, in front of a sim whose answers take `tpot_ms` per token.
+fn one_slot_gateway(tpot_ms: u32, top: &str, timeouts: &str) -> (Proc, Proc) {
+    let backend = sim(&format!(
+        "base_latency_ms = 1.0\ntime_per_output_token_ms = {tpot_ms}.0\n"
+    ));
+    let gw = start_args_with_config(
+        "gateway",
+        &format!(
+            "listen = \"127.0.0.1:0\"\n{top}\n[timeouts]\n{timeouts}\n\n\
+             [[backends]]\nname = \"b0\"\nurl = \"{}\"\nmodels = [\"sim-model\"]\nmax_inflight = 1\n",
+            backend.url()
+        ),
+    );
+    (backend, gw)
+}
+
+#[tokio::test]
+async fn requests_beyond_a_full_backend_wait_for_its_slot_instead_of_a_503() {
+    // One slot, answers of ~400 ms: three at once means two wait their turn.
+    let (_backend, gw) = one_slot_gateway(50, "", "");
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let requests: Vec<_> = (0..3)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(
+                async move { post(&url, &chat(&format!("queued {i}"), true, 8), None).await },
+            )
+        })
+        .collect();
+    for r in requests {
+        let reply = r.await.expect("task");
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(
+            data_events(&reply.body).last().map(String::as_str),
+            Some("[DONE]"),
+            "{}",
+            reply.body
+        );
+    }
+    let metrics = get(&format!("{}/metrics", gw.url())).await.body;
+    assert!(
+        metric_sum(&metrics, "tokenway_queue_admitted_total") >= 2.0,
+        "{metrics}"
+    );
+    assert_eq!(metric_sum(&metrics, "tokenway_queue_refused_total"), 0.0);
+    assert_eq!(metric_sum(&metrics, "tokenway_queue_waiting"), 0.0);
+}
+
+#[tokio::test]
+async fn the_wait_for_a_slot_is_bounded_in_places_and_in_time() {
+    // One slot held ~3 s by the first request; room for one waiter, for 1 s.
+    let (_backend, gw) = one_slot_gateway(100, "queue_max = 1", "queue_ms = 1000");
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let send = |tag: &'static str| {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, &chat(tag, true, 30), None).await })
+    };
+    let holder = send("holds the slot");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiter = send("waits");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The one place in the queue is taken: refused at once.
+    let full = send("finds the queue full").await.expect("task");
+    assert!(!waiter.is_finished(), "the waiter is still waiting");
+    let saturated = |r: &Reply, why: &str| {
+        assert_eq!(r.status, 503, "{}", r.body);
+        assert!(r.headers.contains_key("retry-after"), "{:?}", r.headers);
+        let v: serde_json::Value = serde_json::from_str(&r.body).expect("OpenAI error JSON");
+        assert_eq!(v["error"]["code"], "backends_saturated", "{}", r.body);
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(why), "{message}");
+    };
+    saturated(&full, "queue_max");
+    // The waiter's second is up long before the slot frees.
+    saturated(&waiter.await.expect("task"), "timeouts.queue_ms");
+    let held = holder.await.expect("task");
+    assert_eq!(held.status, 200, "{}", held.body);
+    // The slot is free again, and nobody waits.
+    let after = post(&url, &chat("after", true, 2), None).await;
+    assert_eq!(after.status, 200, "{}", after.body);
+    let metrics = get(&format!("{}/metrics", gw.url())).await.body;
+    assert_eq!(
+        metric_sum(&metrics, "tokenway_queue_refused_total"),
+        2.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_sum(&metrics, "tokenway_queue_waiting"),
+        0.0,
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn without_a_queue_a_full_backend_is_a_503_at_once() {
+    let (_backend, gw) = one_slot_gateway(100, "queue_max = 0", "");
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let holder = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, &chat("holds the slot", true, 20), None).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = post(&url, &chat("refused", true, 2), None).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("OpenAI error JSON");
+    assert_eq!(v["error"]["code"], "backends_saturated", "{}", r.body);
+    assert_eq!(holder.await.expect("task").status, 200);
+}
