@@ -6,26 +6,27 @@
 //! twice: at most `queue_max` requests wait at once, and each waits at most `timeouts.queue_ms`.
 //! Past either bound the request gets the 503 as before.
 //!
-//! A waiting request is routed again only when a slot frees ([`Admission::slot_freed`], called
-//! where an attempt ends). It then goes to whichever backend the router ranks best at that
+//! A waiting request is routed again when a slot frees ([`Admission::slot_freed`], called where
+//! an attempt ends or a reserved slot goes unused). It then goes to whichever backend the router ranks best at that
 //! moment: late binding, not a place in one backend's line. Wake-ups go to the longest-waiting
 //! request first (`tokio::sync::Notify` wakes its waiters in the order they came). A request
 //! that arrives while others wait is still routed at once if a slot is free. A slot can free
 //! on a backend that serves only other models than the one the woken request needs, and the
 //! request for that backend then sleeps on. So every waiter also looks again every
-//! [`RECHECK`], which bounds how long such a slot stays unused.
+//! [`RECHECK`], which bounds how long such a slot stays unused; it keeps its place in line
+//! while it does.
 //!
 //! Nothing here costs a request that does not wait: [`Admission::slot_freed`] is one atomic load
 //! while nobody waits.
 
-use std::future::Future;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokenway_telemetry::{Counter, Gauge, Registry};
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 /// How often a waiting request looks for a slot without being woken.
-pub const RECHECK: Duration = Duration::from_millis(50);
+pub const RECHECK: Duration = Duration::from_millis(100);
 
 /// Why a request stopped waiting without a slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,7 +44,7 @@ pub struct Admission {
     /// [`Admission::slot_freed`] read.
     waiting: Gauge,
     max: i64,
-    /// `tokenway_queue_admitted_total`: requests that waited and then got a slot.
+    /// `tokenway_queue_admitted_total`: requests that waited and then were routed.
     admitted: Counter,
     /// `tokenway_queue_refused_total`: requests refused because the queue was full or their
     /// wait ran out.
@@ -68,7 +69,7 @@ impl Admission {
         );
         registry.register(
             "queue_admitted",
-            "Requests that waited for a backend slot and got one",
+            "Requests that waited for a backend slot and then were routed",
             a.admitted.clone(),
         );
         registry.register(
@@ -106,12 +107,13 @@ impl Admission {
         }
         let _place = Place(&self.waiting);
         let deadline = Instant::now() + timeout;
+        // In the line before the first look, so that a slot freed between a look and the wait
+        // still wakes this request. The place is kept through rechecks and given up only for
+        // a wake-up this request used: taking a new one would send it to the back of the line.
+        let notified = self.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
         loop {
-            // In the line before looking, so that a slot freed between the look and the wait
-            // still wakes this request.
-            let notified = self.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
             if let Some(r) = attempt() {
                 self.admitted.inc();
                 return Ok(r);
@@ -121,14 +123,16 @@ impl Admission {
                 self.refused.inc();
                 return Err(Refused::TimedOut);
             }
-            woken_or(notified, left.min(RECHECK)).await;
+            if tokio::time::timeout(left.min(RECHECK), notified.as_mut())
+                .await
+                .is_ok()
+            {
+                // Woken: a new place (at the back) before looking again.
+                notified.set(self.notify.notified());
+                notified.as_mut().enable();
+            }
         }
     }
-}
-
-/// Waits for `woken` or `limit`, whichever comes first.
-async fn woken_or(woken: impl Future<Output = ()>, limit: Duration) {
-    let _ = tokio::time::timeout(limit, woken).await;
 }
 
 /// A waiting request's place: given back however the wait ends (a slot, a refusal, or the
@@ -185,17 +189,48 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         assert_eq!(a.waiting(), 4);
-        for _ in 0..4 {
+        let start = Instant::now();
+        for i in 0..4 {
             slots.free(&a);
-            tokio::task::yield_now().await;
-            tokio::task::yield_now().await;
+            for _ in 0..4 {
+                tokio::task::yield_now().await;
+            }
+            // The wake-up, not a recheck, handed the slot on: no time passed.
+            assert_eq!(*order.lock().expect("order"), (0..=i).collect::<Vec<_>>());
+            assert_eq!(Instant::now(), start);
         }
         for t in tasks {
             assert_eq!(t.await.expect("task"), Ok(()));
         }
-        assert_eq!(*order.lock().expect("order"), [0, 1, 2, 3]);
         assert_eq!(a.waiting(), 0);
         assert_eq!(a.admitted.get(), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_recheck_keeps_the_waiters_place_in_line() {
+        let a = admission(8);
+        let slots = Arc::new(Slots(AtomicUsize::new(0)));
+        let spawn = |tag: &'static str| {
+            let (a, slots) = (a.clone(), slots.clone());
+            tokio::spawn(async move {
+                a.wait_for(Duration::from_secs(60), || slots.take())
+                    .await
+                    .map(|()| tag)
+            })
+        };
+        let first = spawn("first");
+        tokio::time::sleep(RECHECK * 6 / 10).await;
+        let second = spawn("second");
+        // The first has looked again once meanwhile; it is still first in line.
+        tokio::time::sleep(RECHECK * 6 / 10).await;
+        slots.free(&a);
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        assert!(first.is_finished() && !second.is_finished());
+        assert_eq!(first.await.expect("task"), Ok("first"));
+        slots.free(&a);
+        assert_eq!(second.await.expect("task"), Ok("second"));
     }
 
     #[tokio::test(start_paused = true)]

@@ -62,11 +62,12 @@ enum Tried {
 
 /// Sends `req` to one backend and waits for its first body frame. A 5xx, 429 (busy) or 404
 /// (no such model: the backend may have restarted with another one) answer is tried on the
-/// next backend, unless `last` (the last candidate: its own answer goes to the client).
+/// next backend, unless `last` (the last candidate: its own answer goes to the client). `held`
+/// is the backend's slot, reserved for this attempt.
 async fn try_backend(
     shared: &Arc<Shared>,
     id: BackendId,
-    held: Option<Reservation>,
+    held: Reservation,
     req: &ProxyRequest<'_>,
     routed: &Route,
     last: bool,
@@ -95,10 +96,7 @@ async fn try_backend(
     // The request is on its way: what does not depend on the answer is done while the backend
     // works on it (the router's count of the attempt, the metric handles, most of
     // `server-timing`), not between the answer's arrival and its first byte to the client.
-    let mut attempt = match held {
-        Some(held) => Attempt::start_reserved(held, req.request.clone()),
-        None => Attempt::start(shared.clone(), id, req.request.clone()),
-    };
+    let mut attempt = Attempt::start_reserved(held, req.request.clone());
     let sent = match written {
         Err(_) => return fail(attempt, Failure::Timeout),
         Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
@@ -193,9 +191,15 @@ pub async fn forward(
     while next < candidates.len() {
         let id = candidates[next];
         next += 1;
-        // The slot reserved when the request was routed is the first candidate's; any other
-        // use gives it back.
-        let held = reservation.take().filter(|r| r.backend() == Some(id));
+        // The slot reserved when the request was routed is the first candidate's; a retry
+        // takes one of its own, and skips a backend that has filled up since.
+        let held = match reservation.take().filter(|r| r.backend() == Some(id)) {
+            Some(held) => held,
+            None => match Reservation::try_take(shared, id) {
+                Some(held) => held,
+                None => continue,
+            },
+        };
         let primary = try_backend(shared, id, held, &req, &routed, next == candidates.len());
         let delay = if next < candidates.len() {
             shared.router().hedge_delay(id, Instant::now())
@@ -208,14 +212,16 @@ pub async fn forward(
             // and inline they would make every request's future (allocated and copied whole per
             // request) larger by both, hedged or not.
             Some(delay) => {
+                // Only to a backend with a free slot; a full one stays a candidate for a retry.
                 let hedge = || {
                     let hedge_id = candidates[next];
+                    let held = Reservation::try_take(shared, hedge_id)?;
                     next += 1;
                     let last = next == candidates.len();
-                    (
+                    Some((
                         hedge_id,
-                        try_backend(shared, hedge_id, None, &req, &routed, last),
-                    )
+                        try_backend(shared, hedge_id, held, &req, &routed, last),
+                    ))
                 };
                 Box::pin(hedged(shared, id, primary, delay, hedge, &mut last_failure)).await
             }
@@ -329,7 +335,7 @@ async fn hedged<P, H>(
     primary_id: BackendId,
     primary: P,
     delay: Duration,
-    hedge: impl FnOnce() -> (BackendId, H),
+    hedge: impl FnOnce() -> Option<(BackendId, H)>,
     last_failure: &mut Option<(String, Failure)>,
 ) -> Tried
 where
@@ -340,12 +346,21 @@ where
     tokio::select! {
         t = &mut primary => t,
         _ = tokio::time::sleep(delay) => {
-            if shared.router().on_hedge_sent(Instant::now()) {
-                let (hedge_id, hedge) = hedge();
-                tracing::debug!(primary = %shared.upstream(primary_id).name, hedge = %shared.upstream(hedge_id).name, "first token late: hedging");
-                race(shared, primary, hedge, primary_id, hedge_id, last_failure).await
-            } else {
-                primary.await
+            // The slot first, then the budget: a hedge that cannot go spends none. One that
+            // the budget refuses gives its slot back here, at the end of this statement, not
+            // after the primary's answer.
+            let hedging = match hedge() {
+                Some((id, hedge)) if shared.router().on_hedge_sent(Instant::now()) => {
+                    Some((id, hedge))
+                }
+                _ => None,
+            };
+            match hedging {
+                Some((hedge_id, hedge)) => {
+                    tracing::debug!(primary = %shared.upstream(primary_id).name, hedge = %shared.upstream(hedge_id).name, "first token late: hedging");
+                    race(shared, primary, hedge, primary_id, hedge_id, last_failure).await
+                }
+                None => primary.await,
             }
         }
     }

@@ -186,9 +186,36 @@ where
     let request = Arc::new(route_request(shared, &parts, &meta, peer)?);
     let overflow = crate::overflow::eligible(shared, &parts);
     let (mut routed, mut reservation) = route_reserving(shared, &request);
-    // Every healthy backend of the model is at its max_inflight: wait for a slot, bounded
-    // (admission.rs), unless a peer region can take the request now.
-    if let (Err(RouteError::Saturated { model }), None) = (&routed, overflow) {
+    let held_since = Instant::now();
+    let mut queued = false;
+    loop {
+        // The router may say "hold": a backend is prefilling this prompt's prefix for another
+        // request right now. Wait, then route again as a held request; the router bounds the
+        // total by `routing.prefill_hold_max_ms` (docs/routing.md, "Holding for a prefill").
+        while let Ok(Route {
+            hold: Some(wait),
+            backends,
+            ..
+        }) = &routed
+        {
+            let wait = *wait;
+            // A hold always names its backend first; without one there is nothing to wait for.
+            let Some(first) = backends.first().copied() else {
+                break;
+            };
+            tokio::time::sleep(wait).await;
+            let again = (*request).clone().with_held(first, held_since.elapsed());
+            (routed, reservation) = route_reserving(shared, &again);
+        }
+        // Every healthy backend of the model is at its max_inflight: wait for a slot, once and
+        // bounded (admission.rs), unless a peer region can take the request now.
+        let Err(RouteError::Saturated { model }) = &routed else {
+            break;
+        };
+        if queued || overflow.is_some() {
+            break;
+        }
+        queued = true;
         let model = model.clone();
         let waited = shared
             .admission
@@ -203,25 +230,6 @@ where
             Ok(routed) => routed,
             Err(refused) => return Err(queue_refused(shared, &model, refused)),
         };
-    }
-    // The router may say "hold": a backend is prefilling this prompt's prefix for another
-    // request right now. Wait, then route again as a held request; the router bounds the
-    // total by `routing.prefill_hold_max_ms` (docs/routing.md, "Holding for a prefill").
-    let held_since = Instant::now();
-    while let Ok(Route {
-        hold: Some(wait),
-        backends,
-        ..
-    }) = &routed
-    {
-        let wait = *wait;
-        // A hold always names its backend first; without one there is nothing to wait for.
-        let Some(first) = backends.first().copied() else {
-            break;
-        };
-        tokio::time::sleep(wait).await;
-        let again = (*request).clone().with_held(first, held_since.elapsed());
-        (routed, reservation) = route_reserving(shared, &again);
     }
     let routed = match routed {
         Ok(routed) => routed,

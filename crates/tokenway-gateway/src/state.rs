@@ -616,6 +616,14 @@ impl Reservation {
         }
     }
 
+    /// Takes a slot of `id` if one is free.
+    pub fn try_take(shared: &Arc<Shared>, id: BackendId) -> Option<Self> {
+        let taken = shared.router().try_reserve(id);
+        taken.then(|| Self {
+            held: Some((shared.clone(), id)),
+        })
+    }
+
     /// The backend whose slot it holds.
     pub fn backend(&self) -> Option<BackendId> {
         self.held.as_ref().map(|(_, id)| *id)

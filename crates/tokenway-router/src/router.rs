@@ -905,6 +905,18 @@ impl Router {
         }
     }
 
+    /// Reserves a slot of `id` if it has one free (a retry or a hedge, which go to backends
+    /// ranked when the request was routed, perhaps full by now); says whether it did.
+    pub fn try_reserve(&mut self, id: BackendId) -> bool {
+        match self.backends.get_mut(id.0) {
+            Some(b) if !b.removed && b.has_headroom() => {
+                b.reserved = b.reserved.saturating_add(1);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Gives back a slot held by [`Router::reserve`] (the attempt started, or never will).
     pub fn unreserve(&mut self, id: BackendId) {
         if let Some(b) = self.backends.get_mut(id.0) {
@@ -1825,6 +1837,10 @@ mod tests {
         );
         r.unreserve(b);
         assert!(r.route(&req, now).is_ok());
+        // A retry takes the last slot only while it is free.
+        assert!(r.try_reserve(b));
+        assert!(!r.try_reserve(b));
+        r.unreserve(b);
         r.end_attempt(t, Outcome::Success, now);
         // Giving back more than was held does not wrap.
         r.unreserve(b);

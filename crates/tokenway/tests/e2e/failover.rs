@@ -201,22 +201,33 @@ async fn requests_beyond_a_full_backend_wait_for_its_slot_instead_of_a_503() {
     assert_eq!(metric_sum(&metrics, "tokenway_queue_waiting"), 0.0);
 }
 
+/// Waits until the gateway's metric `series` (a prefix of its lines) sums to `value`.
+async fn metric_is(gw: &Proc, series: &str, value: f64) {
+    let url = format!("{}/metrics", gw.url());
+    let reached = eventually(Duration::from_secs(10), || async {
+        metric_sum(&get(&url).await.body, series) == value
+    })
+    .await;
+    assert!(
+        reached,
+        "{series} never reached {value}: {}",
+        get(&url).await.body
+    );
+}
+
 #[tokio::test]
 async fn the_wait_for_a_slot_is_bounded_in_places_and_in_time() {
-    // One slot held ~3 s by the first request; room for one waiter, for 1 s.
-    let (_backend, gw) = one_slot_gateway(100, "queue_max = 1", "queue_ms = 1000");
+    // One slot, held ~6 s by the first request; room for one waiter, for 2 s.
+    let (_backend, gw) = one_slot_gateway(200, "queue_max = 1", "queue_ms = 2000");
     let url = format!("{}/v1/chat/completions", gw.url());
     let send = |tag: &'static str| {
         let url = url.clone();
         tokio::spawn(async move { post(&url, &chat(tag, true, 30), None).await })
     };
     let holder = send("holds the slot");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    metric_is(&gw, "tokenway_backend_inflight{backend=\"b0\"", 1.0).await;
     let waiter = send("waits");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    // The one place in the queue is taken: refused at once.
-    let full = send("finds the queue full").await.expect("task");
-    assert!(!waiter.is_finished(), "the waiter is still waiting");
+    metric_is(&gw, "tokenway_queue_waiting", 1.0).await;
     let saturated = |r: &Reply, why: &str| {
         assert_eq!(r.status, 503, "{}", r.body);
         assert!(r.headers.contains_key("retry-after"), "{:?}", r.headers);
@@ -225,8 +236,10 @@ async fn the_wait_for_a_slot_is_bounded_in_places_and_in_time() {
         let message = v["error"]["message"].as_str().unwrap_or_default();
         assert!(message.contains(why), "{message}");
     };
+    // The one place in the queue is taken: refused at once.
+    let full = send("finds the queue full").await.expect("task");
     saturated(&full, "queue_max");
-    // The waiter's second is up long before the slot frees.
+    // The waiter's two seconds are up long before the slot frees.
     saturated(&waiter.await.expect("task"), "timeouts.queue_ms");
     let held = holder.await.expect("task");
     assert_eq!(held.status, 200, "{}", held.body);
@@ -254,10 +267,16 @@ async fn without_a_queue_a_full_backend_is_a_503_at_once() {
         let url = url.clone();
         tokio::spawn(async move { post(&url, &chat("holds the slot", true, 20), None).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    metric_is(&gw, "tokenway_backend_inflight{backend=\"b0\"", 1.0).await;
     let r = post(&url, &chat("refused", true, 2), None).await;
     assert_eq!(r.status, 503, "{}", r.body);
     let v: serde_json::Value = serde_json::from_str(&r.body).expect("OpenAI error JSON");
     assert_eq!(v["error"]["code"], "backends_saturated", "{}", r.body);
+    let metrics = get(&format!("{}/metrics", gw.url())).await.body;
+    assert_eq!(
+        metric_sum(&metrics, "tokenway_queue_refused_total"),
+        1.0,
+        "{metrics}"
+    );
     assert_eq!(holder.await.expect("task").status, 200);
 }
