@@ -18,10 +18,11 @@ pub enum Affinity {
     /// When there is one front thread per CPU the process may use (the default
     /// `front_threads = 0`, a dedicated machine, a container with its own cpuset). Not when
     /// fewer threads share a larger set, as under a CPU quota on a big host: there the first
-    /// CPUs may be other programs' busiest.
+    /// CPUs may be other programs' busiest. A pinned thread whose CPU something else keeps busy
+    /// is unpinned for a while ([`crate::cpu_placement`]).
     #[default]
     Auto,
-    /// Always; with more threads than CPUs, the CPUs are taken in turn.
+    /// Always, and never let go; with more threads than CPUs, the CPUs are taken in turn.
     On,
     /// Never: the scheduler places the threads.
     Off,
@@ -55,8 +56,9 @@ fn plan(mode: Affinity, allowed: &[usize], threads: usize) -> Vec<usize> {
     (0..threads).map(|i| allowed[i % allowed.len()]).collect()
 }
 
-/// The CPUs this process may run on, ascending (empty when they cannot be read).
-fn allowed_cpus() -> Vec<usize> {
+/// The CPUs the calling thread may run on, ascending (empty when they cannot be read); before
+/// any front thread is pinned, the process's.
+pub fn allowed_cpus() -> Vec<usize> {
     match sched_getaffinity(Pid::from_raw(0)) {
         Ok(set) => (0..CpuSet::count())
             .filter(|&cpu| set.is_set(cpu).unwrap_or(false))
@@ -69,14 +71,16 @@ fn allowed_cpus() -> Vec<usize> {
 }
 
 /// Pins the calling thread to `cpu`; a failure is logged, and the thread runs unpinned.
-pub fn pin_current_thread(cpu: usize) {
+/// Returns whether it is pinned.
+pub fn pin_current_thread(cpu: usize) -> bool {
     let mut set = CpuSet::new();
     let pinned = set
         .set(cpu)
         .and_then(|()| sched_setaffinity(Pid::from_raw(0), &set));
-    if let Err(e) = pinned {
+    if let Err(e) = &pinned {
         tracing::warn!(error = %e, cpu, "cannot pin a front thread to its CPU");
     }
+    pinned.is_ok()
 }
 
 #[cfg(test)]
@@ -108,7 +112,7 @@ mod tests {
         let last = *cpus.last().expect("one CPU");
         // In a thread of its own: the test harness's threads keep their CPUs.
         std::thread::spawn(move || {
-            pin_current_thread(last);
+            assert!(pin_current_thread(last));
             assert_eq!(allowed_cpus(), [last]);
         })
         .join()

@@ -14,6 +14,7 @@
 pub mod admission;
 pub mod config;
 pub mod cpu_affinity;
+pub mod cpu_placement;
 pub mod discovery;
 pub mod drain;
 pub mod error;

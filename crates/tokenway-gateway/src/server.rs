@@ -22,6 +22,7 @@ use tokio::sync::{watch, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::GatewayConfig;
+use crate::cpu_placement::{self, PinnedThreads};
 use crate::drain::Drain;
 use crate::error::GatewayError;
 use crate::front_h1::H1Connection;
@@ -196,14 +197,31 @@ impl BoundGateway {
             graceful: graceful.clone(),
             permits: permits.clone(),
             stop: stop_rx.clone(),
+            pinned: Arc::new(PinnedThreads::default()),
         };
         // Read before any front thread is pinned (`front_cpu_affinity`).
         let config = &self.shared.config;
+        let allowed = cpu_affinity::allowed_cpus();
         let cpus = cpu_affinity::front_cpus(config.front_cpu_affinity, config.front_thread_count());
         let mut extra = fronts.spawn_threads(&listeners, &cpus);
         // This runtime's worker is front thread 0.
         if let Some(&cpu) = cpus.first() {
-            tokio::spawn(async move { cpu_affinity::pin_current_thread(cpu) });
+            let pinned = fronts.pinned.clone();
+            tokio::spawn(async move {
+                if cpu_affinity::pin_current_thread(cpu) {
+                    pinned.add_current(cpu);
+                }
+            });
+        }
+        self.shared.placement_metrics.set_pinned(cpus.len());
+        if config.front_cpu_affinity == cpu_affinity::Affinity::Auto && !cpus.is_empty() {
+            // Pinned threads step aside while another program holds their CPU.
+            tokio::spawn(cpu_placement::watch(
+                fronts.pinned.clone(),
+                allowed,
+                self.shared.placement_metrics.clone(),
+                stop_rx.clone(),
+            ));
         }
         tokio::spawn(keep_timer_armed(stop_rx.clone()));
         for (l, tls) in listeners {
@@ -247,6 +265,8 @@ struct FrontThreads {
     graceful: Arc<Drain>,
     permits: Arc<Semaphore>,
     stop: watch::Receiver<bool>,
+    /// The front threads that pinned themselves, for `cpu_placement::watch`.
+    pinned: Arc<PinnedThreads>,
 }
 
 /// The front threads besides the caller's: each signals when it stopped accepting, and leaves
@@ -328,6 +348,7 @@ impl FrontThreads {
         stopped: tokio::sync::oneshot::Sender<()>,
         mut exit: watch::Receiver<bool>,
     ) {
+        let pinned = self.pinned.clone();
         // One worker, like the main runtime (see `main.rs`): tasks of a request stay on it.
         let runtime = match tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -335,7 +356,9 @@ impl FrontThreads {
             .on_thread_start(move || {
                 crate::upstream_h1::set_front_thread(index);
                 if let Some(cpu) = cpu {
-                    cpu_affinity::pin_current_thread(cpu);
+                    if cpu_affinity::pin_current_thread(cpu) {
+                        pinned.add_current(cpu);
+                    }
                 }
             })
             .enable_all()

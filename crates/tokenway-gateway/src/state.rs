@@ -27,6 +27,7 @@ use tokenway_telemetry::{
 
 use crate::admission::Admission;
 use crate::config::{BackendConfig, GatewayConfig};
+use crate::cpu_placement::PlacementMetrics;
 use crate::error::GatewayError;
 use crate::tunnel::TunnelState;
 use crate::upstream_h1::H1Pool;
@@ -182,6 +183,8 @@ pub struct Shared {
     /// QUIC connection statistics of the HTTP/3 front and the tunnel port (peer label `h3` or
     /// `tunnel`: one series per front, not per client, to keep cardinality bounded).
     pub quic_metrics: QuicMetrics,
+    /// Front threads pinned and unpinned (`front_cpu_affinity`).
+    pub placement_metrics: PlacementMetrics,
     /// Everything above, for `/metrics`.
     pub registry: Registry,
     /// Latency histogram handles by (backend, route, transport), resolved once: looking them up
@@ -250,6 +253,7 @@ impl Shared {
         let backend_metrics = BackendMetrics::register(&mut registry);
         let quic_metrics = QuicMetrics::register(&mut registry);
         let admission = Admission::new(config.queue_max, &mut registry);
+        let placement_metrics = PlacementMetrics::register(&mut registry);
         for u in upstreams.iter() {
             backend_metrics.healthy.get_or_create(&u.labels).set(1);
             backend_metrics.inflight.get_or_create(&u.labels).set(0);
@@ -292,6 +296,7 @@ impl Shared {
             alt_svc: std::sync::OnceLock::new(),
             overflow: std::sync::OnceLock::new(),
             admission,
+            placement_metrics,
         }))
     }
 

@@ -1,0 +1,427 @@
+//! Pinned front threads that step aside while something else holds their CPU
+//! (`front_cpu_affinity = "auto"`).
+//!
+//! Pinning keeps a front thread's caches warm ([`crate::cpu_affinity`]), but a pinned thread
+//! cannot move: when another program runs on its CPU in bursts of milliseconds, or the
+//! hypervisor takes that virtual CPU away, every request that wakes the thread waits until the
+//! CPU is free again, while an unpinned thread would have been woken on another one. With a
+//! neighbour busy 5 ms out of every 10, the single stream's added p99 was ~0.4 ms higher pinned
+//! than unpinned, with 20 ms bursts ~0.75 ms (docs/benchmarks.md, "Pinned threads and a busy
+//! neighbour").
+//!
+//! So once a second the gateway reads, for every pinned front thread, how long it was ready to
+//! run but had to wait for its CPU (`/proc/self/task/TID/schedstat`) and how much of that CPU the
+//! hypervisor stole (`/proc/stat`). When the two add up to a tenth of the time or more, the
+//! thread is unpinned and the scheduler places it. It is pinned again after a back-off: 10 s,
+//! doubled each time it has to step aside again (at most 5 min), and back to 10 s once it has
+//! stayed pinned through a calm minute. The gateway's own load does not unpin a thread: its
+//! threads each have their own CPU, so only another program's work makes one wait.
+//!
+//! The decision ([`Placement`]) is sans-IO and takes the time as an argument; [`watch`] does the
+//! reading and the `sched_setaffinity` calls.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sched::{sched_setaffinity, CpuSet};
+use nix::unistd::Pid;
+use tokenway_telemetry::{Counter, Gauge, Registry};
+
+/// How often the pinned threads are looked at.
+pub const SAMPLE_EVERY: Duration = Duration::from_secs(1);
+/// Share of the time a pinned thread may lose to others on its CPU (run-queue wait plus steal)
+/// before it is unpinned. The bench's own neighbours (its load generator, the sim) cost a pinned
+/// thread ~3 %; a neighbour busy half the time, ~30 %.
+pub const UNPIN_SHARE: f64 = 0.10;
+/// First back-off before an unpinned thread is pinned again.
+pub const FIRST_BACKOFF: Duration = Duration::from_secs(10);
+/// Longest back-off.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
+/// A thread that stays pinned and calm this long starts again from [`FIRST_BACKOFF`].
+pub const CALM_RESET: Duration = Duration::from_secs(60);
+
+/// What to do with one thread after a sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Nothing changes.
+    Stay,
+    /// Let the scheduler place it (on any of the process's CPUs).
+    Unpin,
+    /// Pin it to its CPU again.
+    Repin,
+}
+
+/// One front thread's pinning over time.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    state: State,
+    /// The back-off the next unpinning will last.
+    backoff: Duration,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum State {
+    /// Pinned, and without contention since the given time.
+    Pinned { calm_since: Instant },
+    /// Unpinned until the given time.
+    Unpinned { until: Instant },
+}
+
+impl Placement {
+    /// A thread just pinned at `now`.
+    pub fn new(now: Instant) -> Self {
+        Self {
+            state: State::Pinned { calm_since: now },
+            backoff: FIRST_BACKOFF,
+        }
+    }
+
+    /// Whether the thread is pinned now.
+    pub fn is_pinned(&self) -> bool {
+        matches!(self.state, State::Pinned { .. })
+    }
+
+    /// How long from `now` the thread stays unpinned (zero while pinned).
+    pub fn unpinned_for(&self, now: Instant) -> Duration {
+        match self.state {
+            State::Pinned { .. } => Duration::ZERO,
+            State::Unpinned { until } => until.saturating_duration_since(now),
+        }
+    }
+
+    /// A sample at `now`: `lost` is the share of the time since the last sample that the thread
+    /// was kept from running (run-queue wait and steal; ignored while unpinned, where the
+    /// scheduler moves the thread away from a busy CPU).
+    pub fn observe(&mut self, now: Instant, lost: f64) -> Action {
+        match self.state {
+            State::Pinned { calm_since } => {
+                if lost >= UNPIN_SHARE {
+                    self.state = State::Unpinned {
+                        until: now + self.backoff,
+                    };
+                    self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+                    Action::Unpin
+                } else {
+                    if now.saturating_duration_since(calm_since) >= CALM_RESET {
+                        self.backoff = FIRST_BACKOFF;
+                    }
+                    Action::Stay
+                }
+            }
+            State::Unpinned { until } if now >= until => {
+                self.state = State::Pinned { calm_since: now };
+                Action::Repin
+            }
+            State::Unpinned { .. } => Action::Stay,
+        }
+    }
+}
+
+/// Nanoseconds a thread has waited on a run queue, from its `schedstat` line ("run wait
+/// timeslices").
+pub fn schedstat_wait_ns(line: &str) -> Option<u64> {
+    line.split_ascii_whitespace().nth(1)?.parse().ok()
+}
+
+/// Per CPU in `/proc/stat`: (cpu, stolen ticks, all ticks). Guest time is already inside user
+/// time, so the total stops at steal.
+pub fn cpu_steal(stat: &str) -> Vec<(usize, u64, u64)> {
+    stat.lines()
+        .filter_map(|line| {
+            let mut fields = line.split_ascii_whitespace();
+            let cpu = fields.next()?.strip_prefix("cpu")?.parse().ok()?;
+            let ticks: Vec<u64> = fields.take(8).map_while(|f| f.parse().ok()).collect();
+            let steal = *ticks.get(7)?;
+            Some((cpu, steal, ticks.iter().sum()))
+        })
+        .collect()
+}
+
+/// The pinned front threads, as they register themselves.
+#[derive(Default)]
+pub struct PinnedThreads(Mutex<Vec<(i32, usize)>>);
+
+impl PinnedThreads {
+    /// Records the calling thread as pinned to `cpu`.
+    pub fn add_current(&self, cpu: usize) {
+        match current_tid() {
+            Some(tid) => self
+                .0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((tid, cpu)),
+            None => tracing::debug!(cpu, "cannot read this thread's id; it stays pinned"),
+        }
+    }
+
+    fn list(&self) -> Vec<(i32, usize)> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// The calling thread's id, from `/proc/thread-self` (a link to `PID/task/TID`).
+fn current_tid() -> Option<i32> {
+    let link = std::fs::read_link("/proc/thread-self").ok()?;
+    link.file_name()?.to_str()?.parse().ok()
+}
+
+/// `tokenway_front_threads_pinned` and `tokenway_front_thread_unpins_total`.
+#[derive(Clone, Default)]
+pub struct PlacementMetrics {
+    pinned: Gauge,
+    unpins: Counter,
+}
+
+impl PlacementMetrics {
+    /// The metrics, registered in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "front_threads_pinned",
+            "Front threads pinned to their CPU now (front_cpu_affinity)",
+            m.pinned.clone(),
+        );
+        registry.register(
+            "front_thread_unpins",
+            "Times a pinned front thread was unpinned because another task or the hypervisor kept its CPU busy",
+            m.unpins.clone(),
+        );
+        m
+    }
+
+    /// Sets the pinned-threads gauge (at start, before [`watch`] keeps it).
+    pub fn set_pinned(&self, n: usize) {
+        self.pinned.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+}
+
+/// One watched thread: its decision and the readings of the last sample.
+struct Watched {
+    tid: i32,
+    cpu: usize,
+    placement: Placement,
+    last: Option<Reading>,
+}
+
+#[derive(Clone, Copy)]
+struct Reading {
+    at: Instant,
+    wait_ns: u64,
+    steal: u64,
+    ticks: u64,
+}
+
+/// Samples the pinned front threads every [`SAMPLE_EVERY`] and unpins or pins them again, until
+/// `stop` turns true. `allowed` is the set of CPUs an unpinned thread may run on (the process's,
+/// read before any thread was pinned).
+pub async fn watch(
+    threads: Arc<PinnedThreads>,
+    allowed: Vec<usize>,
+    metrics: PlacementMetrics,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut any = CpuSet::new();
+    for &cpu in &allowed {
+        let _ = any.set(cpu);
+    }
+    let mut watched: Vec<Watched> = Vec::new();
+    let mut ticker = tokio::time::interval(SAMPLE_EVERY);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut warned = false;
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = stop.changed() => return,
+        }
+        if *stop.borrow() {
+            return;
+        }
+        let now = Instant::now();
+        for (tid, cpu) in threads.list() {
+            if !watched.iter().any(|w| w.tid == tid) {
+                watched.push(Watched {
+                    tid,
+                    cpu,
+                    placement: Placement::new(now),
+                    last: None,
+                });
+            }
+        }
+        let steal = std::fs::read_to_string("/proc/stat")
+            .map(|s| cpu_steal(&s))
+            .unwrap_or_default();
+        for w in &mut watched {
+            let wait_ns = std::fs::read_to_string(format!("/proc/self/task/{}/schedstat", w.tid))
+                .ok()
+                .and_then(|s| schedstat_wait_ns(&s));
+            if wait_ns.is_none() && !warned {
+                warned = true;
+                tracing::debug!(
+                    tid = w.tid,
+                    "no schedstat for a front thread; steal alone decides"
+                );
+            }
+            let (cpu_steal, cpu_ticks) = steal
+                .iter()
+                .find(|(c, _, _)| *c == w.cpu)
+                .map(|&(_, s, t)| (s, t))
+                .unwrap_or((0, 0));
+            let reading = Reading {
+                at: now,
+                wait_ns: wait_ns.unwrap_or(0),
+                steal: cpu_steal,
+                ticks: cpu_ticks,
+            };
+            let lost = w.last.map_or(0.0, |last| lost_share(&last, &reading));
+            w.last = Some(reading);
+            let set = match w.placement.observe(now, lost) {
+                Action::Stay => continue,
+                Action::Unpin => {
+                    metrics.unpins.inc();
+                    tracing::info!(
+                        cpu = w.cpu,
+                        lost_percent = (lost * 100.0).round(),
+                        pin_again_in_s = w.placement.unpinned_for(now).as_secs(),
+                        "a front thread waited for its CPU; unpinned"
+                    );
+                    any
+                }
+                Action::Repin => {
+                    tracing::debug!(cpu = w.cpu, "front thread pinned to its CPU again");
+                    let mut one = CpuSet::new();
+                    let _ = one.set(w.cpu);
+                    one
+                }
+            };
+            if let Err(e) = sched_setaffinity(Pid::from_raw(w.tid), &set) {
+                tracing::debug!(error = %e, tid = w.tid, "cannot change a front thread's CPUs");
+            }
+        }
+        metrics.set_pinned(watched.iter().filter(|w| w.placement.is_pinned()).count());
+    }
+}
+
+/// Share of the time between two readings that the thread was kept from running: its run-queue
+/// wait over the wall time, plus its CPU's stolen ticks over all of that CPU's ticks.
+fn lost_share(before: &Reading, after: &Reading) -> f64 {
+    let wall = after.at.saturating_duration_since(before.at).as_nanos() as f64;
+    let waited = after.wait_ns.saturating_sub(before.wait_ns) as f64;
+    let ticks = after.ticks.saturating_sub(before.ticks);
+    let stolen = if ticks == 0 {
+        0.0
+    } else {
+        after.steal.saturating_sub(before.steal) as f64 / ticks as f64
+    };
+    let wait = if wall > 0.0 { waited / wall } else { 0.0 };
+    wait + stolen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    #[test]
+    fn a_calm_thread_stays_pinned() {
+        let t0 = Instant::now();
+        let mut p = Placement::new(t0);
+        for s in 1..=600 {
+            assert_eq!(p.observe(t0 + secs(s), 0.03), Action::Stay);
+        }
+        assert!(p.is_pinned());
+    }
+
+    #[test]
+    fn contention_unpins_until_the_back_off_and_the_back_off_doubles_up_to_its_cap() {
+        let t0 = Instant::now();
+        let mut p = Placement::new(t0);
+        let mut now = t0;
+        let mut expected = FIRST_BACKOFF;
+        for _ in 0..8 {
+            now += secs(1);
+            assert_eq!(p.observe(now, 0.3), Action::Unpin);
+            assert!(!p.is_pinned());
+            assert_eq!(p.unpinned_for(now), expected);
+            let unpinned_at = now;
+            // While unpinned, even heavy contention changes nothing (it is not the thread's).
+            while now + secs(1) < unpinned_at + expected {
+                now += secs(1);
+                assert_eq!(
+                    p.observe(now, 0.9),
+                    Action::Stay,
+                    "at {:?}",
+                    now - unpinned_at
+                );
+            }
+            now = unpinned_at + expected;
+            assert_eq!(p.observe(now, 0.0), Action::Repin);
+            assert!(p.is_pinned());
+            expected = (expected * 2).min(MAX_BACKOFF);
+        }
+        assert_eq!(expected, MAX_BACKOFF);
+    }
+
+    #[test]
+    fn a_calm_minute_pinned_brings_the_back_off_back_to_its_start() {
+        let t0 = Instant::now();
+        let mut p = Placement::new(t0);
+        assert_eq!(p.observe(t0 + secs(1), 0.5), Action::Unpin);
+        assert_eq!(p.observe(t0 + secs(11), 0.0), Action::Repin);
+        // Contention again at once: the second back-off is twice the first.
+        assert_eq!(p.observe(t0 + secs(12), 0.5), Action::Unpin);
+        assert_eq!(p.observe(t0 + secs(31), 0.0), Action::Stay);
+        assert_eq!(p.observe(t0 + secs(32), 0.0), Action::Repin);
+        // A calm minute: the next back-off is the first one again.
+        for s in 33..=92 {
+            assert_eq!(p.observe(t0 + secs(s), 0.05), Action::Stay);
+        }
+        assert_eq!(p.observe(t0 + secs(93), 0.2), Action::Unpin);
+        assert_eq!(p.observe(t0 + secs(102), 0.0), Action::Stay);
+        assert_eq!(p.observe(t0 + secs(103), 0.0), Action::Repin);
+    }
+
+    #[test]
+    fn readings_parse_and_give_the_share_lost() {
+        assert_eq!(
+            schedstat_wait_ns("2273000000 151480000 45121\n"),
+            Some(151_480_000)
+        );
+        assert_eq!(schedstat_wait_ns("garbage"), None);
+        let stat = "cpu  3383196 42699 810307 6577281 24390 0 189623 96534 0 0\n\
+                    cpu0 100 0 50 800 0 0 10 40 0 0\n\
+                    cpu1 1 2 3 4 5 6 7 8 9 10\n\
+                    intr 1 2 3\n\
+                    cpu7 short\n";
+        assert_eq!(cpu_steal(stat), [(0, 40, 1000), (1, 8, 36)]);
+
+        let t0 = Instant::now();
+        let before = Reading {
+            at: t0,
+            wait_ns: 1_000_000_000,
+            steal: 40,
+            ticks: 1000,
+        };
+        // 50 ms of run-queue wait in 1 s, and 5 of the CPU's 100 ticks stolen.
+        let after = Reading {
+            at: t0 + secs(1),
+            wait_ns: 1_050_000_000,
+            steal: 45,
+            ticks: 1100,
+        };
+        assert!((lost_share(&before, &after) - 0.10).abs() < 1e-9);
+        // Counters that went backwards (a thread id reused) lose nothing.
+        assert_eq!(lost_share(&after, &before), 0.0);
+    }
+
+    #[test]
+    fn this_thread_finds_its_own_id_and_schedstat() {
+        let tid = current_tid().expect("/proc/thread-self");
+        assert!(tid > 0);
+        if let Ok(line) = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")) {
+            assert!(schedstat_wait_ns(&line).is_some(), "{line}");
+        }
+    }
+}
