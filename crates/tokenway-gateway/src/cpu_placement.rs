@@ -250,6 +250,9 @@ pub async fn watch(
         let steal = std::fs::read_to_string("/proc/stat")
             .map(|s| cpu_steal(&s))
             .unwrap_or_default();
+        // One log line per sample for all the threads unpinned in it: (cpu, percent lost).
+        let mut unpinned: Vec<(usize, f64)> = Vec::new();
+        let mut pin_again_in = Duration::ZERO;
         for w in &mut watched {
             let wait_ns = std::fs::read_to_string(format!("/proc/self/task/{}/schedstat", w.tid))
                 .ok()
@@ -278,12 +281,8 @@ pub async fn watch(
                 Action::Stay => continue,
                 Action::Unpin => {
                     metrics.unpins.inc();
-                    tracing::info!(
-                        cpu = w.cpu,
-                        lost_percent = (lost * 100.0).round(),
-                        pin_again_in_s = w.placement.unpinned_for(now).as_secs(),
-                        "a front thread waited for its CPU; unpinned"
-                    );
+                    unpinned.push((w.cpu, (lost * 100.0).round()));
+                    pin_again_in = pin_again_in.max(w.placement.unpinned_for(now));
                     any
                 }
                 Action::Repin => {
@@ -296,6 +295,13 @@ pub async fn watch(
             if let Err(e) = sched_setaffinity(Pid::from_raw(w.tid), &set) {
                 tracing::debug!(error = %e, tid = w.tid, "cannot change a front thread's CPUs");
             }
+        }
+        if !unpinned.is_empty() {
+            tracing::info!(
+                cpus_and_percent_lost = ?unpinned,
+                pin_again_in_s = pin_again_in.as_secs(),
+                "front threads waited for their CPUs; unpinned"
+            );
         }
         metrics.set_pinned(watched.iter().filter(|w| w.placement.is_pinned()).count());
     }
