@@ -2,20 +2,22 @@
 //! (`front_cpu_affinity = "auto"`).
 //!
 //! Pinning keeps a front thread's caches warm ([`crate::cpu_affinity`]), but a pinned thread
-//! cannot move: when another program runs on its CPU in bursts of milliseconds, or the
-//! hypervisor takes that virtual CPU away, every request that wakes the thread waits until the
-//! CPU is free again, while an unpinned thread would have been woken on another one. With a
+//! cannot move: when another program runs on its CPU in bursts of milliseconds, every request
+//! that wakes the thread waits until the CPU is free again, while an unpinned thread would have
+//! been woken on another one. With a
 //! neighbour busy 5 ms out of every 10, the single stream's added p99 was ~0.4 ms higher pinned
 //! than unpinned, with 20 ms bursts ~0.75 ms (docs/benchmarks.md, "Pinned threads and a busy
 //! neighbour").
 //!
 //! So once a second the gateway reads, for every pinned front thread, how long it was ready to
-//! run but had to wait for its CPU (`/proc/self/task/TID/schedstat`) and how much of that CPU the
-//! hypervisor stole (`/proc/stat`). When the two add up to a tenth of the time or more, the
-//! thread is unpinned and the scheduler places it. It is pinned again after a back-off: 10 s,
-//! doubled each time it has to step aside again (at most 5 min), and back to 10 s once it has
-//! stayed pinned through a calm minute. The gateway's own load does not unpin a thread: its
+//! run but had to wait for its CPU (`/proc/self/task/TID/schedstat`). When that is a tenth of the
+//! time or more, the thread is unpinned and the scheduler places it. It is pinned again after a
+//! back-off: 10 s, doubled each time it has to step aside again (at most 5 min), and back to 10 s
+//! once it has stayed pinned through a calm minute. The gateway's own load does not unpin a thread: its
 //! threads each have their own CPU, so only another program's work makes one wait.
+//!
+//! Time the hypervisor steals from the CPU is not counted: with it, the threads were unpinned in
+//! noisy minutes on a VM, and the single stream got slower, not faster (docs/benchmarks.md).
 //!
 //! The decision ([`Placement`]) is sans-IO and takes the time as an argument; [`watch`] does the
 //! reading and the `sched_setaffinity` calls.
@@ -29,8 +31,8 @@ use tokenway_telemetry::{Counter, Gauge, Registry};
 
 /// How often the pinned threads are looked at.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(1);
-/// Share of the time a pinned thread may lose to others on its CPU (run-queue wait plus steal)
-/// before it is unpinned. The bench's own neighbours (its load generator, the sim) cost a pinned
+/// Share of the time a pinned thread may spend waiting for its CPU (on its run queue, while
+/// another task runs there) before it is unpinned. The bench's own neighbours (its load generator, the sim) cost a pinned
 /// thread ~3 %; a neighbour busy half the time, ~30 %.
 pub const UNPIN_SHARE: f64 = 0.10;
 /// First back-off before an unpinned thread is pinned again.
@@ -90,8 +92,8 @@ impl Placement {
     }
 
     /// A sample at `now`: `lost` is the share of the time since the last sample that the thread
-    /// was kept from running (run-queue wait and steal; ignored while unpinned, where the
-    /// scheduler moves the thread away from a busy CPU).
+    /// waited on its run queue (ignored while unpinned, where the scheduler moves the thread away
+    /// from a busy CPU).
     pub fn observe(&mut self, now: Instant, lost: f64) -> Action {
         match self.state {
             State::Pinned { calm_since } => {
@@ -121,20 +123,6 @@ impl Placement {
 /// timeslices").
 pub fn schedstat_wait_ns(line: &str) -> Option<u64> {
     line.split_ascii_whitespace().nth(1)?.parse().ok()
-}
-
-/// Per CPU in `/proc/stat`: (cpu, stolen ticks, all ticks). Guest time is already inside user
-/// time, so the total stops at steal.
-pub fn cpu_steal(stat: &str) -> Vec<(usize, u64, u64)> {
-    stat.lines()
-        .filter_map(|line| {
-            let mut fields = line.split_ascii_whitespace();
-            let cpu = fields.next()?.strip_prefix("cpu")?.parse().ok()?;
-            let ticks: Vec<u64> = fields.take(8).map_while(|f| f.parse().ok()).collect();
-            let steal = *ticks.get(7)?;
-            Some((cpu, steal, ticks.iter().sum()))
-        })
-        .collect()
 }
 
 /// The pinned front threads, as they register themselves.
@@ -207,8 +195,6 @@ struct Watched {
 struct Reading {
     at: Instant,
     wait_ns: u64,
-    steal: u64,
-    ticks: u64,
 }
 
 /// Samples the pinned front threads every [`SAMPLE_EVERY`] and unpins or pins them again, until
@@ -247,9 +233,6 @@ pub async fn watch(
                 });
             }
         }
-        let steal = std::fs::read_to_string("/proc/stat")
-            .map(|s| cpu_steal(&s))
-            .unwrap_or_default();
         // One log line per sample for all the threads unpinned in it: (cpu, percent lost).
         let mut unpinned: Vec<(usize, f64)> = Vec::new();
         let mut pin_again_in = Duration::ZERO;
@@ -257,24 +240,17 @@ pub async fn watch(
             let wait_ns = std::fs::read_to_string(format!("/proc/self/task/{}/schedstat", w.tid))
                 .ok()
                 .and_then(|s| schedstat_wait_ns(&s));
-            if wait_ns.is_none() && !warned {
-                warned = true;
-                tracing::debug!(
-                    tid = w.tid,
-                    "no schedstat for a front thread; steal alone decides"
-                );
-            }
-            let (cpu_steal, cpu_ticks) = steal
-                .iter()
-                .find(|(c, _, _)| *c == w.cpu)
-                .map(|&(_, s, t)| (s, t))
-                .unwrap_or((0, 0));
-            let reading = Reading {
-                at: now,
-                wait_ns: wait_ns.unwrap_or(0),
-                steal: cpu_steal,
-                ticks: cpu_ticks,
+            let Some(wait_ns) = wait_ns else {
+                if !warned {
+                    warned = true;
+                    tracing::info!(
+                        tid = w.tid,
+                        "no schedstat for a front thread (a kernel without CONFIG_SCHED_INFO?); it stays pinned"
+                    );
+                }
+                continue;
             };
+            let reading = Reading { at: now, wait_ns };
             let lost = w.last.map_or(0.0, |last| lost_share(&last, &reading));
             w.last = Some(reading);
             let set = match w.placement.observe(now, lost) {
@@ -307,19 +283,15 @@ pub async fn watch(
     }
 }
 
-/// Share of the time between two readings that the thread was kept from running: its run-queue
-/// wait over the wall time, plus its CPU's stolen ticks over all of that CPU's ticks.
+/// Share of the time between two readings that the thread waited on its run queue.
 fn lost_share(before: &Reading, after: &Reading) -> f64 {
     let wall = after.at.saturating_duration_since(before.at).as_nanos() as f64;
     let waited = after.wait_ns.saturating_sub(before.wait_ns) as f64;
-    let ticks = after.ticks.saturating_sub(before.ticks);
-    let stolen = if ticks == 0 {
-        0.0
+    if wall > 0.0 {
+        waited / wall
     } else {
-        after.steal.saturating_sub(before.steal) as f64 / ticks as f64
-    };
-    let wait = if wall > 0.0 { waited / wall } else { 0.0 };
-    wait + stolen
+        0.0
+    }
 }
 
 #[cfg(test)]
@@ -396,26 +368,15 @@ mod tests {
             Some(151_480_000)
         );
         assert_eq!(schedstat_wait_ns("garbage"), None);
-        let stat = "cpu  3383196 42699 810307 6577281 24390 0 189623 96534 0 0\n\
-                    cpu0 100 0 50 800 0 0 10 40 0 0\n\
-                    cpu1 1 2 3 4 5 6 7 8 9 10\n\
-                    intr 1 2 3\n\
-                    cpu7 short\n";
-        assert_eq!(cpu_steal(stat), [(0, 40, 1000), (1, 8, 36)]);
-
         let t0 = Instant::now();
         let before = Reading {
             at: t0,
             wait_ns: 1_000_000_000,
-            steal: 40,
-            ticks: 1000,
         };
-        // 50 ms of run-queue wait in 1 s, and 5 of the CPU's 100 ticks stolen.
+        // 100 ms of run-queue wait in 1 s.
         let after = Reading {
             at: t0 + secs(1),
-            wait_ns: 1_050_000_000,
-            steal: 45,
-            ticks: 1100,
+            wait_ns: 1_100_000_000,
         };
         assert!((lost_share(&before, &after) - 0.10).abs() < 1e-9);
         // Counters that went backwards (a thread id reused) lose nothing.
