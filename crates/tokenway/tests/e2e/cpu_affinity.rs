@@ -32,6 +32,17 @@ fn single(list: &str) -> bool {
     !list.contains(',') && !list.contains('-')
 }
 
+/// The CPUs this process may use (a `Cpus_allowed_list`), or `None`, after saying the test is
+/// skipped, when that is one CPU.
+fn several_cpus() -> Option<String> {
+    let own = allowed_lists(std::process::id(), "");
+    if own.iter().all(|l| single(l)) {
+        eprintln!("skipped: this process may use one CPU only ({own:?})");
+        return None;
+    }
+    own.into_iter().find(|l| !single(l))
+}
+
 /// Starts a gateway with `affinity` and two front threads, and checks that it answers.
 async fn gateway_with(backend: &Proc, affinity: &str) -> Proc {
     let gw = gateway(
@@ -51,9 +62,7 @@ async fn gateway_with(backend: &Proc, affinity: &str) -> Proc {
 
 #[tokio::test]
 async fn front_threads_run_on_one_cpu_each_when_pinned() {
-    let own = allowed_lists(std::process::id(), "");
-    if own.iter().all(|l| single(l)) {
-        eprintln!("skipped: this process may use one CPU only ({own:?})");
+    if several_cpus().is_none() {
         return;
     }
     let backend = sim(FAST_SIM);
@@ -97,13 +106,11 @@ impl Drop for Hogs {
 
 #[tokio::test]
 async fn a_pinned_front_thread_steps_aside_while_another_program_keeps_its_cpu_busy() {
-    let own = allowed_lists(std::process::id(), "");
-    if own.iter().all(|l| single(l)) {
-        eprintln!("skipped: this process may use one CPU only ({own:?})");
+    let Some(own) = several_cpus() else {
         return;
-    }
+    };
     // `auto` pins when there is one front thread per CPU the process may use.
-    let cpus = cpus_in(&own[0]);
+    let cpus = cpus_in(&own);
     let backend = sim(FAST_SIM);
     let gw = gateway(
         &[&backend],
