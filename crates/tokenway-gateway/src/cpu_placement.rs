@@ -173,7 +173,7 @@ impl PlacementMetrics {
         );
         registry.register(
             "front_thread_unpins",
-            "Times a pinned front thread was unpinned because another task or the hypervisor kept its CPU busy",
+            "Times a pinned front thread was unpinned because it waited for its CPU, busy with other tasks, a tenth of the time or more",
             m.unpins.clone(),
         );
         m
