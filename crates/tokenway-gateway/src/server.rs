@@ -38,6 +38,18 @@ const DRAIN: Duration = Duration::from_secs(5);
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// First read of a cleartext connection: the request head (or preface) and a small body.
 const FIRST_READ_BYTES: usize = 8 * 1024;
+/// Pins the calling runtime's one worker thread to `cpu`, from a task (which runs on that
+/// worker), and records it for `cpu_placement::watch`. Not from `on_thread_start`: that runs for
+/// the runtime's blocking threads too (a connect to a host name resolves it on one), which come
+/// and go.
+fn pin_worker(cpu: usize, pinned: Arc<PinnedThreads>) {
+    tokio::spawn(async move {
+        if cpu_affinity::pin_current_thread(cpu) {
+            pinned.add_current(cpu);
+        }
+    });
+}
+
 /// Period of the timer every front thread keeps armed (see [`keep_timer_armed`]).
 const TIMER_KEEPER: Duration = Duration::from_millis(500);
 
@@ -206,12 +218,7 @@ impl BoundGateway {
         let mut extra = fronts.spawn_threads(&listeners, &cpus);
         // This runtime's worker is front thread 0.
         if let Some(&cpu) = cpus.first() {
-            let pinned = fronts.pinned.clone();
-            tokio::spawn(async move {
-                if cpu_affinity::pin_current_thread(cpu) {
-                    pinned.add_current(cpu);
-                }
-            });
+            pin_worker(cpu, fronts.pinned.clone());
         }
         self.shared.placement_metrics.set_pinned(cpus.len());
         if config.front_cpu_affinity == cpu_affinity::Affinity::Auto && !cpus.is_empty() {
@@ -348,18 +355,12 @@ impl FrontThreads {
         stopped: tokio::sync::oneshot::Sender<()>,
         mut exit: watch::Receiver<bool>,
     ) {
-        let pinned = self.pinned.clone();
         // One worker, like the main runtime (see `main.rs`): tasks of a request stay on it.
         let runtime = match tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name(format!("tokenway-front-{index}"))
             .on_thread_start(move || {
                 crate::upstream_h1::set_front_thread(index);
-                if let Some(cpu) = cpu {
-                    if cpu_affinity::pin_current_thread(cpu) {
-                        pinned.add_current(cpu);
-                    }
-                }
             })
             .enable_all()
             .build()
@@ -371,6 +372,9 @@ impl FrontThreads {
             }
         };
         runtime.block_on(async move {
+            if let Some(cpu) = cpu {
+                pin_worker(cpu, self.pinned.clone());
+            }
             tokio::spawn(keep_timer_armed(self.stop.clone()));
             let mut loops = Vec::new();
             for (l, tls) in listeners {
