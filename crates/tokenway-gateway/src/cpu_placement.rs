@@ -4,17 +4,17 @@
 //! Pinning keeps a front thread's caches warm ([`crate::cpu_affinity`]), but a pinned thread
 //! cannot move: when another program runs on its CPU in bursts of milliseconds, every request
 //! that wakes the thread waits until the CPU is free again, while an unpinned thread would have
-//! been woken on another one. With a
-//! neighbour busy 5 ms out of every 10, the single stream's added p99 was ~0.4 ms higher pinned
-//! than unpinned, with 20 ms bursts ~0.75 ms (docs/benchmarks.md, "Pinned threads and a busy
-//! neighbour").
+//! been woken on another one. With a neighbour busy 5 ms out of every 10, the single stream's
+//! added p99 was ~0.4 ms higher pinned than unpinned, with 20 ms bursts ~0.75 ms
+//! (docs/benchmarks.md, "Pinned threads and a busy neighbour").
 //!
 //! So once a second the gateway reads, for every pinned front thread, how long it was ready to
 //! run but had to wait for its CPU (`/proc/self/task/TID/schedstat`). When that is a tenth of the
 //! time or more, the thread is unpinned and the scheduler places it. It is pinned again after a
 //! back-off: 1 min, doubled each time it has to step aside again (at most 15 min), and back to
-//! 1 min once it has stayed pinned and calm for 5 min. The gateway's own load does not unpin a thread: its
-//! threads each have their own CPU, so only another program's work makes one wait.
+//! 1 min once it has stayed pinned and calm for 5 min. The gateway's own load does not unpin a
+//! thread: its threads each have their own CPU, so only other programs' work (or the kernel's)
+//! makes one wait.
 //!
 //! Time the hypervisor steals from the CPU is not counted: with it, the threads were unpinned in
 //! noisy minutes on a VM, and the single stream got slower, not faster (docs/benchmarks.md).
@@ -32,8 +32,8 @@ use tokenway_telemetry::{Counter, Gauge, Registry};
 /// How often the pinned threads are looked at.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 /// Share of the time a pinned thread may spend waiting for its CPU (on its run queue, while
-/// another task runs there) before it is unpinned. The bench's own neighbours (its load generator, the sim) cost a pinned
-/// thread ~3 %; a neighbour busy half the time, ~30 %.
+/// another task runs there) before it is unpinned. The bench's own neighbours (its load
+/// generator, the sim) cost a pinned thread ~3 %; a neighbour busy half the time, ~30 %.
 pub const UNPIN_SHARE: f64 = 0.10;
 /// First back-off before an unpinned thread is pinned again. Long, because the two mistakes
 /// cost differently: a thread left unpinned on a CPU that is free again costs the single stream
