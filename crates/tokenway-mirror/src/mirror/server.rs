@@ -60,30 +60,57 @@ pub async fn serve(
     Ok(())
 }
 
-/// Query parameter `name`, percent-decoded.
-pub fn query_param(query: Option<&str>, name: &str) -> Option<String> {
-    query?.split('&').find_map(|kv| {
-        let (k, v) = kv.split_once('=')?;
-        (k == name).then(|| percent_decode(v))
-    })
+/// Query parameter `name`, percent-decoded; a malformed escape or a value that does not
+/// decode to UTF-8 is a 400 (never a panic: the request target may hold raw UTF-8 bytes).
+pub fn query_param(query: Option<&str>, name: &str) -> Result<Option<String>, ServeError> {
+    let Some(query) = query else {
+        return Ok(None);
+    };
+    for kv in query.split('&') {
+        if let Some((k, v)) = kv.split_once('=') {
+            if k == name {
+                return percent_decode(v).map(Some).ok_or_else(|| {
+                    ServeError::bad_request(format!(
+                        "query parameter {name}: {v:?} is not valid percent-encoded UTF-8"
+                    ))
+                });
+            }
+        }
+    }
+    Ok(None)
 }
 
-fn percent_decode(s: &str) -> String {
+/// Decodes `%XX` escapes and `+` on bytes; `None` for a `%` not followed by two hex digits
+/// or a result that is not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'%' && i + 2 < b.len() {
-            if let Ok(v) = u8::from_str_radix(&s[i + 1..i + 3], 16) {
-                out.push(v);
+        match b[i] {
+            b'%' => {
+                let hi = hex_digit(*b.get(i + 1)?)?;
+                let lo = hex_digit(*b.get(i + 2)?)?;
+                out.push(hi << 4 | lo);
                 i += 3;
-                continue;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
             }
         }
-        out.push(if b[i] == b'+' { b' ' } else { b[i] });
-        i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    String::from_utf8(out).ok()
+}
+
+fn hex_digit(c: u8) -> Option<u8> {
+    char::from(c)
+        .to_digit(16)
+        .and_then(|d| u8::try_from(d).ok())
 }
 
 fn json_response(status: StatusCode, value: &impl serde::Serialize) -> Response<Body> {
@@ -223,8 +250,10 @@ async fn blob_entry(
     hash: &Blake3Hash,
     query: Option<&str>,
 ) -> Result<Arc<FileEntry>, ServeError> {
-    if let (Some(model), Some(rev)) = (query_param(query, "model"), query_param(query, "revision"))
-    {
+    if let (Some(model), Some(rev)) = (
+        query_param(query, "model")?,
+        query_param(query, "revision")?,
+    ) {
         validate_model_name("model", &model).map_err(|e| ServeError::bad_request(e.to_string()))?;
         validate_name("revision", &rev).map_err(|e| ServeError::bad_request(e.to_string()))?;
         let manifest = m
@@ -342,14 +371,14 @@ fn announce(m: &Arc<Mirror>, a: Announce) -> Result<Response<Body>, ServeError> 
 
 fn holders(m: &Arc<Mirror>, query: Option<&str>) -> Result<Response<Body>, ServeError> {
     let blob =
-        query_param(query, "blob").ok_or_else(|| ServeError::bad_request("missing ?blob=HASH"))?;
+        query_param(query, "blob")?.ok_or_else(|| ServeError::bad_request("missing ?blob=HASH"))?;
     let blob =
         Blake3Hash::from_hex(&blob).map_err(|e| ServeError::bad_request(format!("blob: {e}")))?;
-    let piece: u64 = query_param(query, "piece")
+    let piece: u64 = query_param(query, "piece")?
         .ok_or_else(|| ServeError::bad_request("missing &piece=INDEX"))?
         .parse()
         .map_err(|_| ServeError::bad_request("piece must be an integer"))?;
-    let region = query_param(query, "region").unwrap_or_default();
+    let region = query_param(query, "region")?.unwrap_or_default();
     let dir = m
         .peers
         .lock()
@@ -372,10 +401,29 @@ mod tests {
 
     #[test]
     fn query_params_are_found_and_decoded() {
-        let q = Some("model=org%2Ftiny&revision=r1&x");
-        assert_eq!(query_param(q, "model").as_deref(), Some("org/tiny"));
-        assert_eq!(query_param(q, "revision").as_deref(), Some("r1"));
-        assert_eq!(query_param(q, "nope"), None);
-        assert_eq!(percent_decode("a%2"), "a%2");
+        let q = Some("model=org%2Ftiny&revision=r1&x&r=a+b%C3%A9");
+        assert_eq!(
+            query_param(q, "model").unwrap().as_deref(),
+            Some("org/tiny")
+        );
+        assert_eq!(query_param(q, "revision").unwrap().as_deref(), Some("r1"));
+        assert_eq!(query_param(q, "r").unwrap().as_deref(), Some("a bé"));
+        assert_eq!(query_param(q, "nope").unwrap(), None);
+        assert_eq!(query_param(None, "model").unwrap(), None);
+    }
+
+    #[test]
+    fn percent_then_non_ascii_in_query_is_a_400_not_a_panic() {
+        for q in [
+            "model=%aé&revision=r1",
+            "model=%é",
+            "model=a%2",
+            "model=%",
+            "model=%ff",
+        ] {
+            let e = query_param(Some(q), "model").unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{q}");
+            assert!(e.message.contains("model"), "{}", e.message);
+        }
     }
 }
