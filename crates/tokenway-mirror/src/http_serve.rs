@@ -4,6 +4,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +18,11 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use crate::range_server::Body;
+
+/// The address a request's connection came from, put in every request's extensions (the
+/// mirror files a peer that announces an unspecified address such as `0.0.0.0:PORT` under it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteAddr(pub SocketAddr);
 
 /// Longest a TLS handshake may take before the connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -41,7 +47,7 @@ pub async fn serve<H, Fut>(
     let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
     tokio::pin!(shutdown);
     loop {
-        let (stream, _) = tokio::select! {
+        let (stream, remote) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(c) => c,
                 Err(e) => {
@@ -58,7 +64,8 @@ pub async fn serve<H, Fut>(
         };
         let _ = stream.set_nodelay(true);
         let handler = handler.clone();
-        let svc = service_fn(move |req| {
+        let svc = service_fn(move |mut req: Request<Incoming>| {
+            req.extensions_mut().insert(RemoteAddr(remote));
             let response = handler(req);
             async move { Ok::<_, Infallible>(response.await) }
         });

@@ -309,7 +309,14 @@ impl SourceSet {
         let mut peers = lock(&self.peers);
         let mut next = HashMap::new();
         for v in views.into_iter().take(MAX_PEERS) {
-            if self.own_addr.as_deref() == Some(v.addr.as_str()) {
+            // An unspecified address (from a mirror that does not replace it by the peer's
+            // source address) would dial this host, not the peer: it is skipped, and is never
+            // taken for this node's own address either.
+            let unspecified = v
+                .addr
+                .parse::<std::net::SocketAddr>()
+                .is_ok_and(|a| a.ip().is_unspecified());
+            if unspecified || self.own_addr.as_deref() == Some(v.addr.as_str()) {
                 continue;
             }
             let Ok(base) = base_url(&format!("http://{}", v.addr)) else {
@@ -498,5 +505,26 @@ mod tests {
             names(&s.candidates(&h, 0, &[]))[0],
             "mirror http://127.0.0.1:2"
         );
+    }
+
+    #[test]
+    fn a_peer_with_an_unspecified_address_is_skipped_and_not_taken_for_this_node() {
+        let mut s = set();
+        s.own_addr = Some("0.0.0.0:8701".into());
+        let h = Blake3Hash::of(b"blob");
+        let view = |addr: &str| PeerView {
+            id: addr.into(),
+            addr: addr.into(),
+            have: [(h, PieceBits::full(4).to_wire())].into_iter().collect(),
+            taking: HashMap::new(),
+        };
+        s.set_peers(vec![
+            view("0.0.0.0:8702"),
+            view("[::]:8703"),
+            view("10.0.0.2:8701"),
+        ]);
+        let c = s.candidates(&h, 0, &[]);
+        assert_eq!(names(&c)[0], "peer http://10.0.0.2:8701");
+        assert_eq!(c.len(), 4);
     }
 }

@@ -10,6 +10,7 @@
 //! and a peer that stops announcing is forgotten after `ttl`.
 
 use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -119,9 +120,18 @@ impl PeerDirectory {
         self.peers.is_empty()
     }
 
-    /// Records an announcement; returns the reply and the increase of the peer's
-    /// bytes-from-peers counter. The error says what is wrong with the announcement.
-    pub fn announce(&mut self, a: Announce, now: Instant) -> Result<(AnnounceReply, u64), String> {
+    /// Records an announcement that came from `source`; returns the reply and the increase of
+    /// the peer's bytes-from-peers counter. The error says what is wrong with the announcement.
+    ///
+    /// A peer listening on every interface (`--serve 0.0.0.0:8701`) announces an unspecified
+    /// address, which would lead every other node to itself: it is filed under the address the
+    /// announcement came from, with the announced port.
+    pub fn announce(
+        &mut self,
+        a: Announce,
+        source: Option<IpAddr>,
+        now: Instant,
+    ) -> Result<(AnnounceReply, u64), String> {
         if a.id.is_empty() || a.id.len() > MAX_ID_LEN {
             return Err(format!("id must be 1 to {MAX_ID_LEN} bytes"));
         }
@@ -130,11 +140,10 @@ impl PeerDirectory {
                 "at most {MAX_BLOBS} blobs in have, in taking and in want"
             ));
         }
-        if let Some(addr) = &a.addr {
-            if addr.parse::<std::net::SocketAddr>().is_err() {
-                return Err(format!("addr {addr:?} is not host:port"));
-            }
-        }
+        let addr = match &a.addr {
+            None => None,
+            Some(addr) => Some(reachable_addr(addr, source)?),
+        };
         let mut have = HashMap::with_capacity(a.have.len());
         for (h, w) in &a.have {
             have.insert(
@@ -164,7 +173,7 @@ impl PeerDirectory {
             a.id.clone(),
             Peer {
                 region: region.clone(),
-                addr: a.addr.clone(),
+                addr,
                 have,
                 taking,
                 bytes_from_peers: a.bytes_from_peers.max(prev),
@@ -229,6 +238,26 @@ impl PeerDirectory {
     }
 }
 
+/// `addr` as other peers should dial it: an unspecified IP (`0.0.0.0`, `::`) is replaced by
+/// `source` (the announcement's source IP), keeping the port.
+fn reachable_addr(addr: &str, source: Option<IpAddr>) -> Result<String, String> {
+    let mut parsed: SocketAddr = addr
+        .parse()
+        .map_err(|_| format!("addr {addr:?} is not IP:port"))?;
+    if parsed.port() == 0 {
+        return Err(format!("addr {addr:?} has port 0"));
+    }
+    if parsed.ip().is_unspecified() {
+        let Some(ip) = source else {
+            return Err(format!(
+                "addr {addr:?} is unspecified and the announcement's source address is unknown"
+            ));
+        };
+        parsed.set_ip(ip.to_canonical());
+    }
+    Ok(parsed.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,12 +286,16 @@ mod tests {
         let mut d = PeerDirectory::new("eu", 8, Duration::from_secs(10));
         let mut bits = PieceBits::empty(4);
         bits.set(2);
-        d.announce(ann("a", "", Some("127.0.0.1:1"), &[(h, bits.clone())]), now)
-            .unwrap();
-        d.announce(ann("b", "us", Some("127.0.0.1:2"), &[(h, bits)]), now)
+        d.announce(
+            ann("a", "", Some("127.0.0.1:1"), &[(h, bits.clone())]),
+            None,
+            now,
+        )
+        .unwrap();
+        d.announce(ann("b", "us", Some("127.0.0.1:2"), &[(h, bits)]), None, now)
             .unwrap();
         let (reply, _) = d
-            .announce(ann("c", "eu", None, &[(h, PieceBits::empty(4))]), now)
+            .announce(ann("c", "eu", None, &[(h, PieceBits::empty(4))]), None, now)
             .unwrap();
         assert_eq!(reply.peers.len(), 1);
         assert_eq!(reply.peers[0].addr, "127.0.0.1:1");
@@ -283,9 +316,9 @@ mod tests {
         taking.set(3);
         let mut a = ann("a", "", Some("127.0.0.1:1"), &[(h, PieceBits::empty(4))]);
         a.taking.insert(h, taking.to_wire());
-        d.announce(a, now).unwrap();
+        d.announce(a, None, now).unwrap();
         let (reply, _) = d
-            .announce(ann("b", "", None, &[(h, PieceBits::empty(4))]), now)
+            .announce(ann("b", "", None, &[(h, PieceBits::empty(4))]), None, now)
             .unwrap();
         assert_eq!(reply.peers.len(), 1);
         assert!(reply.peers[0].have.is_empty());
@@ -299,15 +332,15 @@ mod tests {
         let mut d = PeerDirectory::new("eu", 1, Duration::from_secs(10));
         let mut a = ann("a", "", None, &[]);
         a.bytes_from_peers = 100;
-        assert_eq!(d.announce(a.clone(), now).unwrap().1, 100);
+        assert_eq!(d.announce(a.clone(), None, now).unwrap().1, 100);
         a.bytes_from_peers = 150;
-        assert_eq!(d.announce(a, now).unwrap().1, 50);
+        assert_eq!(d.announce(a, None, now).unwrap().1, 50);
         assert!(d
-            .announce(ann("b", "", None, &[]), now)
+            .announce(ann("b", "", None, &[]), None, now)
             .unwrap_err()
             .contains("full"));
         let bad = ann("c", "", Some("not an address"), &[]);
-        assert!(d.announce(bad, now).is_err());
+        assert!(d.announce(bad, None, now).is_err());
     }
 
     #[test]
@@ -324,13 +357,43 @@ mod tests {
                     Some(&addr),
                     &[(h, PieceBits::full(2))],
                 ),
+                None,
                 now,
             )
             .unwrap();
         }
         let (reply, _) = d
-            .announce(ann("me", "", None, &[(h, PieceBits::empty(2))]), now)
+            .announce(ann("me", "", None, &[(h, PieceBits::empty(2))]), None, now)
             .unwrap();
         assert_eq!(reply.peers.len(), MAX_REPLY_PEERS);
+    }
+
+    #[test]
+    fn a_peer_announcing_an_unspecified_address_is_filed_under_its_source_ip() {
+        let h = Blake3Hash::of(b"blob");
+        let now = Instant::now();
+        let mut d = PeerDirectory::new("eu", 8, Duration::from_secs(10));
+        let src: IpAddr = "10.1.2.3".parse().unwrap();
+        let a = ann("a", "", Some("0.0.0.0:8701"), &[(h, PieceBits::full(2))]);
+        d.announce(a, Some(src), now).unwrap();
+        let v6 = ann("b", "", Some("[::]:8702"), &[(h, PieceBits::full(2))]);
+        let mapped: IpAddr = "::ffff:10.1.2.4".parse().unwrap();
+        d.announce(v6, Some(mapped), now).unwrap();
+        // A specified address is kept as announced.
+        let c = ann("c", "", Some("10.9.9.9:8703"), &[(h, PieceBits::full(2))]);
+        d.announce(c, Some(src), now).unwrap();
+        assert_eq!(
+            d.holders("eu", &h, 0, now),
+            ["10.1.2.3:8701", "10.1.2.4:8702", "10.9.9.9:8703"]
+        );
+        let (reply, _) = d
+            .announce(ann("me", "", None, &[(h, PieceBits::empty(2))]), None, now)
+            .unwrap();
+        assert!(reply.peers.iter().all(|p| !p.addr.starts_with("0.0.0.0")));
+        let unknown = ann("d", "", Some("0.0.0.0:8704"), &[]);
+        assert!(d
+            .announce(unknown, None, now)
+            .unwrap_err()
+            .contains("unspecified"));
     }
 }

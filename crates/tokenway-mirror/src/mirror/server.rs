@@ -162,10 +162,16 @@ async fn route(m: Arc<Mirror>, req: Request<Incoming>) -> Response<Body> {
                 .map(|r| json_response(StatusCode::OK, &r)),
             Err(e) => Err(e),
         },
-        (Method::POST, "/v1/peers/announce") => match read_json::<Announce>(req).await {
-            Ok(a) => announce(&m, a),
-            Err(e) => Err(e),
-        },
+        (Method::POST, "/v1/peers/announce") => {
+            let source = req
+                .extensions()
+                .get::<crate::http_serve::RemoteAddr>()
+                .map(|r| r.0.ip());
+            match read_json::<Announce>(req).await {
+                Ok(a) => announce(&m, a, source),
+                Err(e) => Err(e),
+            }
+        }
         (Method::GET, "/v1/peers") => holders(&m, req.uri().query()),
         (Method::GET | Method::HEAD, p) if p.starts_with("/v1/blobs/") => {
             return blob(m, &req).await;
@@ -354,13 +360,17 @@ async fn outboard(
     Ok(r)
 }
 
-fn announce(m: &Arc<Mirror>, a: Announce) -> Result<Response<Body>, ServeError> {
+fn announce(
+    m: &Arc<Mirror>,
+    a: Announce,
+    source: Option<std::net::IpAddr>,
+) -> Result<Response<Body>, ServeError> {
     let mut dir = m
         .peers
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let (reply, delta) = dir
-        .announce(a, Instant::now())
+        .announce(a, source, Instant::now())
         .map_err(|e| ServeError::bad_request(format!("announcement refused: {e}")))?;
     m.metrics.bytes_from_peers.inc_by(delta);
     m.metrics

@@ -563,6 +563,57 @@ async fn a_peer_announces_to_every_mirror_it_lists_and_is_found_through_either()
     assert!(field(&err, "bytes_from_peers") > 0, "{err}");
 }
 
+/// A peer serving on every interface (`--serve 0.0.0.0:0`, the documented setup) is handed out
+/// under the address its announcements came from, with its port: never as `0.0.0.0`, which
+/// would lead every other node to itself.
+#[tokio::test]
+async fn a_peer_serving_on_every_interface_is_handed_out_under_its_source_address() {
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let tmp = TempDir::new("w-any");
+    let m = start_mirror(&fx.origin_url(), &tmp.0.join("c"), &[]);
+    let peer = Pull::start(&[
+        fx.small.name,
+        "--mirror",
+        &m.url(),
+        "--out",
+        &s(&tmp.0.join("p1")),
+        "--serve",
+        "0.0.0.0:0",
+    ]);
+    let addr = peer
+        .serving
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the peer prints its address");
+    assert!(addr.ip().is_unspecified(), "{addr}");
+    peer.wait_for("pull complete", Duration::from_secs(60))
+        .await;
+    let manifest = get(&format!(
+        "{}/v1/models/{}/tags/latest",
+        m.url(),
+        fx.small.name
+    ))
+    .await;
+    let manifest: serde_json::Value = serde_json::from_str(&manifest.body).expect("JSON");
+    let hash = manifest["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .find(|f| f["size"].as_u64() > Some(0))
+        .and_then(|f| f["hash"].as_str())
+        .expect("a non-empty file");
+    let peers = get(&format!("{}/v1/peers?blob={hash}&piece=0", m.url())).await;
+    assert_eq!(peers.status, 200, "{}", peers.body);
+    assert!(
+        peers
+            .body
+            .contains(&format!("\"127.0.0.1:{}\"", addr.port())),
+        "{}",
+        peers.body
+    );
+    assert!(!peers.body.contains("0.0.0.0"), "{}", peers.body);
+}
+
 #[tokio::test]
 async fn a_straggling_piece_is_hedged_to_another_source() {
     let _turn = crate::harness::HEAVY.lock().await;
