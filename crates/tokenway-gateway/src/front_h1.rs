@@ -36,7 +36,7 @@ use tokio::time::{Instant, Sleep};
 use crate::drain::Graceful;
 use crate::error::{ApiError, ResponseBody};
 use crate::forward_tcp::SpliceSlot;
-use crate::h1_head::{has_token, HeaderSpans, MAX_HEADERS};
+use crate::h1_head::{has_token, parse_digits, HeaderSpans, MAX_HEADERS};
 use crate::service;
 use crate::state::Shared;
 
@@ -185,6 +185,9 @@ where
             let version = head.parts.version;
             let keep_alive = head.keep_alive;
             let method = head.parts.method.clone();
+            if let Err(e) = service::refuse_before_body(&self.shared, &head.parts) {
+                return self.end(End::Reject(e), version).await;
+            }
             let body = match self.read_body(&head).await {
                 Ok(body) => body,
                 Err(end) => return self.end(end, version).await,
@@ -226,19 +229,19 @@ where
     /// client closed it, stayed idle past `timeouts.client_read_ms`, or the gateway drains).
     async fn read_head(&mut self) -> Result<Option<Head>, End> {
         let deadline = Instant::now() + self.shared.config.timeouts.client_read();
+        // Bytes already parsed as an incomplete head: a head sent a byte at a time is parsed
+        // again only once an empty line may have ended it, not once per read (which made the
+        // parsing quadratic in the head's length).
+        let mut parsed = 0;
         loop {
-            if !self.buf.is_empty() {
+            if !self.buf.is_empty() && (parsed == 0 || may_end_head(&self.buf, parsed)) {
                 if let Some(head) = parse_request(&mut self.buf)? {
                     return Ok(Some(head));
                 }
-                if self.buf.len() > MAX_HEAD_BYTES {
-                    return Err(End::Reject(ApiError::new(
-                        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                        "invalid_request_error",
-                        "request_head_too_large",
-                        format!("the request head exceeds {MAX_HEAD_BYTES} bytes"),
-                    )));
-                }
+                parsed = self.buf.len();
+            }
+            if self.buf.len() > MAX_HEAD_BYTES {
+                return Err(head_too_large());
             }
             let idle = self.buf.is_empty();
             match self.read(deadline, idle).await {
@@ -307,7 +310,8 @@ where
         self.io
             .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
             .await
-            .map_err(|_| End::Gone)
+            .map_err(|_| End::Gone)?;
+        self.io.flush().await.map_err(|_| End::Gone)
     }
 
     /// One read for a body still `missing` bytes short.
@@ -518,7 +522,11 @@ where
         self.out.clear();
         self.data = Bytes::new();
         self.after.clear();
-        r.map_err(|_| ())
+        r.map_err(|_| ())?;
+        // A TLS stream takes plaintext as written once its library holds it; the records may still
+        // wait there for socket space, and a read never sends them. Without this a large answer's
+        // end stayed behind until the idle timeout closed the connection. On TCP it is a no-op.
+        self.io.flush().await.map_err(|_| ())
     }
 
     /// Sends the error answer of `end` (if any) and closes, draining what the client still
@@ -566,6 +574,24 @@ fn reserve_read_space(buf: &mut BytesMut) {
     }
 }
 
+/// Whether a line feed at `from` or later ends an empty line (`\n\n` or `\n\r\n`), which a
+/// head ends with.
+fn may_end_head(buf: &[u8], from: usize) -> bool {
+    (from.max(1)..buf.len()).any(|at| {
+        buf[at] == b'\n'
+            && (buf[at - 1] == b'\n' || (at >= 2 && buf[at - 1] == b'\r' && buf[at - 2] == b'\n'))
+    })
+}
+
+fn head_too_large() -> End {
+    End::Reject(ApiError::new(
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        "invalid_request_error",
+        "request_head_too_large",
+        format!("the request head exceeds {MAX_HEAD_BYTES} bytes"),
+    ))
+}
+
 fn bad_request(message: String) -> End {
     End::Reject(ApiError::new(
         StatusCode::BAD_REQUEST,
@@ -608,6 +634,9 @@ fn parse_request(buf: &mut BytesMut) -> Result<Option<Head>, End> {
     } else {
         Version::HTTP_11
     };
+    if consumed > MAX_HEAD_BYTES {
+        return Err(head_too_large());
+    }
     let path_at = path.as_ptr() as usize - buf.as_ptr() as usize;
     let path_len = path.len();
     let spans = HeaderSpans::new(buf.as_ptr(), req.headers);
@@ -661,9 +690,7 @@ fn request_body(headers: &HeaderMap, version: Version) -> Result<RequestBody, En
     }
     let mut length = None;
     for v in headers.get_all(header::CONTENT_LENGTH) {
-        let n = std::str::from_utf8(v.as_bytes())
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok())
+        let n = parse_digits(v.as_bytes().trim_ascii())
             .ok_or_else(|| bad_request("bad content-length".to_string()))?;
         if length.is_some_and(|l| l != n) {
             return Err(bad_request("conflicting content-length values".to_string()));
@@ -865,9 +892,16 @@ impl ChunkedBody {
                         continue;
                     }
                     let size = line.split(|&b| b == b';').next().unwrap_or_default();
-                    let size = std::str::from_utf8(size.trim_ascii())
+                    // Hex digits only (RFC 9112 §7.1: `1*HEXDIG`), then optional whitespace
+                    // before an extension; a sign or leading space is not a size.
+                    let size = size.trim_ascii_end();
+                    let size = std::str::from_utf8(size)
                         .ok()
-                        .filter(|s| !s.is_empty() && s.len() <= 15)
+                        .filter(|s| {
+                            !s.is_empty()
+                                && s.len() <= 15
+                                && s.bytes().all(|b| b.is_ascii_hexdigit())
+                        })
                         .and_then(|s| usize::from_str_radix(s, 16).ok())
                         .ok_or(ChunkError::Malformed("bad chunk size"))?;
                     if size == 0 {
@@ -1046,6 +1080,17 @@ mod tests {
             501
         );
         assert_eq!(status(b"POST / HTTP/1.1\r\ncontent-length: x\r\n\r\n"), 400);
+        // `1*DIGIT`: a sign is not a length (a proxy in front may read it otherwise).
+        assert_eq!(
+            status(b"POST / HTTP/1.1\r\ncontent-length: +3\r\n\r\n"),
+            400
+        );
+        // A head over the limit is refused even when it arrived whole in one read.
+        let big = format!(
+            "GET / HTTP/1.1\r\nx: {}\r\n\r\n",
+            "a".repeat(MAX_HEAD_BYTES)
+        );
+        assert_eq!(status(big.as_bytes()), 431);
         assert_eq!(status(b"\x16\x03\x01\x00\xffGARBAGE\r\n\r\n"), 400);
         let many: String = (0..200).map(|i| format!("h{i}: v\r\n")).collect();
         assert_eq!(
@@ -1118,6 +1163,139 @@ mod tests {
             large.len()
         );
         assert_eq!(body, want);
+    }
+
+    #[test]
+    fn a_signed_chunk_size_is_malformed() {
+        assert!(decode_in_steps(b"+5\r\nhello\r\n0\r\n\r\n", 64, 1024).is_err());
+        assert!(decode_in_steps(b" 5\r\nhello\r\n0\r\n\r\n", 64, 1024).is_err());
+        assert_eq!(
+            decode_in_steps(b"5 ;ext=1\r\nhello\r\n0\r\n\r\n", 64, 1024),
+            Ok(b"hello".to_vec())
+        );
+    }
+
+    #[test]
+    fn a_head_may_end_only_where_an_empty_line_does() {
+        let head = b"GET / HTTP/1.1\r\nhost: a\r\n\r\n";
+        for end in 0..head.len() {
+            let complete = end == head.len() - 1 || end == head.len();
+            assert_eq!(may_end_head(&head[..=end], 0), complete, "{end}");
+        }
+        assert!(may_end_head(b"GET / HTTP/1.1\nhost: a\n\n", 10));
+        assert!(!may_end_head(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n", 29));
+    }
+
+    /// A client without an API key gets its 401 from the head: no `100 Continue` invites its
+    /// body, and the body is not read.
+    #[tokio::test]
+    async fn a_request_without_its_key_is_refused_before_its_body() {
+        use tokio::io::AsyncReadExt;
+        let config = crate::config::GatewayConfig::from_toml_str(
+            "api_keys = [\"k1\"]\n[[backends]]\nurl = \"http://127.0.0.1:9\"\nmodels = [\"m\"]\n",
+        )
+        .expect("valid config");
+        let shared = Shared::new(config).expect("gateway state");
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let peer = SocketAddr::from(([127, 0, 0, 1], 40000));
+        let task = tokio::spawn(H1Connection::new(server, BytesMut::new(), peer, shared));
+        client
+            .write_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n\
+                  content-length: 30000000\r\n\r\n",
+            )
+            .await
+            .expect("write");
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(10), client.read(&mut buf))
+            .await
+            .expect("answered without the body")
+            .expect("read");
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        assert!(text.starts_with("HTTP/1.1 401 "), "{text}");
+        assert!(
+            text.contains("invalid_api_key") || text.contains("missing_api_key"),
+            "{text}"
+        );
+        task.abort();
+    }
+
+    /// A stream that, like a TLS stream, takes written bytes at once but sends them only when
+    /// flushed.
+    struct SendsOnFlush {
+        inner: tokio::io::DuplexStream,
+        held: Vec<u8>,
+    }
+
+    impl AsyncRead for SendsOnFlush {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.inner).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for SendsOnFlush {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            self.held.extend_from_slice(buf);
+            Poll::Ready(Ok(buf.len()))
+        }
+
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            let this = &mut *self;
+            while !this.held.is_empty() {
+                match Pin::new(&mut this.inner).poll_write(cx, &this.held) {
+                    Poll::Ready(Ok(n)) => drop(this.held.drain(..n)),
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            Pin::new(&mut this.inner).poll_flush(cx)
+        }
+
+        fn poll_shutdown(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.inner).poll_shutdown(cx)
+        }
+    }
+
+    /// Over TLS the answer's bytes wait in the TLS library until flushed; a keep-alive
+    /// connection that went back to reading after an answer once left its end there.
+    #[tokio::test]
+    async fn an_answer_is_flushed_through_a_stream_that_holds_writes() {
+        use tokio::io::AsyncReadExt;
+        let config = crate::config::GatewayConfig::from_toml_str(
+            "[[backends]]\nurl = \"http://127.0.0.1:9\"\nmodels = [\"m\"]\n",
+        )
+        .expect("valid config");
+        let shared = Shared::new(config).expect("gateway state");
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let io = SendsOnFlush {
+            inner: server,
+            held: Vec::new(),
+        };
+        let peer = SocketAddr::from(([127, 0, 0, 1], 40000));
+        let task = tokio::spawn(H1Connection::new(io, BytesMut::new(), peer, shared));
+        client
+            .write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(10), client.read(&mut buf))
+            .await
+            .expect("the answer was flushed while the connection waits for the next request")
+            .expect("read");
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        assert!(text.ends_with("\r\n\r\nok\n"), "{text}");
+        task.abort();
     }
 
     #[tokio::test]

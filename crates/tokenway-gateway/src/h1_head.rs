@@ -100,6 +100,28 @@ pub fn lists_token(value: &[u8], token: &str) -> bool {
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
 }
 
+/// Whether a `connection` header value names other headers (RFC 9110 §7.6.1): any option but
+/// `close` and `keep-alive`, which name none that are not hop-by-hop already.
+pub fn names_headers(value: &[u8]) -> bool {
+    value
+        .split(|&b| b == b',')
+        .map(<[u8]>::trim_ascii)
+        .any(|t| {
+            !t.is_empty()
+                && !t.eq_ignore_ascii_case(b"close")
+                && !t.eq_ignore_ascii_case(b"keep-alive")
+        })
+}
+
+/// Whether some `connection` header among `headers` lists `name`, which makes that header
+/// hop-by-hop for this connection only.
+pub fn named_by_connection<'h>(
+    mut connection_values: impl Iterator<Item = &'h [u8]>,
+    name: &str,
+) -> bool {
+    connection_values.any(|v| lists_token(v, name))
+}
+
 /// Whether `name` is a hop-by-hop header (RFC 9110 §7.6.1, plus the old `keep-alive` and
 /// `proxy-connection`): one a proxy answers itself and does not pass on.
 pub fn is_hop_by_hop(name: &str) -> bool {
@@ -115,4 +137,14 @@ pub fn is_hop_by_hop(name: &str) -> bool {
         "upgrade",
     ];
     HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
+}
+
+/// A decimal number of 1 to 19 ASCII digits (no sign, no spaces: RFC 9110's `1*DIGIT`).
+pub fn parse_digits(s: &[u8]) -> Option<u64> {
+    if s.is_empty() || s.len() > 19 || !s.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    s.iter().try_fold(0u64, |n, &d| {
+        n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+    })
 }

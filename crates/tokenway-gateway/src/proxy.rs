@@ -539,11 +539,29 @@ fn push_reason(out: &mut String, reason: &tokenway_router::RouteReason) {
 }
 
 pub(crate) fn copy_end_to_end_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    let named = names_headers(from);
     for (name, value) in from {
-        if !is_hop_by_hop(name) {
+        if !(is_hop_by_hop(name) || (named && named_by_connection(from, name))) {
             to.append(name.clone(), value.clone());
         }
     }
+}
+
+/// Whether a `connection` header of `headers` names other headers, which are then hop-by-hop
+/// for this connection too (RFC 9110 §7.6.1).
+fn names_headers(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .any(|v| crate::h1_head::names_headers(v.as_bytes()))
+}
+
+fn named_by_connection(headers: &HeaderMap, name: &HeaderName) -> bool {
+    let values = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .map(|v| v.as_bytes());
+    crate::h1_head::named_by_connection(values, name.as_str())
 }
 
 /// The headers sent to `upstream`: the client's end-to-end headers, with the client's credentials
@@ -553,8 +571,10 @@ fn upstream_headers<'a>(
     parts: &'a Parts,
 ) -> impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)> {
     static AUTHORIZATION: HeaderName = header::AUTHORIZATION;
-    let forwarded = parts.headers.iter().filter(|(name, _)| {
+    let named = names_headers(&parts.headers);
+    let forwarded = parts.headers.iter().filter(move |(name, _)| {
         !(is_hop_by_hop(name)
+            || (named && named_by_connection(&parts.headers, name))
             || name == &header::HOST
             || name == &header::AUTHORIZATION
             || name == &header::CONTENT_LENGTH

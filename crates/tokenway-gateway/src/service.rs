@@ -124,7 +124,7 @@ where
         (&Method::GET, "/admin/backends", _) => (status::backends_json(&shared), "/admin", None),
         (&Method::GET, "/status", _) => (status::page(&shared), "/status", None),
         (&Method::GET, "/v1/models", _) => {
-            let r = match authenticate(&shared, &req) {
+            let r = match authenticate(&shared, req.headers()) {
                 Ok(()) => models(&shared),
                 Err(e) => e.into_response(),
             };
@@ -179,7 +179,7 @@ where
     B::Data: Send,
     B::Error: std::error::Error + Send + Sync + 'static,
 {
-    authenticate(shared, &req)?;
+    authenticate(shared, req.headers())?;
     let (parts, body) = req.into_parts();
     let body = read_body(shared, &parts.headers, body).await?;
     let meta = RequestMeta::parse(&body)?;
@@ -306,14 +306,36 @@ fn route_request(
     Ok(r.with_client_region(region))
 }
 
+/// Refuses, from its head alone, a request to a proxied route without a valid API key. The
+/// HTTP/1.1 front asks before it reads a body, so that a client without a key is neither invited
+/// by `100 Continue` to send up to `max_body_bytes` nor has such a body held while it arrives
+/// (HTTP/2 and HTTP/3 check the key before reading the body as well, in [`proxy_route`]). A request
+/// with the tunnel's header and a wrong token is left to [`handle`], which shows the masquerade.
+pub fn refuse_before_body(shared: &Shared, parts: &http::request::Parts) -> Result<(), ApiError> {
+    let path = parts.uri.path();
+    let Some(route) = PROXIED.iter().copied().find(|r| *r == path) else {
+        return Ok(());
+    };
+    if parts.method != Method::POST {
+        return Ok(());
+    }
+    if let Some(tunnel) = &shared.tunnel {
+        if parts.headers.contains_key(AUTH_HEADER) && !tunnel.is_authenticated(&parts.headers) {
+            return Ok(());
+        }
+    }
+    authenticate(shared, &parts.headers).inspect_err(|e| {
+        shared.count_request(route, None, e.status.as_u16());
+    })
+}
+
 /// Checks the Bearer key when keys are configured.
-fn authenticate<B>(shared: &Shared, req: &Request<B>) -> Result<(), ApiError> {
+fn authenticate(shared: &Shared, headers: &http::HeaderMap) -> Result<(), ApiError> {
     let keys = &shared.config.api_keys;
     if keys.is_empty() {
         return Ok(());
     }
-    let presented = req
-        .headers()
+    let presented = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))

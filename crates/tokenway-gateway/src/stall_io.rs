@@ -95,6 +95,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StallGuard<T> {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
+        // Over TLS a shutdown first writes what is still queued and the close_notify alert, so
+        // it waits on a client that stopped reading like any write does.
+        let r = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.check(cx, r)
     }
 }

@@ -24,7 +24,10 @@ use tokio::net::TcpStream;
 
 #[cfg(test)]
 use crate::h1_head::INLINE_SPANS;
-use crate::h1_head::{is_hop_by_hop, lists_token, HeaderSpans, MAX_HEADERS};
+use crate::h1_head::{
+    is_hop_by_hop, lists_token, named_by_connection, names_headers, parse_digits, HeaderSpans,
+    MAX_HEADERS,
+};
 
 /// Largest response head accepted.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
@@ -272,15 +275,22 @@ impl H1Pool {
                     ))
                 });
             }
-            match parse_head(&mut buf).map_err(Exchange::Failed)? {
-                None if buf.len() > MAX_HEAD_BYTES => {
-                    return Err(Exchange::Failed(H1Error::Protocol(
-                        "response head too large".to_string(),
-                    )))
+            // A 1xx informational answer precedes the real one, which may have come in the same
+            // read: what is buffered is parsed again before the socket is read again.
+            let head = loop {
+                match parse_head(&mut buf).map_err(Exchange::Failed)? {
+                    None if buf.len() > MAX_HEAD_BYTES => {
+                        return Err(Exchange::Failed(H1Error::Protocol(
+                            "response head too large".to_string(),
+                        )))
+                    }
+                    None => break None,
+                    Some(head) if head.parts.status.is_informational() => continue,
+                    Some(head) => break Some(head),
                 }
+            };
+            match head {
                 None => continue,
-                // 1xx informational answers precede the real one.
-                Some(head) if head.parts.status.is_informational() => continue,
                 Some(head) => {
                     let framing = framing(parts, &head);
                     let reusable = head.parts.version == Version::HTTP_11 && !head.close;
@@ -475,31 +485,57 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ResponseHead>, H1Error> {
     } else {
         Version::HTTP_11
     };
-    let (mut chunked, mut close) = (false, false);
+    if consumed > MAX_HEAD_BYTES {
+        return Err(H1Error::Protocol("response head too large".to_string()));
+    }
+    let (mut chunked, mut close, mut named) = (false, false, false);
     let (mut content_length, mut content_type) = (None, None);
+    // More than one `content-length` field, or one with a list of values.
+    let mut length_fields = 0;
     for h in resp.headers.iter() {
         let name = h.name;
         if name.eq_ignore_ascii_case("transfer-encoding") {
             chunked |= lists_token(h.value, "chunked");
         } else if name.eq_ignore_ascii_case("connection") {
             close |= lists_token(h.value, "close");
+            named |= names_headers(h.value);
         } else if name.eq_ignore_ascii_case("content-length") {
-            content_length.get_or_insert(h.value);
+            length_fields += 1;
+            content_length = Some(merge_content_length(content_length, h.value)?);
+            if h.value.contains(&b',') {
+                length_fields += 1;
+            }
         } else if name.eq_ignore_ascii_case("content-type") {
             content_type.get_or_insert(h.value);
         }
     }
-    let content_length = content_length
-        .and_then(|v| std::str::from_utf8(v).ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
     let event_stream =
         content_type.is_some_and(|v| v.trim_ascii_start().starts_with(b"text/event-stream"));
-    let spans = HeaderSpans::new_kept(buf.as_ptr(), resp.headers, |h| !is_hop_by_hop(h.name));
+    // The client's side frames the answer by the `content-length` it is given: one that chunked
+    // framing overrides (RFC 9112 §6.3) or that came as a list is not passed on as it was.
+    let drop_length = chunked || length_fields > 1;
+    let connection = || {
+        resp.headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("connection"))
+            .map(|h| h.value)
+    };
+    let spans = HeaderSpans::new_kept(buf.as_ptr(), resp.headers, |h| {
+        !(is_hop_by_hop(h.name)
+            || (drop_length && h.name.eq_ignore_ascii_case("content-length"))
+            || (named && named_by_connection(connection(), h.name)))
+    });
     let head = buf.split_to(consumed).freeze();
     // Room for what the gateway adds to an answer (`x-tokenway-backend`, `server-timing`,
     // `alt-svc`): a map sized for the backend's headers alone grew, and rehashed, as they were
     // added.
-    let map = spans.into_map(&head, 3).map_err(H1Error::Protocol)?;
+    let mut map = spans.into_map(&head, 3).map_err(H1Error::Protocol)?;
+    let content_length = if chunked { None } else { content_length };
+    if drop_length {
+        if let Some(n) = content_length {
+            map.insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(n));
+        }
+    }
     let mut out = http::Response::new(());
     *out.status_mut() = status;
     *out.version_mut() = version;
@@ -511,6 +547,27 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ResponseHead>, H1Error> {
         content_length,
         close,
     }))
+}
+
+/// The length `value` (a `content-length` field: one number or a list of them) gives, merged
+/// with what earlier fields gave. Digits only; differing values are an error the backend made
+/// (RFC 9112 §6.3: a proxy must not pass such an answer on).
+fn merge_content_length(mut known: Option<u64>, value: &[u8]) -> Result<u64, H1Error> {
+    for item in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+        let n = parse_digits(item).ok_or_else(|| {
+            H1Error::Protocol(format!(
+                "invalid content-length {:?}",
+                String::from_utf8_lossy(value)
+            ))
+        })?;
+        if known.is_some_and(|k| k != n) {
+            return Err(H1Error::Protocol(
+                "conflicting content-length values".to_string(),
+            ));
+        }
+        known = Some(n);
+    }
+    known.ok_or_else(|| H1Error::Protocol("empty content-length".to_string()))
 }
 
 /// How the end of a response body is found (RFC 9112 §6.3).
@@ -1274,17 +1331,88 @@ mod tests {
                 ("content-type", "text/event-stream; charset=utf-8"),
                 ("x-request-id", "a"),
                 ("x-request-id", "b"),
-                ("content-length", "12"),
             ]
         );
         assert!(head.event_stream && head.chunked && head.close);
-        assert_eq!(head.content_length, Some(12));
+        // Chunked framing overrides the length, which is not passed on (RFC 9112 §6.3).
+        assert_eq!(head.content_length, None);
         let mut plain = BytesMut::from(
-            &b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: x\r\n\r\n"[..],
+            &b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 7\r\n\r\n"[..],
         );
         let head = parse_head(&mut plain).expect("valid").expect("complete");
         assert!(!head.event_stream && !head.chunked && !head.close);
-        assert_eq!(head.content_length, None);
+        assert_eq!(head.content_length, Some(7));
+        assert_eq!(head.parts.headers[http::header::CONTENT_LENGTH], "7");
+    }
+
+    #[test]
+    fn a_broken_or_conflicting_content_length_is_the_backends_error() {
+        for bad in ["x", "+5", "-1", "5, 6", "", "99999999999999999999"] {
+            let mut buf = BytesMut::from(
+                format!("HTTP/1.1 200 OK\r\ncontent-length: {bad}\r\n\r\nhello").as_str(),
+            );
+            assert!(parse_head(&mut buf).is_err(), "content-length {bad:?}");
+        }
+        let mut two = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 5\r\n\r\nhello"[..],
+        );
+        assert!(parse_head(&mut two).is_err());
+        // A list of one value, or the same value twice, is that value, passed on once.
+        let mut list = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\ncontent-length: 5\r\n\r\nhello"[..],
+        );
+        let head = parse_head(&mut list).expect("valid").expect("complete");
+        assert_eq!(head.content_length, Some(5));
+        let lengths: Vec<_> = head
+            .parts
+            .headers
+            .get_all(http::header::CONTENT_LENGTH)
+            .iter()
+            .collect();
+        assert_eq!(lengths, ["5"]);
+    }
+
+    #[test]
+    fn headers_that_connection_names_are_left_out() {
+        let mut buf = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\nconnection: X-Secret, keep-alive\r\nx-secret: leak\r\n\
+               x-kept: yes\r\ncontent-length: 0\r\n\r\n"[..],
+        );
+        let head = parse_head(&mut buf).expect("valid").expect("complete");
+        assert!(!head.parts.headers.contains_key("x-secret"));
+        assert_eq!(head.parts.headers["x-kept"], "yes");
+    }
+
+    /// A backend that writes an interim answer and its final answer in one write, then keeps
+    /// the connection open: the final answer must not wait for more bytes.
+    #[tokio::test]
+    async fn an_answer_read_with_an_interim_one_is_not_kept_waiting() {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let mut buf = vec![0u8; 4096];
+            let _ = s.read(&mut buf).await;
+            let _ = s
+                .write_all(
+                    b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n\
+                      HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+                )
+                .await;
+            // Held open until the test ends.
+            let _ = s.read(&mut buf).await;
+        });
+        let pool = H1Pool::new(Duration::from_secs(1), 1);
+        let authority: Arc<str> = addr.to_string().into();
+        let answered = tokio::time::timeout(Duration::from_secs(10), post_once(&pool, &authority));
+        answered
+            .await
+            .expect("the final answer came out of the bytes already read");
+        drop(pool);
+        server.abort();
     }
 
     #[test]
