@@ -1298,6 +1298,34 @@ mod tests {
         task.abort();
     }
 
+    /// Load balancers' health checks often use HEAD.
+    #[tokio::test]
+    async fn a_head_request_for_health_is_answered_without_a_body() {
+        use tokio::io::AsyncReadExt;
+        let drain = Arc::new(crate::drain::Drain::default());
+        let (task, mut client) = serve(&drain);
+        client
+            .write_all(
+                b"HEAD /health HTTP/1.1\r\nhost: x\r\n\r\nGET /health HTTP/1.1\r\nhost: x\r\n\r\n",
+            )
+            .await
+            .expect("write");
+        let mut wire = Vec::new();
+        while wire.windows(3).filter(|w| w == b"ok\n").count() < 1 {
+            let mut buf = vec![0u8; 4096];
+            let n = client.read(&mut buf).await.expect("read");
+            assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&wire));
+            wire.extend_from_slice(&buf[..n]);
+        }
+        let text = String::from_utf8_lossy(&wire).into_owned();
+        assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+        // The HEAD answer has no body: the next bytes are the GET's status line.
+        let second = text[4..].find("HTTP/1.1 200 OK\r\n").expect("two answers") + 4;
+        assert!(text[..second].ends_with("\r\n\r\n"), "{text}");
+        assert!(text.ends_with("\r\n\r\nok\n"), "{text}");
+        task.abort();
+    }
+
     #[tokio::test]
     async fn a_drain_closes_an_idle_keep_alive_connection_after_its_answer() {
         use tokio::io::AsyncReadExt;

@@ -112,7 +112,9 @@ where
     let path = req.uri().path();
     let route = PROXIED.iter().copied().find(|r| *r == path);
     let (response, route_label, backend) = match (req.method(), path, route) {
-        (&Method::GET, "/health", _) => (text(StatusCode::OK, "ok\n"), "/health", None),
+        (&Method::GET | &Method::HEAD, "/health", _) => {
+            (text(StatusCode::OK, "ok\n"), "/health", None)
+        }
         (&Method::GET, "/metrics", _) => {
             let mut r = Response::new(full(tokenway_telemetry::render(&shared.registry)));
             r.headers_mut().insert(
