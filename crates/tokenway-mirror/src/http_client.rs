@@ -145,7 +145,9 @@ pub fn base_url(url: &str) -> Result<String, String> {
 /// Why a request failed.
 #[derive(Debug)]
 pub enum HttpError {
-    /// No answer (connect, timeout, reset, cut body).
+    /// No connection could be made (refused, unreachable, connect timeout).
+    Connect(String),
+    /// No answer (timeout, reset, cut body).
     Transport(String),
     /// An error status, with the server's message.
     Status(StatusCode, String),
@@ -154,7 +156,7 @@ pub enum HttpError {
 impl std::fmt::Display for HttpError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Transport(m) => write!(f, "{m}"),
+            Self::Connect(m) | Self::Transport(m) => write!(f, "{m}"),
             Self::Status(s, m) => write!(f, "HTTP {}: {m}", s.as_u16()),
         }
     }
@@ -196,7 +198,14 @@ pub async fn send_watched(
                         timeouts.head
                     ))
                 })?
-                .map_err(|e| HttpError::Transport(format!("{uri}: {}", with_causes(&e))))?;
+                .map_err(|e| {
+                    let m = format!("{uri}: {}", with_causes(&e));
+                    if e.is_connect() {
+                        HttpError::Connect(m)
+                    } else {
+                        HttpError::Transport(m)
+                    }
+                })?;
         if let Some(h) = heard {
             h.store(true, Ordering::Relaxed);
         }

@@ -14,7 +14,10 @@
 //!
 //! Pieces come from a [`SourceSet`]: peers holding the piece, then mirrors by RTT, then the
 //! origin. A corrupt piece is discarded, its source penalised, and the piece refetched from
-//! the next source (up to `max_attempts` fetches). A piece much slower than recent ones
+//! the next source (up to `max_attempts` fetches from mirrors and the origin; peers are an
+//! extra: at most [`PEER_TRIES_PER_PIECE`] failed or corrupt peer fetches per piece, which
+//! never use up the mirrors' and the origin's attempts, and a peer that cannot be connected
+//! to is demoted at once, see [`SourceState::unreachable`]). A piece much slower than recent ones
 //! (see [`crate::straggler`]) is hedged: a second source is asked too and the first
 //! verified copy wins. With the origin as the only source a refetch only helps against
 //! corruption in transit; corruption at rest ends in an error naming the file and piece.
@@ -55,6 +58,9 @@ use crate::MirrorError;
 
 /// Directory under the output directory that holds unfinished blobs.
 pub const PARTIAL_DIR: &str = ".partial";
+/// Failed or corrupt peer fetches of one piece after which that piece is taken from mirrors
+/// and the origin only.
+pub const PEER_TRIES_PER_PIECE: u32 = 2;
 
 /// Progress callback: called after every completed piece and file.
 pub type ProgressFn = Arc<dyn Fn(&PullProgress) + Send + Sync>;
@@ -64,7 +70,8 @@ pub type ProgressFn = Arc<dyn Fn(&PullProgress) + Send + Sync>;
 pub struct PullOptions {
     /// Pieces fetched at once.
     pub parallel: usize,
-    /// Fetches of one piece before giving up (corrupt data or store errors).
+    /// Fetches of one piece from mirrors and the origin before giving up (corrupt data or
+    /// store errors); failed peer fetches do not count (see [`PEER_TRIES_PER_PIECE`]).
     pub max_attempts: u32,
     /// Stop (as if interrupted) once this many pieces have been written. For tests and for
     /// bounded work; the pull returns `complete: false` and can be resumed.
@@ -830,17 +837,30 @@ async fn fetch_piece(
     };
     let mut tried: Vec<String> = Vec::new();
     let mut last_err: Option<FetchError> = None;
+    // All fetches, and those from mirrors and the origin (the authoritative sources): peers
+    // (stale, gone, or fake: announcements may be unauthenticated) must not use up the
+    // attempts the authoritative sources get.
     let mut fetches = 0u32;
-    while fetches < ctx.attempts {
+    let mut authoritative = 0u32;
+    let mut peer_failures = 0u32;
+    while authoritative < ctx.attempts {
         if stop.is_set() {
             return out;
         }
-        let mut cands = ctx.sources.candidates(&entry.hash, piece, &tried);
+        let peers_left = peer_failures < PEER_TRIES_PER_PIECE;
+        let candidates = |tried: &[String]| {
+            let mut c = ctx.sources.candidates(&entry.hash, piece, tried);
+            if !peers_left {
+                c.retain(|s| s.kind() != SourceKind::Peer);
+            }
+            c
+        };
+        let mut cands = candidates(&tried);
         if cands.is_empty() {
             // Every source failed this piece once: go round again after a pause.
             tried.clear();
             tokio::time::sleep(Duration::from_millis(100)).await;
-            cands = ctx.sources.candidates(&entry.hash, piece, &tried);
+            cands = candidates(&tried);
         }
         let Some(primary) = cands.first() else { break };
         if fetches > 0 && ctx.only_origin {
@@ -851,6 +871,12 @@ async fn fetch_piece(
         let mut winner = None;
         for (src, f, d) in done {
             fetches += 1;
+            let is_peer = src.kind() == SourceKind::Peer;
+            if !is_peer {
+                authoritative += 1;
+            } else if !matches!(f, Fetched::Good(..)) {
+                peer_failures += 1;
+            }
             match f {
                 Fetched::Good(bytes, tree) => {
                     out.fetched += 1;
@@ -873,7 +899,11 @@ async fn fetch_piece(
                 }
                 Fetched::Failed(e) => {
                     out.errors += 1;
-                    src.failed();
+                    if matches!(e, FetchError::Unreachable(_)) {
+                        src.unreachable();
+                    } else {
+                        src.failed();
+                    }
                     tracing::debug!(source = %src.name, error = %e, "piece fetch failed");
                     if matches!(e, FetchError::NotFound(_)) && ctx.only_origin {
                         out.end = PieceEnd::Failed(MirrorError::NotFound {

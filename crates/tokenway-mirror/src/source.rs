@@ -54,14 +54,19 @@ pub enum FetchError {
     NotFound(String),
     /// The request was refused as invalid (400).
     BadRequest(String),
-    /// No usable answer (connect error, timeout, 5xx, short body).
+    /// No usable answer (timeout, 5xx, short body).
     Unavailable(String),
+    /// No connection could be made (refused, unreachable, connect timeout).
+    Unreachable(String),
 }
 
 impl std::fmt::Display for FetchError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::NotFound(m) | Self::BadRequest(m) | Self::Unavailable(m) => f.write_str(m),
+            Self::NotFound(m)
+            | Self::BadRequest(m)
+            | Self::Unavailable(m)
+            | Self::Unreachable(m) => f.write_str(m),
         }
     }
 }
@@ -70,6 +75,7 @@ fn from_http(e: HttpError) -> FetchError {
     match e {
         HttpError::Status(StatusCode::NOT_FOUND, m) => FetchError::NotFound(m),
         HttpError::Status(StatusCode::BAD_REQUEST, m) => FetchError::BadRequest(m),
+        HttpError::Connect(m) => FetchError::Unreachable(m),
         other => FetchError::Unavailable(other.to_string()),
     }
 }
@@ -287,9 +293,11 @@ pub fn manifest_error(url: &str, mref: &ModelRef, e: FetchError) -> MirrorError 
             what: format!("{mref} ({m})"),
             key: url.to_string(),
         },
-        FetchError::BadRequest(m) | FetchError::Unavailable(m) => MirrorError::Remote {
-            url: url.to_string(),
-            reason: m,
-        },
+        FetchError::BadRequest(m) | FetchError::Unavailable(m) | FetchError::Unreachable(m) => {
+            MirrorError::Remote {
+                url: url.to_string(),
+                reason: m,
+            }
+        }
     }
 }

@@ -102,6 +102,18 @@ impl SourceState {
         self.failures.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Records a request that could not even connect: a peer that refuses connections (gone
+    /// away, or never there) is demoted at once, not after [`DEMOTE_AFTER_ERRORS`] tries.
+    pub fn unreachable(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+        if self.kind() == SourceKind::Peer {
+            self.consecutive_errors
+                .fetch_max(DEMOTE_AFTER_ERRORS, Ordering::Relaxed);
+        } else {
+            self.consecutive_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// Records a piece that failed verification.
     pub fn penalise(&self) {
         self.corrupt.fetch_add(1, Ordering::Relaxed);

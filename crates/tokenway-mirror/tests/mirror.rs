@@ -7,8 +7,8 @@ use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 use tokenway_mirror::manifest::{blob_key, manifest_key};
 use tokenway_mirror::{
-    open_origin, publish, pull, Blake3Hash, FileEntry, Manifest, ModelRef, PublishOptions,
-    PullOptions,
+    open_origin, publish, pull, pull_from, Blake3Hash, FileEntry, Manifest, ModelRef,
+    PublishOptions, PullOptions,
 };
 
 const PIECE: u64 = 1 << 20;
@@ -212,6 +212,92 @@ async fn interrupted_pull_resumes_refetching_at_most_the_pieces_in_flight() {
         "re-downloaded {refetched} bytes, more than the {} pieces in flight",
         first.pieces_discarded_in_flight
     );
+}
+
+/// A port nothing listens on (connections are refused).
+fn refused_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// A fake peer: answers every request with 503.
+async fn failing_peer() -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut c, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = c.read(&mut buf).await;
+                let _ = c
+                    .write_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                    .await;
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test]
+async fn dead_and_fake_peers_claiming_every_piece_do_not_use_up_the_attempts_of_the_origin() {
+    use tokenway_mirror::mirror::peers::PeerView;
+    use tokenway_mirror::piece_bits::PieceBits;
+    let s = setup().await;
+    let sources = Arc::new(tokenway_mirror::SourceSet::origin_only(Arc::clone(
+        &s.origin,
+    )));
+    let have: std::collections::HashMap<_, _> = s
+        .manifest
+        .files
+        .iter()
+        .map(|f| (f.hash, PieceBits::full(f.pieces.len() as u64).to_wire()))
+        .collect();
+    let mut ports: Vec<u16> = (0..4).map(|_| refused_port()).collect();
+    let dead = ports.clone();
+    for _ in 0..4 {
+        ports.push(failing_peer().await);
+    }
+    sources.set_peers(
+        ports
+            .iter()
+            .map(|p| PeerView {
+                id: format!("p{p}"),
+                addr: format!("127.0.0.1:{p}"),
+                have: have.clone(),
+                taking: Default::default(),
+            })
+            .collect(),
+    );
+    let parallel = 4;
+    let opts = PullOptions {
+        parallel,
+        max_attempts: 1,
+        ..PullOptions::default()
+    };
+    let r = pull_from(Arc::clone(&sources), s.manifest.clone(), &s.out, &opts)
+        .await
+        .unwrap();
+    assert!(r.complete);
+    assert_identical(&s.src, &s.out, &s.manifest);
+    assert_eq!(r.bytes_from_peers, 0);
+    assert_eq!(r.bytes_from_origin, s.manifest.total_size());
+    assert!(r.source_errors > 0, "the peers were tried");
+    // A peer that refuses connections is demoted at its first failure: it fails at most
+    // once per piece that was already on its way to it.
+    for p in dead {
+        let name = format!("peer http://127.0.0.1:{p}");
+        let failures = r
+            .sources_failing
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(0, |(_, k)| *k);
+        assert!(
+            failures as usize <= parallel,
+            "{name} failed {failures} times: {:?}",
+            r.sources_failing
+        );
+    }
 }
 
 #[tokio::test]
