@@ -155,6 +155,11 @@ impl StreamPriority {
     fn set(&self, priority: Priority) {
         self.map.set(self.id, priority);
     }
+
+    /// Completes when the client stops the response stream or the connection is gone.
+    fn stopped(&self) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+        self.map.stopped(self.id)
+    }
 }
 
 /// The class of a response stream as far as the request head decides it: control endpoints and
@@ -239,11 +244,27 @@ async fn request(
     }
     let head = parts.method == Method::HEAD;
     let req = Request::from_parts(parts, H3Body { recv });
-    // Boxed, like the other large futures here: the task spawned per request stays small, so
-    // tokio does not copy kilobytes of future state into the task and out again.
-    let resp = Box::pin(service::handle_request(shared, req, transport, remote)).await;
-    prio.set(class.unwrap_or_else(|| response_priority(&resp)));
-    write_response(&mut send, resp, head).await;
+    let stopped = prio.stopped();
+    let serve = async {
+        // Boxed, like the other large futures here: the task spawned per request stays small, so
+        // tokio does not copy kilobytes of future state into the task and out again.
+        let resp = Box::pin(service::handle_request(shared, req, transport, remote)).await;
+        prio.set(class.unwrap_or_else(|| response_priority(&resp)));
+        write_response(&mut send, resp, head).await;
+    };
+    // A client that cancels (STOP_SENDING, which dropping a stream sends) or whose connection
+    // closes cancels the request at once, as on the TCP fronts: dropping `serve` drops the
+    // upstream request and frees its backend slot. Waiting for a write to fail would hold the
+    // backend through queueing, prefill and a whole non-streaming answer.
+    match stopped {
+        Some(stopped) => {
+            tokio::select! {
+                () = serve => {}
+                () = stopped => tracing::debug!(%remote, "HTTP/3 client left; request cancelled"),
+            }
+        }
+        None => serve.await,
+    }
 }
 
 /// Sends a response head and streams its body, frame by frame.

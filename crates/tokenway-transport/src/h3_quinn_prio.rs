@@ -120,6 +120,21 @@ impl PriorityMap {
         self.slot(id).map(|slot| lock(&slot).priority)
     }
 
+    /// A future that completes when the peer no longer wants the send side of stream `id`: it
+    /// sent STOP_SENDING, or the connection is gone. A server races its work for the request
+    /// against it, so a client that cancels (or whose connection dies) frees the work at once
+    /// instead of at the first write that fails. `None` when no such stream is open.
+    ///
+    /// It also completes once this side has finished the stream and the peer acknowledged all of
+    /// it; by then the work it guards is done.
+    pub fn stopped(&self, id: StreamId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let slot = self.slot(id)?;
+        let stopped = lock(&slot).stream.stopped();
+        Some(async move {
+            let _ = stopped.await;
+        })
+    }
+
     /// How many streams are registered.
     pub fn len(&self) -> usize {
         lock(&self.streams).len()

@@ -226,3 +226,109 @@ async fn garbage_datagrams_do_not_disturb_live_http3_streams() {
         "role, 20 tokens, finish, [DONE]"
     );
 }
+
+/// Whether aioquic can be imported (and, when it cannot, whether that is allowed here).
+fn have_aioquic() -> bool {
+    if python_has("aioquic") {
+        return true;
+    }
+    assert!(
+        std::env::var_os("TOKENWAY_REQUIRE_PYTHON").is_none(),
+        "TOKENWAY_REQUIRE_PYTHON is set but `import aioquic` fails"
+    );
+    eprintln!("SKIP: aioquic is not installed (scripts/setup.sh installs it)");
+    false
+}
+
+/// An aioquic client (one QUIC connection to `addr`) that runs `body` with `cl` (the protocol,
+/// whose `h3` is an `H3Connection`) and `arg` in scope; stdin and stdout are piped.
+fn aioquic_client(addr: SocketAddr, body: &str, arg: &str) -> std::process::Child {
+    let script = format!(
+        "import asyncio, os, ssl, sys\n\
+         from aioquic.asyncio.client import connect\n\
+         from aioquic.asyncio.protocol import QuicConnectionProtocol\n\
+         from aioquic.h3.connection import H3_ALPN, H3Connection\n\
+         from aioquic.quic.configuration import QuicConfiguration\n\
+         class C(QuicConnectionProtocol):\n\
+         \x20   def __init__(s, *a, **k):\n\
+         \x20       super().__init__(*a, **k)\n\
+         \x20       s.h3 = H3Connection(s._quic)\n\
+         \x20   def quic_event_received(s, e):\n\
+         \x20       s.h3.handle_event(e)\n\
+         def line():\n\
+         \x20   return asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)\n\
+         async def main(arg):\n\
+         \x20   c = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)\n\
+         \x20   c.verify_mode = ssl.CERT_NONE\n\
+         \x20   async with connect('{}', {}, configuration=c, create_protocol=C) as cl:\n\
+         {}\n\
+         asyncio.run(main(sys.argv[1]))\n",
+        addr.ip(),
+        addr.port(),
+        body.lines()
+            .map(|l| format!("        {l}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    Command::new("python3")
+        .args(["-c", &script, arg])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 starts")
+}
+
+/// Sends a chat request, says `sent`, and on a line from stdin either stops reading the answer
+/// (`stop`, STOP_SENDING and RESET_STREAM, connection kept) or closes the connection (`close`).
+const CANCEL_CLIENT: &str = r#"sid = cl._quic.get_next_available_stream_id()
+cl.h3.send_headers(sid, [(b':method', b'POST'), (b':scheme', b'https'), (b':authority', b'localhost'), (b':path', b'/v1/chat/completions'), (b'content-type', b'application/json')])
+cl.h3.send_data(sid, b'{"model":"sim-model","messages":[{"role":"user","content":"hi"}],"max_tokens":50}', end_stream=True)
+cl.transmit()
+print('sent', flush=True)
+await line()
+if arg == 'stop':
+    cl._quic.stop_stream(sid, 0x10c)
+    cl._quic.reset_stream(sid, 0x10c)
+    cl.transmit()
+    await asyncio.sleep(60)"#;
+
+#[tokio::test]
+async fn a_cancelled_http3_request_releases_its_backend_slot_at_once() {
+    if !have_aioquic() {
+        return;
+    }
+    // Slow to start and slow to stream: the answer would take many seconds.
+    let backend = sim("base_latency_ms = 4000.0\ntime_per_output_token_ms = 200.0\n");
+    let gw = quic_gateway(&backend, "");
+    let h3_addr = gw.extra("h3").expect("h3 front");
+    let metrics = format!("{}/metrics", gw.url());
+    let inflight = || async {
+        metric_sum(
+            &get(&metrics).await.body,
+            "tokenway_backend_inflight{backend=\"b0\"",
+        )
+    };
+    for how in ["stop", "close"] {
+        let mut client = aioquic_client(h3_addr, CANCEL_CLIENT, how);
+        assert!(
+            eventually(Duration::from_secs(10), || async {
+                inflight().await == 1.0
+            })
+            .await,
+            "the request never reached the backend"
+        );
+        {
+            use std::io::Write;
+            let stdin = client.stdin.as_mut().expect("stdin is piped");
+            stdin
+                .write_all(b"go\n")
+                .expect("the client reads its stdin");
+        }
+        assert!(
+            eventually(Duration::from_secs(3), || async { inflight().await == 0.0 }).await,
+            "an HTTP/3 request cancelled by `{how}` still holds its backend slot"
+        );
+        let _ = client.kill();
+        let _ = client.wait();
+    }
+}

@@ -659,3 +659,55 @@ async fn the_edge_fails_over_to_another_gateway_when_its_gateway_dies() {
         "the surviving gateway did not take over:\n{text}"
     );
 }
+
+/// The gateway's in-flight count on backend `b0`.
+async fn backend_inflight(gw: &Proc) -> f64 {
+    metric_sum(
+        &metrics(gw).await,
+        "tokenway_backend_inflight{backend=\"b0\"",
+    )
+}
+
+#[tokio::test]
+async fn an_app_that_leaves_mid_request_through_the_tunnel_releases_the_backend_slot() {
+    // Slow to start and slow to stream: the answer would take many seconds.
+    let backend = sim("base_latency_ms = 4000.0\ntime_per_output_token_ms = 200.0\n");
+    let gw = tunnel_gateway(&backend, "", "");
+    let edge = edge_for(&gw, "", "");
+    for stream in [true, false] {
+        let body = chat("never mind", stream, 50);
+        let mut s = tokio::net::TcpStream::connect(edge.addr)
+            .await
+            .expect("connect to the edge");
+        let wire = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(wire.as_bytes()).await.expect("write");
+        assert!(
+            eventually(Duration::from_secs(10), || async {
+                backend_inflight(&gw).await == 1.0
+            })
+            .await,
+            "the request never reached the backend"
+        );
+        // Gone before the first byte: the edge drops its HTTP/3 stream, and the gateway must
+        // cancel the upstream request then, not when the answer would have been written.
+        drop(s);
+        assert!(
+            eventually(Duration::from_secs(3), || async {
+                backend_inflight(&gw).await == 0.0
+            })
+            .await,
+            "a cancelled tunnel request (stream = {stream}) still holds its backend slot"
+        );
+    }
+    let r = post(
+        &format!("{}/v1/chat/completions", edge.url()),
+        &chat("still serving", false, 1),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
