@@ -47,6 +47,13 @@ impl PieceProgress {
         if p.bits.len() != pieces.div_ceil(8) as usize {
             return None;
         }
+        // Bits past the last piece mean nothing (a damaged or hand-made record): cleared, so
+        // that they are never counted as done pieces.
+        if !pieces.is_multiple_of(8) {
+            if let Some(last) = p.bits.last_mut() {
+                *last &= (1u8 << (pieces % 8)) - 1;
+            }
+        }
         Some(p)
     }
 
@@ -58,13 +65,18 @@ impl PieceProgress {
 
     /// Is piece `i` done?
     pub fn is_done(&self, i: u64) -> bool {
-        self.bits
-            .get((i / 8) as usize)
-            .is_some_and(|b| b & (1 << (i % 8)) != 0)
+        i < self.pieces
+            && self
+                .bits
+                .get((i / 8) as usize)
+                .is_some_and(|b| b & (1 << (i % 8)) != 0)
     }
 
     /// Marks piece `i` done or not done.
     pub fn set(&mut self, i: u64, done: bool) {
+        if i >= self.pieces {
+            return;
+        }
         if let Some(b) = self.bits.get_mut((i / 8) as usize) {
             if done {
                 *b |= 1 << (i % 8);
@@ -99,5 +111,19 @@ mod tests {
         assert!(PieceProgress::decode(&bytes, &h, 2048, 20).is_none());
         assert!(PieceProgress::decode(&bytes, &Blake3Hash::of(b"y"), 1024, 20).is_none());
         assert!(PieceProgress::decode(b"{garbage", &h, 1024, 20).is_none());
+    }
+
+    #[test]
+    fn bits_past_the_last_piece_in_a_record_are_not_counted_as_done() {
+        let h = Blake3Hash::of(b"x");
+        let record = format!(r#"{{"hash":"{h}","piece_size":1024,"pieces":13,"done":"ffff"}}"#);
+        let p = PieceProgress::decode(record.as_bytes(), &h, 1024, 13).unwrap();
+        assert_eq!(p.done_count(), 13);
+        assert!(p.is_done(12) && !p.is_done(13) && !p.is_done(15));
+        let record = format!(r#"{{"hash":"{h}","piece_size":1024,"pieces":13,"done":"3fe0"}}"#);
+        let mut p = PieceProgress::decode(record.as_bytes(), &h, 1024, 13).unwrap();
+        assert_eq!(p.done_count(), 6);
+        p.set(14, true);
+        assert_eq!(p.done_count(), 6);
     }
 }

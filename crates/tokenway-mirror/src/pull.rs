@@ -407,7 +407,7 @@ pub async fn pull_from(
             }
         }
         blobs.push(Blob {
-            remaining: entry.pieces.len() as u64 - done,
+            remaining: (entry.pieces.len() as u64).saturating_sub(done),
             entry,
             paths,
             partial,
@@ -552,12 +552,14 @@ pub async fn pull_from(
             PieceEnd::Written => {
                 report.pieces_written += 1;
                 let blob = &mut blobs[o.blob];
+                if !blob.progress.is_done(o.piece) {
+                    blob.remaining = blob.remaining.saturating_sub(1);
+                }
                 blob.progress.set(o.piece, true);
                 blob.trees[o.piece as usize] = o.tree;
                 if let Some(h) = &opts.holdings {
                     h.piece_written(&blob.entry.hash, o.piece);
                 }
-                blob.remaining -= 1;
                 let r = blob.entry.piece_range(o.piece);
                 prog.bytes_done += r.end - r.start;
                 let bytes = blob.progress.encode();

@@ -300,6 +300,54 @@ async fn dead_and_fake_peers_claiming_every_piece_do_not_use_up_the_attempts_of_
     }
 }
 
+/// A resume record whose padding bits (past the last piece) are set, beside a partial file
+/// holding only its first pieces: the pull fetches the rest and completes, instead of taking
+/// the blob for finished, failing its whole-file check and deleting the verified progress.
+#[tokio::test]
+async fn a_resume_record_with_bits_past_the_last_piece_still_completes_the_pull() {
+    let s = setup().await;
+    let f = s
+        .manifest
+        .files
+        .iter()
+        .find(|f| f.pieces.len() % 8 != 0 && f.pieces.len() > 8)
+        .expect("a file whose piece count is not a multiple of 8")
+        .clone();
+    let n = f.pieces.len();
+    let partial_dir = s.out.join(".partial");
+    std::fs::create_dir_all(&partial_dir).unwrap();
+    let mut bytes = std::fs::read(s.src.join(&f.path)).unwrap();
+    bytes[6 * PIECE as usize..].fill(0);
+    std::fs::write(partial_dir.join(f.hash.to_hex()), &bytes).unwrap();
+    // Pieces 0..6 done, and every bit past piece n-1 set.
+    let mut done = vec![0u8; n.div_ceil(8)];
+    done[0] = 0x3f;
+    *done.last_mut().unwrap() |= !((1u8 << (n % 8)) - 1);
+    let record = format!(
+        r#"{{"hash":"{}","piece_size":{},"pieces":{n},"done":"{}"}}"#,
+        f.hash,
+        f.piece_size,
+        done.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    );
+    std::fs::write(
+        partial_dir.join(format!("{}.progress", f.hash.to_hex())),
+        record,
+    )
+    .unwrap();
+    let mref = ModelRef::parse("org/tiny").unwrap();
+    let r = pull(
+        Arc::clone(&s.origin),
+        &mref,
+        &s.out,
+        &PullOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert!(r.complete);
+    assert_eq!(r.pieces_resumed, 6);
+    assert_identical(&s.src, &s.out, &s.manifest);
+}
+
 #[tokio::test]
 async fn corrupt_piece_in_origin_fails_naming_file_and_piece_and_is_not_placed() {
     let s = setup().await;
