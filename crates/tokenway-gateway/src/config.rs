@@ -186,6 +186,13 @@ impl Default for RoutingSettings {
 pub struct TunnelConfig {
     /// UDP address of the tunnel's HTTP/3 endpoint.
     pub listen: SocketAddr,
+    /// TCP address of the tunnel's own TLS port (HTTP/2 and HTTP/1.1 by ALPN) for edges that
+    /// fall back to TCP: a request without a valid tunnel token sees the masquerade site, as on
+    /// the UDP port, where `tls_listen` answers it as the gateway's API (and names tokenway in
+    /// `/metrics`). The same port number as `listen` makes the pair look like any HTTPS site
+    /// that also serves HTTP/3. Absent: edges fall back to `tls_listen`.
+    #[serde(default)]
+    pub tcp_listen: Option<SocketAddr>,
     /// Accepted tunnel tokens (the `tw-auth` header); at least one.
     pub tokens: Vec<String>,
     /// How long an idempotency key is remembered, milliseconds.

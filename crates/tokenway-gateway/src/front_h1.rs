@@ -37,7 +37,7 @@ use crate::drain::Graceful;
 use crate::error::{ApiError, ResponseBody};
 use crate::forward_tcp::SpliceSlot;
 use crate::h1_head::{has_token, parse_digits, HeaderSpans, MAX_HEADERS};
-use crate::service;
+use crate::service::{self, BeforeBody, TcpFront};
 use crate::state::Shared;
 
 /// Largest request head accepted (431 beyond).
@@ -69,7 +69,13 @@ pub struct H1Connection {
 
 impl H1Connection {
     /// Serves `io`, whose first bytes (already read to tell HTTP/1.1 from HTTP/2) are `read`.
-    pub fn new<S>(io: S, read: BytesMut, peer: SocketAddr, shared: Arc<Shared>) -> Self
+    pub fn new<S>(
+        io: S,
+        read: BytesMut,
+        peer: SocketAddr,
+        front: TcpFront,
+        shared: Arc<Shared>,
+    ) -> Self
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -82,6 +88,7 @@ impl H1Connection {
             after: BytesMut::new(),
             timer: Box::pin(tokio::time::sleep_until(Instant::now())),
             peer,
+            front,
             shared,
             closing: closing.clone(),
         };
@@ -167,6 +174,8 @@ struct Conn<S> {
     /// Deadline of the read in progress, one timer per connection.
     timer: Pin<Box<Sleep>>,
     peer: SocketAddr,
+    /// The listener the connection came in on.
+    front: TcpFront,
     shared: Arc<Shared>,
     closing: Arc<AtomicBool>,
 }
@@ -185,8 +194,18 @@ where
             let version = head.parts.version;
             let keep_alive = head.keep_alive;
             let method = head.parts.method.clone();
-            if let Err(e) = service::refuse_before_body(&self.shared, &head.parts) {
-                return self.end(End::Reject(e), version).await;
+            match service::before_body(&self.shared, &head.parts, self.front) {
+                BeforeBody::Read => {}
+                BeforeBody::Refuse(e) => return self.end(End::Reject(e), version).await,
+                // A probe with a body on the tunnel's TCP port: the masquerade site answers
+                // without it (the body is neither read nor held) and the connection closes.
+                BeforeBody::Masquerade if head.body != RequestBody::Empty => {
+                    let req = Request::from_parts(head.parts, Full::new(Bytes::new()));
+                    let handling = service::handle(self.shared.clone(), req, self.peer, self.front);
+                    let Ok(resp) = handling.await;
+                    return self.close_with(resp, &method, version).await;
+                }
+                BeforeBody::Masquerade => {}
             }
             let body = match self.read_body(&head).await {
                 Ok(body) => body,
@@ -200,7 +219,12 @@ where
             });
             // Boxed: the request's future is several KiB (every state of the proxy, inline), and
             // unboxed it was copied whole at each move into its caller's state.
-            let handling = Box::pin(service::handle(self.shared.clone(), req, self.peer));
+            let handling = Box::pin(service::handle(
+                self.shared.clone(),
+                req,
+                self.peer,
+                self.front,
+            ));
             let Some(Ok(resp)) = self.while_client_stays(handling).await else {
                 return;
             };
@@ -535,10 +559,18 @@ where
         let End::Reject(e) = end else {
             return;
         };
-        if self
-            .respond(e.into_response(), &Method::GET, version, false)
-            .await
-            .is_err()
+        self.close_with(e.into_response(), &Method::GET, version)
+            .await;
+    }
+
+    /// Sends `resp` as the connection's last answer and closes, lingering as [`Self::end`] does.
+    async fn close_with(
+        &mut self,
+        resp: Response<ResponseBody>,
+        method: &Method,
+        version: Version,
+    ) {
+        if self.respond(resp, method, version, false).await.is_err()
             || self.io.shutdown().await.is_err()
         {
             return;
@@ -1111,7 +1143,13 @@ mod tests {
         let shared = Shared::new(config).expect("gateway state");
         let (client, server) = tokio::io::duplex(64 * 1024);
         let peer = SocketAddr::from(([127, 0, 0, 1], 40000));
-        let conn = drain.watch(H1Connection::new(server, BytesMut::new(), peer, shared));
+        let conn = drain.watch(H1Connection::new(
+            server,
+            BytesMut::new(),
+            peer,
+            TcpFront::Api,
+            shared,
+        ));
         (tokio::spawn(conn), client)
     }
 
@@ -1133,6 +1171,7 @@ mod tests {
             after: BytesMut::new(),
             timer: Box::pin(tokio::time::sleep_until(Instant::now())),
             peer: SocketAddr::from(([127, 0, 0, 1], 40000)),
+            front: TcpFront::Api,
             shared: Shared::new(config).expect("gateway state"),
             closing: Arc::new(AtomicBool::new(false)),
         };
@@ -1198,7 +1237,13 @@ mod tests {
         let shared = Shared::new(config).expect("gateway state");
         let (mut client, server) = tokio::io::duplex(64 * 1024);
         let peer = SocketAddr::from(([127, 0, 0, 1], 40000));
-        let task = tokio::spawn(H1Connection::new(server, BytesMut::new(), peer, shared));
+        let task = tokio::spawn(H1Connection::new(
+            server,
+            BytesMut::new(),
+            peer,
+            TcpFront::Api,
+            shared,
+        ));
         client
             .write_all(
                 b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n\
@@ -1283,7 +1328,13 @@ mod tests {
             held: Vec::new(),
         };
         let peer = SocketAddr::from(([127, 0, 0, 1], 40000));
-        let task = tokio::spawn(H1Connection::new(io, BytesMut::new(), peer, shared));
+        let task = tokio::spawn(H1Connection::new(
+            io,
+            BytesMut::new(),
+            peer,
+            TcpFront::Api,
+            shared,
+        ));
         client
             .write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
             .await

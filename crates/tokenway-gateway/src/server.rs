@@ -27,6 +27,7 @@ use crate::drain::Drain;
 use crate::error::GatewayError;
 use crate::front_h1::H1Connection;
 use crate::h3_front::{self, Front};
+use crate::service::TcpFront;
 use crate::stall_io::StallGuard;
 use crate::state::Shared;
 use crate::{cpu_affinity, discovery, probe, service};
@@ -50,6 +51,10 @@ fn pin_worker(cpu: usize, pinned: Arc<PinnedThreads>) {
     });
 }
 
+/// A TCP listener as the front threads share it: the socket, its TLS acceptor (none for
+/// cleartext) and what it serves.
+type Listener = (std::net::TcpListener, Option<TlsAcceptor>, TcpFront);
+
 /// Period of the timer every front thread keeps armed (see [`keep_timer_armed`]).
 const TIMER_KEEPER: Duration = Duration::from_millis(500);
 
@@ -58,6 +63,8 @@ pub struct BoundGateway {
     shared: Arc<Shared>,
     plain: Option<TcpListener>,
     tls: Option<(TcpListener, TlsAcceptor)>,
+    /// `tunnel.tcp_listen`: the tunnel's own TLS port, for edges on their TCP fallback.
+    tunnel_tcp: Option<(TcpListener, TlsAcceptor)>,
     h3: Option<quinn::Endpoint>,
     tunnel: Option<quinn::Endpoint>,
     fingerprint: Option<String>,
@@ -85,11 +92,16 @@ pub async fn bind(config: GatewayConfig) -> Result<BoundGateway, GatewayError> {
         None
     };
     let tls_err = |e: tokenway_transport::TransportError| GatewayError::Tls(e.to_string());
-    let tls = match (c.tls_listen, &identity) {
-        (Some(addr), Some(id)) => {
-            let acceptor = TlsAcceptor::from(id.tcp_server_config().map_err(tls_err)?);
-            Some((listen(addr).await?, acceptor))
-        }
+    let acceptor = match &identity {
+        Some(id) => Some(TlsAcceptor::from(id.tcp_server_config().map_err(tls_err)?)),
+        None => None,
+    };
+    let tls = match (c.tls_listen, &acceptor) {
+        (Some(addr), Some(acceptor)) => Some((listen(addr).await?, acceptor.clone())),
+        _ => None,
+    };
+    let tunnel_tcp = match (c.tunnel.as_ref().and_then(|t| t.tcp_listen), &acceptor) {
+        (Some(addr), Some(acceptor)) => Some((listen(addr).await?, acceptor.clone())),
         _ => None,
     };
     let quic = |addr: SocketAddr, id: &Identity, settings: &tokenway_transport::QuicSettings| {
@@ -130,6 +142,7 @@ pub async fn bind(config: GatewayConfig) -> Result<BoundGateway, GatewayError> {
         shared,
         plain,
         tls,
+        tunnel_tcp,
         h3,
         tunnel,
         fingerprint,
@@ -150,6 +163,13 @@ impl BoundGateway {
     /// The TLS listener's address.
     pub fn tls_addr(&self) -> Option<SocketAddr> {
         self.tls.as_ref().and_then(|(l, _)| l.local_addr().ok())
+    }
+
+    /// The tunnel's own TLS port (`tunnel.tcp_listen`).
+    pub fn tunnel_tcp_addr(&self) -> Option<SocketAddr> {
+        self.tunnel_tcp
+            .as_ref()
+            .and_then(|(l, _)| l.local_addr().ok())
     }
 
     /// The public HTTP/3 front's UDP address.
@@ -193,14 +213,12 @@ impl BoundGateway {
         // The TCP listeners, as plain sockets that every front thread registers with its own
         // event loop.
         let mut listeners = Vec::new();
-        for (l, tls) in self
-            .plain
-            .map(|l| (l, None))
-            .into_iter()
-            .chain(self.tls.map(|(l, a)| (l, Some(a))))
-        {
+        let tcp = self.plain.map(|l| (l, None, TcpFront::Api));
+        let tls = self.tls.map(|(l, a)| (l, Some(a), TcpFront::Api));
+        let tunnel_tcp = self.tunnel_tcp.map(|(l, a)| (l, Some(a), TcpFront::Tunnel));
+        for (l, tls, front) in tcp.into_iter().chain(tls).chain(tunnel_tcp) {
             match l.into_std() {
-                Ok(l) => listeners.push((l, tls)),
+                Ok(l) => listeners.push((l, tls, front)),
                 Err(e) => tracing::error!(error = %e, "cannot take over a listener"),
             }
         }
@@ -231,9 +249,9 @@ impl BoundGateway {
             ));
         }
         tokio::spawn(keep_timer_armed(stop_rx.clone()));
-        for (l, tls) in listeners {
+        for (l, tls, front) in listeners {
             match TcpListener::from_std(l) {
-                Ok(l) => tasks.push(tokio::spawn(fronts.clone().accept_loop(l, tls))),
+                Ok(l) => tasks.push(tokio::spawn(fronts.clone().accept_loop(l, tls, front))),
                 Err(e) => tracing::error!(error = %e, "cannot register a listener"),
             }
         }
@@ -303,11 +321,7 @@ impl FrontThreads {
     /// Starts front threads 1.. (`front_threads` in all, with the caller's), each running its
     /// own single-threaded event loop with accept loops on duplicates of `listeners`. A thread
     /// that cannot start is logged and skipped: the others serve.
-    fn spawn_threads(
-        &self,
-        listeners: &[(std::net::TcpListener, Option<TlsAcceptor>)],
-        cpus: &[usize],
-    ) -> ExtraFronts {
+    fn spawn_threads(&self, listeners: &[Listener], cpus: &[usize]) -> ExtraFronts {
         let (exit, exit_rx) = watch::channel(false);
         let mut extra = ExtraFronts {
             stopped: Vec::new(),
@@ -316,9 +330,9 @@ impl FrontThreads {
         };
         for index in 1..self.shared.config.front_thread_count() {
             let mut own = Vec::new();
-            for (l, tls) in listeners {
+            for (l, tls, front) in listeners {
                 match l.try_clone() {
-                    Ok(l) => own.push((l, tls.clone())),
+                    Ok(l) => own.push((l, tls.clone(), *front)),
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot share a listener with a front thread")
                     }
@@ -351,7 +365,7 @@ impl FrontThreads {
         self,
         index: usize,
         cpu: Option<usize>,
-        listeners: Vec<(std::net::TcpListener, Option<TlsAcceptor>)>,
+        listeners: Vec<Listener>,
         stopped: tokio::sync::oneshot::Sender<()>,
         mut exit: watch::Receiver<bool>,
     ) {
@@ -377,9 +391,9 @@ impl FrontThreads {
             }
             tokio::spawn(keep_timer_armed(self.stop.clone()));
             let mut loops = Vec::new();
-            for (l, tls) in listeners {
+            for (l, tls, front) in listeners {
                 match TcpListener::from_std(l) {
-                    Ok(l) => loops.push(tokio::spawn(self.clone().accept_loop(l, tls))),
+                    Ok(l) => loops.push(tokio::spawn(self.clone().accept_loop(l, tls, front))),
                     Err(e) => tracing::warn!(error = %e, index, "cannot register a listener"),
                 }
             }
@@ -393,10 +407,11 @@ impl FrontThreads {
         });
     }
 
-    async fn accept_loop(self, listener: TcpListener, tls: Option<TlsAcceptor>) {
+    async fn accept_loop(self, listener: TcpListener, tls: Option<TlsAcceptor>, front: TcpFront) {
         accept_loop(
             listener,
             tls,
+            front,
             self.shared,
             self.graceful,
             self.permits,
@@ -429,6 +444,7 @@ async fn keep_timer_armed(mut stop: watch::Receiver<bool>) {
 async fn accept_loop(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
+    front: TcpFront,
     shared: Arc<Shared>,
     graceful: Arc<Drain>,
     permits: Arc<Semaphore>,
@@ -467,9 +483,9 @@ async fn accept_loop(
                     match tokio::time::timeout(read_timeout, sniff(&mut stream, &mut first)).await {
                         Ok(Ok(true)) => {
                             let stream = Rewound::new(first.freeze(), stream);
-                            serve_h2(stream, peer, shared, &drain).await
+                            serve_h2(stream, peer, front, shared, &drain).await
                         }
-                        Ok(Ok(false)) => serve_h1(stream, first, peer, shared, &drain).await,
+                        Ok(Ok(false)) => serve_h1(stream, first, peer, front, shared, &drain).await,
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "connection failed"),
                         Err(_) => {
                             tracing::debug!(%peer, "no request within timeouts.client_read_ms; closing")
@@ -483,9 +499,10 @@ async fn accept_loop(
                         Ok(Ok(tls_stream)) => {
                             let h2 = tls_stream.get_ref().1.alpn_protocol() == Some(b"h2");
                             if h2 {
-                                serve_h2(tls_stream, peer, shared, &drain).await
+                                serve_h2(tls_stream, peer, front, shared, &drain).await
                             } else {
-                                serve_h1(tls_stream, BytesMut::new(), peer, shared, &drain).await
+                                let first = BytesMut::new();
+                                serve_h1(tls_stream, first, peer, front, shared, &drain).await
                             }
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
@@ -520,6 +537,7 @@ async fn serve_h1<S>(
     stream: S,
     first: BytesMut,
     peer: SocketAddr,
+    front: TcpFront,
     shared: Arc<Shared>,
     drain: &Arc<Drain>,
 ) where
@@ -527,13 +545,18 @@ async fn serve_h1<S>(
 {
     let stream = StallGuard::new(stream, shared.config.timeouts.client_write());
     drain
-        .watch(H1Connection::new(stream, first, peer, shared))
+        .watch(H1Connection::new(stream, first, peer, front, shared))
         .await;
 }
 
 /// An HTTP/2 connection, on hyper.
-async fn serve_h2<S>(stream: S, peer: SocketAddr, shared: Arc<Shared>, drain: &Arc<Drain>)
-where
+async fn serve_h2<S>(
+    stream: S,
+    peer: SocketAddr,
+    front: TcpFront,
+    shared: Arc<Shared>,
+    drain: &Arc<Drain>,
+) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new()).http2_only();
@@ -544,7 +567,7 @@ where
         .keep_alive_interval(Some(Duration::from_secs(20)));
     let stream = StallGuard::new(stream, shared.config.timeouts.client_write());
     let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
-        service::handle(shared.clone(), req, peer)
+        service::handle(shared.clone(), req, peer, front)
     });
     // With upgrades: CONNECT port forwarding from edges on their TCP fallback.
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);

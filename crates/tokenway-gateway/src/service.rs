@@ -60,12 +60,35 @@ impl Transport {
     }
 }
 
+/// Which TCP listener a request came in on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcpFront {
+    /// `listen` or `tls_listen`: the gateway's API. A request with the tunnel's header is an
+    /// edge's; with a wrong token it sees the masquerade site.
+    Api,
+    /// `tunnel.tcp_listen`: edges only. Every request without a valid tunnel token sees the
+    /// masquerade site, as on the tunnel's UDP port.
+    Tunnel,
+}
+
+/// What the HTTP/1.1 front does with a request before it reads the body ([`before_body`]).
+pub enum BeforeBody {
+    /// Read it and handle the request.
+    Read,
+    /// Refuse the request with this error, unread.
+    Refuse(ApiError),
+    /// The request is the masquerade site's: it needs no body.
+    Masquerade,
+}
+
 /// Handles one request from a TCP front. A request carrying the tunnel token is an edge's
-/// request over its TCP fallback; a wrong token sees the masquerade site.
+/// request over its TCP fallback; a wrong token sees the masquerade site, and so does any
+/// request without the token on the tunnel's own TCP port.
 pub async fn handle<B>(
     shared: Arc<Shared>,
     mut req: Request<B>,
     peer: SocketAddr,
+    front: TcpFront,
 ) -> Result<Response<ResponseBody>, Infallible>
 where
     B: Body + Send + 'static,
@@ -74,7 +97,7 @@ where
 {
     let mut transport = Transport::of_tcp_request(&req);
     if let Some(tunnel) = &shared.tunnel {
-        if req.headers().contains_key(AUTH_HEADER) {
+        if front == TcpFront::Tunnel || req.headers().contains_key(AUTH_HEADER) {
             if !tunnel.is_authenticated(req.headers()) {
                 return Ok(tunnel.masquerade.respond(&req, &shared.client).await);
             }
@@ -88,7 +111,8 @@ where
         }
     }
     let mut resp = handle_request(shared.clone(), req, transport, peer).await;
-    if let Some(alt_svc) = shared.alt_svc.get() {
+    // The public HTTP/3 front is the API's; edges on the tunnel's port have their own UDP port.
+    if let (Some(alt_svc), TcpFront::Api) = (shared.alt_svc.get(), front) {
         resp.headers_mut().insert(header::ALT_SVC, alt_svc.clone());
     }
     Ok(resp)
@@ -308,27 +332,33 @@ fn route_request(
     Ok(r.with_client_region(region))
 }
 
-/// Refuses, from its head alone, a request to a proxied route without a valid API key. The
-/// HTTP/1.1 front asks before it reads a body, so that a client without a key is neither invited
-/// by `100 Continue` to send up to `max_body_bytes` nor has such a body held while it arrives
-/// (HTTP/2 and HTTP/3 check the key before reading the body as well, in [`proxy_route`]). A request
-/// with the tunnel's header and a wrong token is left to [`handle`], which shows the masquerade.
-pub fn refuse_before_body(shared: &Shared, parts: &http::request::Parts) -> Result<(), ApiError> {
-    let path = parts.uri.path();
-    let Some(route) = PROXIED.iter().copied().find(|r| *r == path) else {
-        return Ok(());
-    };
-    if parts.method != Method::POST {
-        return Ok(());
-    }
+/// What can be decided from a request's head alone, before the HTTP/1.1 front reads its body:
+/// a request to a proxied route without a valid API key is refused, so that a client without
+/// one is neither invited by `100 Continue` to send up to `max_body_bytes` nor has such a body
+/// held while it arrives (HTTP/2 and HTTP/3 check the key before reading the body as well, in
+/// [`proxy_route`]); and a request that fails tunnel authentication is the masquerade site's.
+pub fn before_body(shared: &Shared, parts: &http::request::Parts, front: TcpFront) -> BeforeBody {
     if let Some(tunnel) = &shared.tunnel {
-        if parts.headers.contains_key(AUTH_HEADER) && !tunnel.is_authenticated(&parts.headers) {
-            return Ok(());
+        if (front == TcpFront::Tunnel || parts.headers.contains_key(AUTH_HEADER))
+            && !tunnel.is_authenticated(&parts.headers)
+        {
+            return BeforeBody::Masquerade;
         }
     }
-    authenticate(shared, &parts.headers).inspect_err(|e| {
-        shared.count_request(route, None, e.status.as_u16());
-    })
+    let path = parts.uri.path();
+    let Some(route) = PROXIED.iter().copied().find(|r| *r == path) else {
+        return BeforeBody::Read;
+    };
+    if parts.method != Method::POST {
+        return BeforeBody::Read;
+    }
+    match authenticate(shared, &parts.headers) {
+        Ok(()) => BeforeBody::Read,
+        Err(e) => {
+            shared.count_request(route, None, e.status.as_u16());
+            BeforeBody::Refuse(e)
+        }
+    }
 }
 
 /// Checks the Bearer key when keys are configured.

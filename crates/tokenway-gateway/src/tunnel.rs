@@ -102,6 +102,7 @@ mod tests {
     fn state() -> TunnelState {
         TunnelState::new(&TunnelConfig {
             listen: "127.0.0.1:0".parse().expect("addr"),
+            tcp_listen: None,
             tokens: vec!["0123456789abcdef-token".into()],
             replay_window_ms: 1000,
             max_replay_keys: 10,

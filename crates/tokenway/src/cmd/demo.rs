@@ -103,6 +103,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         h3_listen: Some(tls_listen),
         tunnel: Some(TunnelConfig {
             listen: tunnel_listen,
+            // The edge's TCP fallback: probes without the token see the masquerade site.
+            tcp_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
             tokens: vec![token.clone()],
             replay_window_ms: 10_000,
             max_replay_keys: 100_000,
@@ -123,6 +125,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let tunnel = gateway
         .tunnel_addr()
         .context("the demo gateway has no tunnel port")?;
+    let tunnel_tcp = gateway
+        .tunnel_tcp_addr()
+        .context("the demo gateway has no tunnel TCP port")?;
     let fingerprint = gateway
         .fingerprint()
         .context("the demo gateway has no certificate")?
@@ -133,11 +138,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     }));
     println!("gateway  http://{plain}  (HTTP/1.1, h2c)");
     println!("         https://{tls}  (HTTP/2 over TLS and HTTP/3 over UDP; self-signed)");
-    println!("tunnel   udp://{tunnel}  (certificate {fingerprint})");
+    println!("tunnel   udp://{tunnel}, tcp://{tunnel_tcp}  (certificate {fingerprint})");
 
     let edge_config: EdgeConfig = toml::from_str(&format!(
         "listen = \"{edge_listen}\"\ntoken = \"{token}\"\n[trust]\npin_sha256 = [\"{fingerprint}\"]\n\
-         [[gateways]]\nname = \"demo-gateway\"\nquic = \"{tunnel}\"\ntcp = \"{tls}\"\n"
+         [[gateways]]\nname = \"demo-gateway\"\nquic = \"{tunnel}\"\ntcp = \"{tunnel_tcp}\"\n"
     ))
     .context("demo edge configuration")?;
     let edge = tokenway_edge::bind(edge_config).await?;

@@ -24,6 +24,10 @@ pub struct GatewayArgs {
     /// Tunnel port listen address, UDP (overrides `tunnel.listen`; needs a `[tunnel]` section).
     #[arg(long)]
     pub tunnel_listen: Option<SocketAddr>,
+    /// The tunnel's own TLS port, TCP (overrides `tunnel.tcp_listen`; needs a `[tunnel]`
+    /// section).
+    #[arg(long)]
+    pub tunnel_tcp_listen: Option<SocketAddr>,
     /// A backend base URL, e.g. http://127.0.0.1:8000 (repeatable; replaces the config's list).
     #[arg(long = "backend", value_name = "URL")]
     pub backends: Vec<String>,
@@ -61,6 +65,14 @@ pub fn load(args: &GatewayArgs) -> anyhow::Result<GatewayConfig> {
             Some(t) => t.listen = a,
             None => anyhow::bail!(
                 "--tunnel-listen needs a [tunnel] section (tokens) in the config file"
+            ),
+        }
+    }
+    if let Some(a) = args.tunnel_tcp_listen {
+        match config.tunnel.as_mut() {
+            Some(t) => t.tcp_listen = Some(a),
+            None => anyhow::bail!(
+                "--tunnel-tcp-listen needs a [tunnel] section (tokens) in the config file"
             ),
         }
     }
@@ -105,6 +117,9 @@ pub async fn run(args: GatewayArgs) -> anyhow::Result<()> {
             "tokenway gateway tunnel on udp://{a} fingerprint {}",
             gateway.fingerprint().unwrap_or("-")
         );
+    }
+    if let Some(a) = gateway.tunnel_tcp_addr() {
+        println!("tokenway gateway tunnel-tcp on tcp://{a}");
     }
     gateway.serve(super::signal::shutdown()).await;
     Ok(())

@@ -35,11 +35,14 @@ async fn the_example_configs_start_and_serve() {
             "127.0.0.1:0",
             "--tunnel-listen",
             "127.0.0.1:0",
+            "--tunnel-tcp-listen",
+            "127.0.0.1:0",
         ],
         true,
     );
     assert_eq!(get(&format!("{}/health", gw.url())).await.status, 200);
     assert!(gw.extra("tunnel").is_some());
+    assert!(gw.extra("tunnel-tcp").is_some());
     assert!(gw.extra("h3").is_some());
 
     // The edge starts even while its gateway is unreachable, and keeps answering locally.

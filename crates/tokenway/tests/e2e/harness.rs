@@ -34,7 +34,7 @@ impl Proc {
         format!("http://{}", self.addr)
     }
 
-    /// An announced UDP address (`h3`, `tunnel`), waiting briefly for its line.
+    /// An announced address (`h3`, `tunnel` and `tunnel-tcp`), waiting briefly for its line.
     pub fn extra(&self, kind: &str) -> Option<SocketAddr> {
         self.extra_field(kind, 0)?.parse().ok()
     }
@@ -50,10 +50,10 @@ impl Proc {
             {
                 let extras = self.extras.lock().expect("extras lock");
                 if let Some((_, v)) = extras.iter().find(|(k, _)| k == kind) {
-                    return v
-                        .split_whitespace()
-                        .nth(field)
-                        .map(|s| s.trim_start_matches("udp://").to_string());
+                    return v.split_whitespace().nth(field).map(|s| {
+                        let s = s.trim_start_matches("udp://");
+                        s.trim_start_matches("tcp://").to_string()
+                    });
                 }
             }
             if Instant::now() > end {
@@ -149,7 +149,7 @@ pub fn start_in(
             if let Some(rest) = line.split("listening on ").nth(1) {
                 let _ = tx.send(rest.trim().to_string());
             }
-            for kind in ["h3", "tunnel"] {
+            for kind in ["h3", "tunnel", "tunnel-tcp"] {
                 if let Some(rest) = line.split(&format!(" {kind} on ")).nth(1) {
                     if let Ok(mut e) = extras_writer.lock() {
                         e.push((kind.to_string(), rest.trim().to_string()));

@@ -24,4 +24,5 @@ mod routing;
 mod s3;
 mod streaming;
 mod tunnel;
+mod tunnel_tcp;
 mod weights;
