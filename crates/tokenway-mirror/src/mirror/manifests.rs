@@ -220,6 +220,27 @@ impl ManifestCache {
         }
     }
 
+    /// The piece counts of those of `hashes` that a manifest in memory lists (one pass over
+    /// the memo, for checking an announcement).
+    pub fn piece_counts<'a>(
+        &self,
+        hashes: impl IntoIterator<Item = &'a Blake3Hash>,
+    ) -> HashMap<Blake3Hash, u64> {
+        let wanted: std::collections::HashSet<&Blake3Hash> = hashes.into_iter().collect();
+        let mut out = HashMap::new();
+        if wanted.is_empty() {
+            return out;
+        }
+        for m in lock(&self.memo).values() {
+            for f in &m.files {
+                if wanted.contains(&f.hash) {
+                    out.insert(f.hash, f.pieces.len() as u64);
+                }
+            }
+        }
+        out
+    }
+
     /// The layout of blob `hash` from any manifest in memory.
     pub fn find_blob(&self, hash: &Blake3Hash) -> Option<Arc<FileEntry>> {
         lock(&self.memo)

@@ -7,7 +7,11 @@
 //! from the mirror at once, see [`crate::piece_queue`]).
 //! Peers are untrusted (pullers verify every piece), so the directory only has to be
 //! roughly right. It is bounded: at most `max_peers` peers, at most [`MAX_BLOBS`] blobs each,
-//! and a peer that stops announcing is forgotten after `ttl`.
+//! at most [`MAX_ANNOUNCED_PIECES`] piece bits each (and for a blob of a manifest the mirror
+//! has in memory, exactly its piece count), and a peer that stops announcing is forgotten
+//! after `ttl`. Announcements need no token unless the operator sets one, so a stranger can
+//! announce: an answer holds at most [`MAX_REPLY_PEERS`] peers and about
+//! [`MAX_REPLY_BYTES`], however large the bitsets others announced.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -25,6 +29,12 @@ pub const MAX_ID_LEN: usize = 128;
 /// Peers in one answer; with more holders a random subset is handed out, which also
 /// spreads pullers over them.
 pub const MAX_REPLY_PEERS: usize = 64;
+/// Piece bits one announcement may carry, `have` and `taking` together (a 4 TiB model at
+/// 4 MiB pieces); 128 KiB of bits per peer at most.
+pub const MAX_ANNOUNCED_PIECES: u64 = 1 << 20;
+/// Rough size bound of an answer in bytes (pullers refuse answers above 16 MiB): peers
+/// that would go past it are left out.
+pub const MAX_REPLY_BYTES: usize = 2 << 20;
 
 /// What a puller sends to `POST /v1/peers/announce`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -126,10 +136,14 @@ impl PeerDirectory {
     /// A peer listening on every interface (`--serve 0.0.0.0:8701`) announces an unspecified
     /// address, which would lead every other node to itself: it is filed under the address the
     /// announcement came from, with the announced port.
+    ///
+    /// `piece_counts` holds the piece count of every announced blob the mirror knows the
+    /// manifest of; a bitset of another length for such a blob is refused.
     pub fn announce(
         &mut self,
         a: Announce,
         source: Option<IpAddr>,
+        piece_counts: &HashMap<Blake3Hash, u64>,
         now: Instant,
     ) -> Result<(AnnounceReply, u64), String> {
         if a.id.is_empty() || a.id.len() > MAX_ID_LEN {
@@ -144,19 +158,34 @@ impl PeerDirectory {
             None => None,
             Some(addr) => Some(reachable_addr(addr, source)?),
         };
+        let announced: u64 = a
+            .have
+            .values()
+            .chain(a.taking.values())
+            .fold(0u64, |n, w| n.saturating_add(w.count));
+        if announced > MAX_ANNOUNCED_PIECES {
+            return Err(format!(
+                "{announced} pieces in have and taking together, at most {MAX_ANNOUNCED_PIECES}"
+            ));
+        }
+        let bits = |field: &str, w: &PieceBitsWire, h: &Blake3Hash| {
+            if let Some(&n) = piece_counts.get(h) {
+                if w.count != n {
+                    return Err(format!(
+                        "{field}[{h}]: count {} but the blob has {n} pieces",
+                        w.count
+                    ));
+                }
+            }
+            PieceBits::from_wire(w).map_err(|e| format!("{field}[{h}]: {e}"))
+        };
         let mut have = HashMap::with_capacity(a.have.len());
         for (h, w) in &a.have {
-            have.insert(
-                *h,
-                PieceBits::from_wire(w).map_err(|e| format!("have[{h}]: {e}"))?,
-            );
+            have.insert(*h, bits("have", w, h)?);
         }
         let mut taking = HashMap::with_capacity(a.taking.len());
         for (h, w) in &a.taking {
-            taking.insert(
-                *h,
-                PieceBits::from_wire(w).map_err(|e| format!("taking[{h}]: {e}"))?,
-            );
+            taking.insert(*h, bits("taking", w, h)?);
         }
         self.expire(now);
         if !self.peers.contains_key(&a.id) && self.peers.len() >= self.max_peers {
@@ -204,11 +233,19 @@ impl PeerDirectory {
                 })
             })
             .collect();
-        if peers.len() > MAX_REPLY_PEERS {
-            use rand::seq::SliceRandom as _;
-            peers.shuffle(&mut rand::rng());
-            peers.truncate(MAX_REPLY_PEERS);
-        }
+        // A random subset within both bounds: it also spreads pullers over the holders.
+        use rand::seq::SliceRandom as _;
+        peers.shuffle(&mut rand::rng());
+        let mut bytes = 0usize;
+        peers.retain(|p| {
+            let size = view_size(p);
+            let keep = bytes + size <= MAX_REPLY_BYTES;
+            if keep {
+                bytes += size;
+            }
+            keep
+        });
+        peers.truncate(MAX_REPLY_PEERS);
         Ok((AnnounceReply { region, peers }, delta))
     }
 
@@ -236,6 +273,14 @@ impl PeerDirectory {
         out.sort();
         out
     }
+}
+
+/// About the JSON size of `v` in an answer.
+fn view_size(v: &PeerView) -> usize {
+    let bits = |m: &HashMap<Blake3Hash, PieceBitsWire>| -> usize {
+        m.values().map(|w| 64 + 40 + w.bits.len()).sum()
+    };
+    v.id.len() + v.addr.len() + 64 + bits(&v.have) + bits(&v.taking)
 }
 
 /// `addr` as other peers should dial it: an unspecified IP (`0.0.0.0`, `::`) is replaced by
@@ -289,13 +334,24 @@ mod tests {
         d.announce(
             ann("a", "", Some("127.0.0.1:1"), &[(h, bits.clone())]),
             None,
+            &HashMap::new(),
             now,
         )
         .unwrap();
-        d.announce(ann("b", "us", Some("127.0.0.1:2"), &[(h, bits)]), None, now)
-            .unwrap();
+        d.announce(
+            ann("b", "us", Some("127.0.0.1:2"), &[(h, bits)]),
+            None,
+            &HashMap::new(),
+            now,
+        )
+        .unwrap();
         let (reply, _) = d
-            .announce(ann("c", "eu", None, &[(h, PieceBits::empty(4))]), None, now)
+            .announce(
+                ann("c", "eu", None, &[(h, PieceBits::empty(4))]),
+                None,
+                &HashMap::new(),
+                now,
+            )
             .unwrap();
         assert_eq!(reply.peers.len(), 1);
         assert_eq!(reply.peers[0].addr, "127.0.0.1:1");
@@ -316,9 +372,14 @@ mod tests {
         taking.set(3);
         let mut a = ann("a", "", Some("127.0.0.1:1"), &[(h, PieceBits::empty(4))]);
         a.taking.insert(h, taking.to_wire());
-        d.announce(a, None, now).unwrap();
+        d.announce(a, None, &HashMap::new(), now).unwrap();
         let (reply, _) = d
-            .announce(ann("b", "", None, &[(h, PieceBits::empty(4))]), None, now)
+            .announce(
+                ann("b", "", None, &[(h, PieceBits::empty(4))]),
+                None,
+                &HashMap::new(),
+                now,
+            )
             .unwrap();
         assert_eq!(reply.peers.len(), 1);
         assert!(reply.peers[0].have.is_empty());
@@ -332,15 +393,18 @@ mod tests {
         let mut d = PeerDirectory::new("eu", 1, Duration::from_secs(10));
         let mut a = ann("a", "", None, &[]);
         a.bytes_from_peers = 100;
-        assert_eq!(d.announce(a.clone(), None, now).unwrap().1, 100);
+        assert_eq!(
+            d.announce(a.clone(), None, &HashMap::new(), now).unwrap().1,
+            100
+        );
         a.bytes_from_peers = 150;
-        assert_eq!(d.announce(a, None, now).unwrap().1, 50);
+        assert_eq!(d.announce(a, None, &HashMap::new(), now).unwrap().1, 50);
         assert!(d
-            .announce(ann("b", "", None, &[]), None, now)
+            .announce(ann("b", "", None, &[]), None, &HashMap::new(), now)
             .unwrap_err()
             .contains("full"));
         let bad = ann("c", "", Some("not an address"), &[]);
-        assert!(d.announce(bad, None, now).is_err());
+        assert!(d.announce(bad, None, &HashMap::new(), now).is_err());
     }
 
     #[test]
@@ -358,12 +422,18 @@ mod tests {
                     &[(h, PieceBits::full(2))],
                 ),
                 None,
+                &HashMap::new(),
                 now,
             )
             .unwrap();
         }
         let (reply, _) = d
-            .announce(ann("me", "", None, &[(h, PieceBits::empty(2))]), None, now)
+            .announce(
+                ann("me", "", None, &[(h, PieceBits::empty(2))]),
+                None,
+                &HashMap::new(),
+                now,
+            )
             .unwrap();
         assert_eq!(reply.peers.len(), MAX_REPLY_PEERS);
     }
@@ -375,25 +445,80 @@ mod tests {
         let mut d = PeerDirectory::new("eu", 8, Duration::from_secs(10));
         let src: IpAddr = "10.1.2.3".parse().unwrap();
         let a = ann("a", "", Some("0.0.0.0:8701"), &[(h, PieceBits::full(2))]);
-        d.announce(a, Some(src), now).unwrap();
+        d.announce(a, Some(src), &HashMap::new(), now).unwrap();
         let v6 = ann("b", "", Some("[::]:8702"), &[(h, PieceBits::full(2))]);
         let mapped: IpAddr = "::ffff:10.1.2.4".parse().unwrap();
-        d.announce(v6, Some(mapped), now).unwrap();
+        d.announce(v6, Some(mapped), &HashMap::new(), now).unwrap();
         // A specified address is kept as announced.
         let c = ann("c", "", Some("10.9.9.9:8703"), &[(h, PieceBits::full(2))]);
-        d.announce(c, Some(src), now).unwrap();
+        d.announce(c, Some(src), &HashMap::new(), now).unwrap();
         assert_eq!(
             d.holders("eu", &h, 0, now),
             ["10.1.2.3:8701", "10.1.2.4:8702", "10.9.9.9:8703"]
         );
         let (reply, _) = d
-            .announce(ann("me", "", None, &[(h, PieceBits::empty(2))]), None, now)
+            .announce(
+                ann("me", "", None, &[(h, PieceBits::empty(2))]),
+                None,
+                &HashMap::new(),
+                now,
+            )
             .unwrap();
         assert!(reply.peers.iter().all(|p| !p.addr.starts_with("0.0.0.0")));
         let unknown = ann("d", "", Some("0.0.0.0:8704"), &[]);
         assert!(d
-            .announce(unknown, None, now)
+            .announce(unknown, None, &HashMap::new(), now)
             .unwrap_err()
             .contains("unspecified"));
+    }
+
+    #[test]
+    fn oversized_or_miscounted_bitsets_are_refused_and_answers_stay_bounded() {
+        let h = Blake3Hash::of(b"blob");
+        let other = Blake3Hash::of(b"other");
+        let now = Instant::now();
+        let mut d = PeerDirectory::new("eu", 1000, Duration::from_secs(10));
+        let known: HashMap<Blake3Hash, u64> = [(h, 13)].into_iter().collect();
+        // A known blob: the count must be its piece count.
+        let wrong = ann(
+            "w",
+            "",
+            Some("127.0.0.1:1"),
+            &[(h, PieceBits::full(1 << 16))],
+        );
+        let e = d.announce(wrong, None, &known, now).unwrap_err();
+        assert!(e.contains("13 pieces"), "{e}");
+        // Too many pieces in all, known or not.
+        let huge = ann(
+            "x",
+            "",
+            Some("127.0.0.1:1"),
+            &[(other, PieceBits::full(1 << 21))],
+        );
+        let e = d.announce(huge, None, &known, now).unwrap_err();
+        assert!(e.contains("at most"), "{e}");
+        // Peers with the largest bitsets allowed for an unknown blob: the answer stays small.
+        for i in 0..12 {
+            let addr = format!("127.0.0.1:{}", 2000 + i);
+            let big = ann(
+                &format!("p{i}"),
+                "",
+                Some(&addr),
+                &[(other, PieceBits::full(MAX_ANNOUNCED_PIECES))],
+            );
+            d.announce(big, None, &known, now).unwrap();
+        }
+        let (reply, _) = d
+            .announce(
+                ann("me", "", None, &[(other, PieceBits::empty(8))]),
+                None,
+                &known,
+                now,
+            )
+            .unwrap();
+        let size = serde_json::to_vec(&reply).unwrap().len();
+        assert!(!reply.peers.is_empty() && reply.peers.len() < 12);
+        assert!(size <= MAX_REPLY_BYTES + 4096, "{size} bytes");
+        assert!(d.len() <= 1000);
     }
 }

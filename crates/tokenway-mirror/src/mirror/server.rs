@@ -365,12 +365,15 @@ fn announce(
     a: Announce,
     source: Option<std::net::IpAddr>,
 ) -> Result<Response<Body>, ServeError> {
+    let counts = m
+        .manifests
+        .piece_counts(a.have.keys().chain(a.taking.keys()));
     let mut dir = m
         .peers
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let (reply, delta) = dir
-        .announce(a, source, Instant::now())
+        .announce(a, source, &counts, Instant::now())
         .map_err(|e| ServeError::bad_request(format!("announcement refused: {e}")))?;
     m.metrics.bytes_from_peers.inc_by(delta);
     m.metrics
