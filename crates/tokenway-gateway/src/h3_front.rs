@@ -31,6 +31,12 @@ use crate::proxy::is_event_stream;
 use crate::service::{self, Transport};
 use crate::state::Shared;
 
+/// Largest request head accepted, as on the HTTP/1.1 front: the field section's size
+/// (RFC 9114 section 4.2.2, advertised in SETTINGS) and the largest HEADERS frame buffered; a
+/// frame announcing more closes the connection with H3_EXCESSIVE_LOAD before its payload is
+/// read.
+const MAX_HEAD_BYTES: u64 = 64 * 1024;
+
 type SendHalf = RequestStream<h3_quinn_prio::SendStream<Bytes>, Bytes>;
 type RecvHalf = RequestStream<h3_quinn_prio::RecvStream, Bytes>;
 
@@ -117,6 +123,7 @@ async fn connection(
     let priorities = h3_conn.priorities();
     let mut h3 = h3::server::builder()
         .enable_extended_connect(false)
+        .max_field_section_size(MAX_HEAD_BYTES)
         .build::<_, Bytes>(h3_conn)
         .await
         .map_err(|e| e.to_string())?;
@@ -127,15 +134,25 @@ async fn connection(
                 let priorities = priorities.clone();
                 let rate = rate.clone();
                 tokio::spawn(async move {
-                    match resolver.resolve_request().await {
-                        Ok((req, stream)) => {
+                    // A stream that never completes its head holds no task past the client read
+                    // timeout (dropping the resolver stops the stream).
+                    let head = tokio::time::timeout(
+                        shared.config.timeouts.client_read(),
+                        resolver.resolve_request(),
+                    )
+                    .await;
+                    match head {
+                        Ok(Ok((req, stream))) => {
                             let prio = StreamPriority {
                                 map: priorities,
                                 id: stream.id(),
                             };
                             request(req, stream, prio, shared, front, remote, rate).await
                         }
-                        Err(e) => tracing::debug!(%remote, error = %e, "bad HTTP/3 request"),
+                        Ok(Err(e)) => tracing::debug!(%remote, error = %e, "bad HTTP/3 request"),
+                        Err(_) => {
+                            tracing::debug!(%remote, "HTTP/3 request head not complete in time")
+                        }
                     }
                 });
             }

@@ -13,7 +13,7 @@ use crate::stream::{BufRecvStream, WriteBuf};
 use crate::{
     buf::BufList,
     proto::{
-        frame::{self, Frame, PayloadLen},
+        frame::{self, Frame, FrameType, PayloadLen},
         stream::StreamId,
     },
     quic::{BidiStream, RecvStream, SendStream},
@@ -32,6 +32,17 @@ impl<S, B> FrameStream<S, B> {
         Self {
             stream,
             decoder: FrameDecoder::default(),
+            remaining_data: 0,
+        }
+    }
+
+    /// tokenway: a frame stream that refuses any frame but DATA whose payload is over
+    /// `max_payload` bytes (request streams pass the connection's `max_field_section_size`, so a
+    /// HEADERS frame is never buffered beyond it).
+    pub fn with_max_payload(stream: BufRecvStream<S, B>, max_payload: u64) -> Self {
+        Self {
+            stream,
+            decoder: FrameDecoder::with_max_payload(max_payload),
             remaining_data: 0,
         }
     }
@@ -77,7 +88,8 @@ where
                     Poll::Ready(false) => continue,
                     Poll::Pending => Poll::Pending,
                     Poll::Ready(true) => {
-                        if self.stream.buf_mut().has_remaining() {
+                        // tokenway: ending inside a skipped frame is ending inside a frame.
+                        if self.stream.buf_mut().has_remaining() || self.decoder.skip > 0 {
                             // Reached the end of receive stream, but there is still some data:
                             // The frame is incomplete.
                             Poll::Ready(Err(FrameStreamError::UnexpectedEnd))
@@ -202,12 +214,42 @@ where
     }
 }
 
-#[derive(Default)]
+/// tokenway: the largest payload of a frame other than DATA that a decoder buffers unless told
+/// otherwise (control-stream frames such as SETTINGS and GOAWAY are a few bytes).
+pub const DEFAULT_MAX_FRAME_PAYLOAD: u64 = 64 * 1024;
+
+/// Decodes frames from a stream's buffered bytes.
+///
+/// tokenway: upstream buffered any frame but DATA until its whole payload had arrived, whatever
+/// length its header announced, and the QUIC layer returned flow-control credit as the bytes were
+/// buffered: one stream announcing a 2^40-byte frame could make a peer buffer without end. Here
+/// a known frame (HEADERS, SETTINGS, ...) over `max_payload` is refused as soon as its header is
+/// read (H3_EXCESSIVE_LOAD), and the payload of an unknown or grease frame, which has no meaning
+/// (RFC 9114 section 7.2.8), is discarded as it arrives instead of being buffered.
 pub struct FrameDecoder {
     expected: Option<usize>,
+    /// tokenway: payload bytes of an unknown frame still to be discarded.
+    skip: u64,
+    /// tokenway: the largest payload of a frame other than DATA that is buffered.
+    max_payload: u64,
+}
+
+impl Default for FrameDecoder {
+    fn default() -> Self {
+        Self::with_max_payload(DEFAULT_MAX_FRAME_PAYLOAD)
+    }
 }
 
 impl FrameDecoder {
+    /// tokenway: a decoder that refuses frames other than DATA with a payload over `max_payload`.
+    pub fn with_max_payload(max_payload: u64) -> Self {
+        Self {
+            expected: None,
+            skip: 0,
+            max_payload,
+        }
+    }
+
     fn decode<B: Buf>(
         &mut self,
         src: &mut BufList<B>,
@@ -215,6 +257,18 @@ impl FrameDecoder {
         // Decode in a loop since we ignore unknown frames, and there may be
         // other frames already in our BufList.
         loop {
+            // tokenway: the rest of an unknown frame is dropped as it arrives.
+            if self.skip > 0 {
+                let n = usize::try_from(self.skip)
+                    .unwrap_or(usize::MAX)
+                    .min(src.remaining());
+                src.advance(n);
+                self.skip -= n as u64;
+                if self.skip > 0 {
+                    return Ok(None);
+                }
+            }
+
             if !src.has_remaining() {
                 return Ok(None);
             }
@@ -222,6 +276,26 @@ impl FrameDecoder {
             if let Some(min) = self.expected {
                 if src.remaining() < min {
                     return Ok(None);
+                }
+            }
+
+            // tokenway: judge the frame by its header before any of its payload is buffered.
+            let head = frame::FrameHead::peek(&mut src.cursor());
+            if let Some(head) = head {
+                if !head.ty.is_known() {
+                    #[cfg(feature = "tracing")]
+                    trace!("ignore unknown frame type {:#x}", head.ty.value());
+                    src.advance(head.head_len);
+                    self.skip = head.len;
+                    self.expected = None;
+                    continue;
+                }
+                if head.ty != FrameType::DATA && head.len > self.max_payload {
+                    return Err(FrameStreamError::Proto(FrameProtocolError::TooLarge {
+                        ty: head.ty.value(),
+                        len: head.len,
+                        max: self.max_payload,
+                    }));
                 }
             }
 
@@ -301,6 +375,12 @@ pub enum FrameProtocolError {
     Settings(SettingsError),
     InvalidStreamId(InvalidStreamId),
     InvalidPushId(InvalidPushId),
+    /// tokenway: a frame other than DATA announced a payload over the decoder's limit.
+    TooLarge {
+        ty: u64,
+        len: u64,
+        max: u64,
+    },
 }
 
 #[cfg(test)]
@@ -546,6 +626,100 @@ mod tests {
             |cx| to_bytes(stream.poll_data(cx)),
             Ok(Some(b)) if &*b == b"body"
         );
+    }
+
+    // tokenway: the frame payload limit.
+
+    #[test]
+    fn headers_frame_over_the_limit_is_refused_from_its_header() {
+        let mut buf = BytesMut::with_capacity(16);
+        FrameType::HEADERS.encode(&mut buf);
+        VarInt::from_u64(1 << 40)
+            .expect("a varint")
+            .encode(&mut buf);
+        buf.put_slice(b"abc");
+        let mut buf = BufList::from(buf);
+
+        let mut decoder = FrameDecoder::with_max_payload(1024);
+        assert_matches!(
+            decoder.decode(&mut buf),
+            Err(FrameStreamError::Proto(FrameProtocolError::TooLarge {
+                ty: 1,
+                len: 1099511627776,
+                max: 1024
+            }))
+        );
+        assert_eq!(
+            crate::error::internal_error::InternalConnectionError::got_frame_error(
+                FrameProtocolError::TooLarge {
+                    ty: 1,
+                    len: 1 << 40,
+                    max: 1024
+                }
+            )
+            .code,
+            Code::H3_EXCESSIVE_LOAD
+        );
+    }
+
+    #[test]
+    fn headers_frame_at_the_limit_is_decoded() {
+        let mut buf = BytesMut::with_capacity(1100);
+        Frame::headers(vec![b'x'; 1024]).encode_with_payload(&mut buf);
+        let mut buf = BufList::from(buf);
+
+        let mut decoder = FrameDecoder::with_max_payload(1024);
+        assert_matches!(decoder.decode(&mut buf), Ok(Some(Frame::Headers(h))) if h.len() == 1024);
+    }
+
+    #[test]
+    fn data_frames_are_not_limited() {
+        let mut buf = BytesMut::with_capacity(16);
+        FrameType::DATA.encode(&mut buf);
+        VarInt::from_u64(1 << 40)
+            .expect("a varint")
+            .encode(&mut buf);
+        let mut buf = BufList::from(buf);
+
+        let mut decoder = FrameDecoder::with_max_payload(1024);
+        assert_matches!(
+            decoder.decode(&mut buf),
+            Ok(Some(Frame::Data(PayloadLen(len)))) if len == 1 << 40
+        );
+    }
+
+    #[test]
+    fn an_unknown_frame_is_discarded_as_it_arrives_not_buffered() {
+        let mut decoder = FrameDecoder::with_max_payload(1024);
+        let mut head = BytesMut::with_capacity(16);
+        FrameType::RESERVED.encode(&mut head);
+        VarInt::from_u64(1 << 40)
+            .expect("a varint")
+            .encode(&mut head);
+        let mut buf = BufList::new();
+        buf.push(head.freeze());
+        assert_matches!(decoder.decode(&mut buf), Ok(None));
+        for _ in 0..64 {
+            buf.push(Bytes::from(vec![0u8; 64 * 1024]));
+            assert_matches!(decoder.decode(&mut buf), Ok(None));
+            assert_eq!(buf.remaining(), 0, "the unknown frame's payload was kept");
+        }
+        assert_eq!(decoder.skip, (1 << 40) - 64 * 64 * 1024);
+
+        // A short unknown frame followed by HEADERS: the HEADERS frame is decoded.
+        let mut decoder = FrameDecoder::with_max_payload(1024);
+        let mut buf = BytesMut::with_capacity(64);
+        FrameType::RESERVED.encode(&mut buf);
+        VarInt::from(5u32).encode(&mut buf);
+        buf.put_slice(b"gre");
+        let mut list = BufList::new();
+        list.push(buf.freeze());
+        assert_matches!(decoder.decode(&mut list), Ok(None));
+        let mut rest = BytesMut::with_capacity(64);
+        rest.put_slice(b"as");
+        Frame::headers(&b"salut"[..]).encode_with_payload(&mut rest);
+        list.push(rest.freeze());
+        assert_matches!(decoder.decode(&mut list), Ok(Some(Frame::Headers(_))));
     }
 
     #[tokio::test]

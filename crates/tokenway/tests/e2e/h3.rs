@@ -332,3 +332,65 @@ async fn a_cancelled_http3_request_releases_its_backend_slot_at_once() {
         let _ = client.wait();
     }
 }
+
+/// Opens a request stream whose HEADERS frame announces 2^40 bytes, sends `arg` MiB of its
+/// "payload", and prints the error code the server closed the connection with (or `open`).
+const BLOATED_HEAD_CLIENT: &str = r#"sid = cl._quic.get_next_available_stream_id()
+cl._quic.send_stream_data(sid, bytes.fromhex('01c000010000000000'))
+chunk = os.urandom(64 * 1024)
+for _ in range(int(arg) * 16):
+    if cl._quic._close_event is not None:
+        break
+    try:
+        cl._quic.send_stream_data(sid, chunk)
+    except RuntimeError:
+        break
+    cl.transmit()
+    await asyncio.sleep(0)
+try:
+    await asyncio.wait_for(cl.wait_closed(), 10)
+except asyncio.TimeoutError:
+    pass
+ev = cl._quic._close_event
+print('open' if ev is None else ev.error_code, flush=True)"#;
+
+#[tokio::test]
+async fn a_headers_frame_announcing_more_than_the_head_limit_closes_the_connection() {
+    if !have_aioquic() {
+        return;
+    }
+    let backend = sim(FAST_SIM);
+    let gw = quic_gateway(&backend, "");
+    let fronts = [
+        ("public", gw.extra("h3").expect("h3 front")),
+        ("tunnel", gw.extra("tunnel").expect("tunnel port")),
+    ];
+    for (front, addr) in fronts {
+        let client = aioquic_client(addr, BLOATED_HEAD_CLIENT, "8");
+        let out = tokio::task::spawn_blocking(move || client.wait_with_output())
+            .await
+            .expect("join")
+            .expect("the client runs");
+        let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        // H3_EXCESSIVE_LOAD (RFC 9114 section 8.1), without a token on the tunnel port too:
+        // the frame is refused from its header, before any of its payload is kept.
+        assert_eq!(
+            said,
+            "263",
+            "{front}: the connection was not closed with H3_EXCESSIVE_LOAD: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // The gateway still serves.
+    let body = chat("still there", true, 4);
+    let Some(r) = h3(
+        fronts[0].1,
+        "POST",
+        "/v1/chat/completions",
+        Some(&body),
+        &[],
+    ) else {
+        return;
+    };
+    assert_eq!(r["status"], 200, "{r}");
+}

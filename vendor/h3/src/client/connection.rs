@@ -216,7 +216,11 @@ where
 
         let request_stream = RequestStream {
             inner: connection::RequestStream::new(
-                FrameStream::new(BufRecvStream::new(stream)),
+                // tokenway: no frame but DATA is buffered beyond the field section limit.
+                FrameStream::with_max_payload(
+                    BufRecvStream::new(stream),
+                    self.max_field_section_size,
+                ),
                 self.max_field_section_size,
                 self.conn_state.clone(),
                 self.send_grease_frame,

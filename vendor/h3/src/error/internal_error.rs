@@ -57,6 +57,11 @@ impl InternalConnectionError {
             //# after the identified fields or a frame payload that terminates before
             //# the end of the identified fields MUST be treated as a connection
             //# error of type H3_FRAME_ERROR.
+            // tokenway: RFC 9114 section 10.5 (a peer that makes us buffer without bound).
+            FrameProtocolError::TooLarge { ty, len, max } => InternalConnectionError {
+                code: Code::H3_EXCESSIVE_LOAD,
+                message: format!("frame 0x{:x} announces {} payload bytes, over the limit of {}", ty, len, max),
+            },
             FrameProtocolError::InvalidFrameValue | FrameProtocolError::Malformed => InternalConnectionError {
                 code: Code::H3_FRAME_ERROR,
                 message: "frame payload that contains additional bytes after the identified fields or a frame payload that terminates before the end of the identified fields".to_string(),

@@ -322,7 +322,62 @@ impl FrameType {
 #[derive(Copy, Clone, Eq, PartialEq, Debug)]
 pub struct FrameType(u64);
 
+/// tokenway: a frame header read ahead of its payload, so a decoder can refuse (or discard
+/// without buffering) a payload before it arrives.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub(crate) struct FrameHead {
+    pub(crate) ty: FrameType,
+    /// The payload length the header announces.
+    pub(crate) len: u64,
+    /// The bytes of the header itself (type and length).
+    pub(crate) head_len: usize,
+}
+
+impl FrameHead {
+    /// tokenway: reads the type and length of the frame at the start of `buf`, without the
+    /// payload. `None` while the header is incomplete, and for `WEBTRANSPORT_BI_STREAM`, which has
+    /// no length.
+    pub(crate) fn peek<B: Buf>(buf: &mut B) -> Option<Self> {
+        let before = buf.remaining();
+        let ty = FrameType::decode(buf).ok()?;
+        if ty == FrameType::WEBTRANSPORT_BI_STREAM {
+            return None;
+        }
+        let len = buf.get_var().ok()?;
+        Some(Self {
+            ty,
+            len,
+            head_len: before - buf.remaining(),
+        })
+    }
+}
+
 impl FrameType {
+    /// tokenway: whether this is a type `Frame::decode` reads (every other type, grease
+    /// included, is ignored: RFC 9114 section 7.2.8).
+    pub(crate) fn is_known(self) -> bool {
+        matches!(
+            self,
+            FrameType::DATA
+                | FrameType::HEADERS
+                | FrameType::H2_PRIORITY
+                | FrameType::CANCEL_PUSH
+                | FrameType::SETTINGS
+                | FrameType::PUSH_PROMISE
+                | FrameType::H2_PING
+                | FrameType::GOAWAY
+                | FrameType::H2_WINDOW_UPDATE
+                | FrameType::H2_CONTINUATION
+                | FrameType::MAX_PUSH_ID
+                | FrameType::WEBTRANSPORT_BI_STREAM
+        )
+    }
+
+    /// tokenway: the type's number.
+    pub(crate) fn value(self) -> u64 {
+        self.0
+    }
+
     fn decode<B: Buf>(buf: &mut B) -> Result<Self, UnexpectedEnd> {
         Ok(FrameType(buf.get_var()?))
     }
