@@ -18,7 +18,7 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri};
 use http_body_util::{BodyExt, Empty, Full};
 use tokenway_telemetry::quic::QuicMetrics;
-use tokenway_transport::client::{ClientBody, RequestError, ZeroRtt};
+use tokenway_transport::client::{ClientBody, RequestError};
 use tokenway_transport::dial::{Conn, Dialer, Target};
 use tokio::sync::{watch, Notify};
 
@@ -362,25 +362,17 @@ async fn health_rtt(conn: &Conn) -> Option<Duration> {
     Some(start.elapsed())
 }
 
-async fn quic_established(conn: &Conn) -> bool {
-    let Conn::Quic(q) = conn else { return false };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while q.zero_rtt() == ZeroRtt::Pending && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    !q.is_closed() && q.zero_rtt() != ZeroRtt::Pending
-}
-
 /// While link `i` is on the TCP fallback: tries QUIC once and, when the handshake completes,
 /// moves new requests to it (requests in flight finish on TCP).
 async fn reprobe_quic(tunnel: std::sync::Weak<Tunnel>, i: usize) {
     let Some(t) = tunnel.upgrade() else { return };
     let link = t.links[i].clone();
     let last_rtt = *lock(&link.last_rtt);
+    // `quic` returns once the gateway has answered (a 0-RTT connection's handshake completed).
     if let Ok(q) = t.dialer.quic(&link.target, last_rtt).await {
         // Only replace a TCP connection (or none); a link that meanwhile got QUIC keeps it.
         let on_tcp = link.current().is_none_or(|c| !c.is_quic());
-        if on_tcp && quic_established(&q).await {
+        if on_tcp && !q.is_closed() {
             tracing::info!(gateway = %link.target.name, "QUIC works again; new requests move back to it");
             t.set_conn(i, Some(q));
         }
@@ -398,17 +390,38 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
         match link.current() {
             None => {
                 let last_rtt = *lock(&link.last_rtt);
-                match t.dialer.race(&link.target, last_rtt).await {
+                // A 0-RTT QUIC connection carries requests at once, as early data, while the
+                // race goes on: it wins only when the gateway answers its handshake, and TCP
+                // still joins after the head start.
+                let mut early = None;
+                let raced = t
+                    .dialer
+                    .race_early(&link.target, last_rtt, |c| {
+                        tracing::debug!(gateway = %link.target.name, "0-RTT connection in use before its handshake completes");
+                        t.set_conn(i, Some(c.clone()));
+                        early = Some(c.clone());
+                    })
+                    .await;
+                match raced {
                     Ok(c) => {
                         tracing::info!(gateway = %link.target.name, transport = c.transport_label(), "tunnel connected");
                         if !c.is_quic() {
                             next_quic_try = Instant::now() + t.quic_retry;
                         }
-                        t.set_conn(i, Some(c));
+                        t.set_conn(i, Some(c.clone()));
+                        // TCP won against an unanswered 0-RTT connection: closing it fails its
+                        // requests as retryable, and they go again over TCP.
+                        if let Some(e) = early.filter(|e| !e.same(&c)) {
+                            e.close();
+                        }
                         backoff = Duration::from_millis(100);
                         continue;
                     }
                     Err(e) => {
+                        if let Some(early) = early {
+                            early.close();
+                            t.report_failure(i, &early);
+                        }
                         tracing::warn!(gateway = %link.target.name, error = %e, "cannot reach the gateway");
                         let wait = backoff;
                         backoff = (backoff * 2).min(MAX_BACKOFF);

@@ -9,7 +9,9 @@
 //! restarts stream numbering; the HTTP/3 session is then rebuilt on the same (now 1-RTT)
 //! connection, and requests that were in flight fail with a retryable error. A 0-RTT connection
 //! whose handshake does not finish within the connect timeout is closed, so a path that stopped
-//! carrying UDP is given up instead of swallowing requests.
+//! carrying UDP is given up instead of swallowing requests. Until its handshake completes such a
+//! connection is usable but not established ([`QuicClient::established`]): nothing has come
+//! back from the gateway yet.
 //!
 //! Priority: a request whose body is known to exceed [`BULK_BODY_BYTES`] is uploaded as
 //! [`Priority::Bulk`], every other one as [`Priority::Interactive`], so a short message is not
@@ -318,6 +320,31 @@ impl QuicClient {
         *self.inner.zero_rtt.borrow()
     }
 
+    /// Waits until the gateway has answered: at once after a full handshake; for a 0-RTT
+    /// connection, until its handshake completed (whether the early data was accepted or not).
+    /// A 0-RTT connection is usable before that, but nothing says yet that the gateway exists
+    /// or that UDP gets through, so it must not count as established (a dialer that did let a
+    /// dead QUIC path win its race against TCP). Errs when the handshake never completed.
+    pub async fn established(&self) -> Result<(), TransportError> {
+        let mut zero = self.inner.zero_rtt.clone();
+        let state = match zero.wait_for(|z| *z != ZeroRtt::Pending).await {
+            Ok(z) => *z,
+            // The handshake task ended without a verdict.
+            Err(_) => ZeroRtt::Failed,
+        };
+        let why = match (state, self.inner.conn.close_reason()) {
+            (ZeroRtt::Failed, _) => self
+                .handshake_error()
+                .unwrap_or_else(|| "the QUIC handshake did not complete".to_string()),
+            (_, Some(reason)) => format!("QUIC connection closed: {reason}"),
+            (_, None) => return Ok(()),
+        };
+        Err(TransportError::Connect {
+            addr: self.inner.conn.remote_address(),
+            message: why,
+        })
+    }
+
     /// Closes the connection at once.
     pub fn close(&self) {
         self.inner.conn.close(0u32.into(), b"");
@@ -418,11 +445,16 @@ impl QuicClient {
                     )
                     .await;
                 }
-                let rejected = started_early
-                    && matches!(
-                        *self.inner.zero_rtt.borrow(),
-                        ZeroRtt::Rejected | ZeroRtt::Failed
-                    );
+                let verdict = *self.inner.zero_rtt.borrow();
+                let rejected =
+                    started_early && matches!(verdict, ZeroRtt::Rejected | ZeroRtt::Failed);
+                // quinn fails every early stream of a connection whose handshake never completed
+                // with "0-RTT rejected", although nothing answered: say what happened instead.
+                let message = if started_early && verdict == ZeroRtt::Failed {
+                    self.early_data_lost()
+                } else {
+                    message
+                };
                 Err(RequestError::new(
                     message,
                     retryable || rejected || self.is_closed(),

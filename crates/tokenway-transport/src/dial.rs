@@ -6,6 +6,14 @@
 //! by TCP is counted as a fallback. Moving back to QUIC later is the caller's job
 //! ([`Dialer::quic`] in the background, then swapping connections), since only the caller knows
 //! when requests may move.
+//!
+//! A QUIC connection resumed with 0-RTT can carry requests before the gateway has answered, but
+//! it is established only once its handshake completes ([`QuicClient::established`]): with UDP
+//! blocked or the gateway down, a resumption ticket alone would otherwise win every race and TCP
+//! would never be tried. So [`Dialer::race_early`] hands such a connection to the caller at once
+//! (early requests go out as 0-RTT data) and goes on racing: TCP still joins after the head
+//! start, and when TCP wins the caller closes the early connection, whose requests then fail as
+//! retryable and go again over TCP.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,7 +24,7 @@ use http::{Request, Response};
 use hyper::body::Body;
 use tokenway_telemetry::quic::{PeerLabels, QuicMetrics};
 
-use crate::client::{BoxError, ClientBody, QuicClient, QuicConnect, RequestError};
+use crate::client::{BoxError, ClientBody, QuicClient, QuicConnect, RequestError, ZeroRtt};
 use crate::error::TransportError;
 use crate::fallback::TcpClient;
 use crate::settings::QuicSettings;
@@ -131,11 +139,22 @@ impl Dialer {
         }
     }
 
-    /// A QUIC connection to `target`.
+    /// An established QUIC connection to `target` (a 0-RTT one once its handshake completed).
     pub async fn quic(
         &self,
         target: &Target,
         initial_rtt: Option<Duration>,
+    ) -> Result<Conn, TransportError> {
+        self.quic_early(target, initial_rtt, |_| {}).await
+    }
+
+    /// [`quic`](Self::quic), handing a 0-RTT connection to `early` as soon as it can carry
+    /// requests, before its handshake completes.
+    pub async fn quic_early(
+        &self,
+        target: &Target,
+        initial_rtt: Option<Duration>,
+        early: impl FnOnce(&Conn),
     ) -> Result<Conn, TransportError> {
         let addr = target.quic.ok_or_else(|| {
             TransportError::Config(format!("gateway {} has no quic address", target.name))
@@ -152,9 +171,14 @@ impl Dialer {
             timeout: self.connect_timeout,
         })
         .await?;
+        let client = Arc::new(client);
+        if client.zero_rtt() == ZeroRtt::Pending {
+            early(&Conn::Quic(client.clone()));
+        }
+        client.established().await?;
         // QUIC works again: the next race gives it its head start.
         self.mark(target, false);
-        Ok(Conn::Quic(Arc::new(client)))
+        Ok(Conn::Quic(client))
     }
 
     /// An HTTP/2-over-TLS connection to `target`.
@@ -180,8 +204,20 @@ impl Dialer {
         target: &Target,
         initial_rtt: Option<Duration>,
     ) -> Result<Conn, TransportError> {
+        self.race_early(target, initial_rtt, |_| {}).await
+    }
+
+    /// [`race`](Self::race), handing a 0-RTT QUIC connection to `early` as soon as it can carry
+    /// requests. It wins only once its handshake completes; if TCP wins instead (or QUIC fails),
+    /// the caller should close the connection it got from `early`.
+    pub async fn race_early(
+        &self,
+        target: &Target,
+        initial_rtt: Option<Duration>,
+        early: impl FnOnce(&Conn),
+    ) -> Result<Conn, TransportError> {
         match (target.quic.is_some(), target.tcp.is_some()) {
-            (true, false) => return self.quic(target, initial_rtt).await,
+            (true, false) => return self.quic_early(target, initial_rtt, early).await,
             (false, true) => return self.tcp(target).await,
             (false, false) => {
                 return Err(TransportError::Config(format!(
@@ -196,7 +232,7 @@ impl Dialer {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .contains(&target.name);
-        let quic = self.quic(target, initial_rtt);
+        let quic = self.quic_early(target, initial_rtt, early);
         tokio::pin!(quic);
         let head_start = tokio::time::sleep(if remembered {
             Duration::ZERO

@@ -711,3 +711,89 @@ async fn an_app_that_leaves_mid_request_through_the_tunnel_releases_the_backend_
     .await;
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+/// A UDP relay for one client in front of `to`, dropping every datagram both ways while the
+/// returned flag is set (UDP blocked on the path, TCP untouched).
+async fn udp_relay(to: SocketAddr) -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    use std::sync::atomic::Ordering;
+    let front = tokio::net::UdpSocket::bind("127.0.0.1:0")
+        .await
+        .expect("bind the relay");
+    let back = tokio::net::UdpSocket::bind("127.0.0.1:0")
+        .await
+        .expect("bind the relay's upstream socket");
+    back.connect(to).await.expect("connect the relay upstream");
+    let addr = front.local_addr().expect("relay address");
+    let blocked = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = blocked.clone();
+    tokio::spawn(async move {
+        let (mut up, mut down) = (vec![0u8; 65536], vec![0u8; 65536]);
+        let mut client = None;
+        loop {
+            tokio::select! {
+                r = front.recv_from(&mut up) => if let Ok((n, from)) = r {
+                    client = Some(from);
+                    if !flag.load(Ordering::Relaxed) {
+                        let _ = back.send(&up[..n]).await;
+                    }
+                },
+                r = back.recv(&mut down) => if let (Ok(n), Some(c)) = (r, client) {
+                    if !flag.load(Ordering::Relaxed) {
+                        let _ = front.send_to(&down[..n], c).await;
+                    }
+                },
+            }
+        }
+    });
+    (addr, blocked)
+}
+
+#[tokio::test]
+async fn with_udp_blocked_a_resumption_ticket_does_not_keep_the_edge_off_tcp() {
+    let backend = sim(FAST_SIM);
+    let mut gw = tunnel_gateway(&backend, "", "");
+    let (relay, blocked) = udp_relay(tunnel_addr(&gw)).await;
+    let edge = edge(&edge_config(
+        &fingerprint(&gw),
+        relay,
+        gw.tls_addr,
+        "connect_timeout_ms = 1000",
+        "",
+    ));
+    let url = format!("{}/v1/chat/completions", edge.url());
+    let reconnect = format!("{}/admin/reconnect", edge.url());
+    // Over QUIC, then once more on a resumed connection: the edge holds resumption tickets.
+    for i in 0..2 {
+        let r = post(&url, &chat(&format!("quic {i}"), true, 4), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(post(&reconnect, "", None).await.status, 200);
+    }
+    let text = metrics(&edge).await;
+    assert_eq!(
+        metric_sum(&text, "tokenway_tcp_fallback_total"),
+        0.0,
+        "{text}"
+    );
+
+    // UDP now goes nowhere; the edge redials with a ticket, so its QUIC connection is usable at
+    // once (0-RTT) but nothing ever answers it. TCP must still join the race and carry the
+    // requests.
+    blocked.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(post(&reconnect, "", None).await.status, 200);
+    for i in 0..3 {
+        let r = post(&url, &chat(&format!("blocked {i}"), true, 4), None).await;
+        assert_eq!(r.status, 200, "request {i} with UDP blocked: {}", r.body);
+    }
+    let text = metrics(&edge).await;
+    assert!(
+        metric_sum(&text, "tokenway_tcp_fallback_total") >= 1.0,
+        "{text}"
+    );
+
+    // The gateway gone as well: the answer says nothing answered, not that 0-RTT was rejected.
+    gw.kill();
+    assert_eq!(post(&reconnect, "", None).await.status, 200);
+    let r = post(&url, &chat("nobody there", true, 4), None).await;
+    assert_eq!(r.status, 502, "{}", r.body);
+    assert!(!r.body.contains("0-RTT rejected"), "{}", r.body);
+}
