@@ -117,6 +117,9 @@ fn default_server_name() -> String {
     "localhost".into()
 }
 
+/// The shortest tunnel token the gateway accepts (its `tunnel.tokens` rule).
+pub const MIN_TOKEN_LEN: usize = 16;
+
 fn is_host_port(s: &str) -> bool {
     match s.rsplit_once(':') {
         Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0),
@@ -137,6 +140,18 @@ impl EdgeConfig {
         let bad = |m: String| Err(EdgeError::Config(m));
         if self.token.trim().is_empty() {
             return bad("token must not be empty (the gateway's [tunnel] tokens entry)".into());
+        }
+        // The gateway accepts no shorter token (its `tunnel.tokens`): a shorter one would only
+        // ever see the gateway's masquerade site.
+        if self.token.len() < MIN_TOKEN_LEN {
+            return bad(format!(
+                "token must be at least {MIN_TOKEN_LEN} characters, as the gateway's [tunnel] \
+                 tokens require (got {})",
+                self.token.len()
+            ));
+        }
+        if http::HeaderValue::from_str(&self.token).is_err() {
+            return bad("token must be printable ASCII (it travels as the tw-auth header)".into());
         }
         self.trust()?;
         if self.gateways.is_empty() {
@@ -162,6 +177,12 @@ impl EdgeConfig {
             }
             if g.server_name.trim().is_empty() {
                 return bad(format!("gateways[{i}].server_name must not be empty"));
+            }
+            if rustls::pki_types::ServerName::try_from(g.server_name.as_str()).is_err() {
+                return bad(format!(
+                    "gateways[{i}].server_name must be a DNS name or an IP address (got {:?})",
+                    g.server_name
+                ));
             }
         }
         self.quic
@@ -276,10 +297,11 @@ mod tests {
     use super::*;
 
     const PIN: &str = "sha256:0000000000000000000000000000000000000000000000000000000000000000";
+    const TOKEN: &str = "0123456789abcdef";
 
     fn base() -> String {
         format!(
-            "token = \"t\"\n[trust]\npin_sha256 = [\"{PIN}\"]\n[[gateways]]\nname = \"a\"\nquic = \"127.0.0.1:4433\"\n"
+            "token = \"{TOKEN}\"\n[trust]\npin_sha256 = [\"{PIN}\"]\n[[gateways]]\nname = \"a\"\nquic = \"127.0.0.1:4433\"\n"
         )
     }
 
@@ -303,7 +325,21 @@ mod tests {
     #[test]
     fn bad_values_name_their_key() {
         let cases = [
-            (base().replace("token = \"t\"", "token = \"\""), "token"),
+            (base().replace(TOKEN, ""), "token"),
+            // The gateway refuses tokens under 16 characters.
+            (base().replace(TOKEN, "t"), "token must be at least 16"),
+            (
+                base().replace(TOKEN, "0123456789abcde"),
+                "token must be at least 16",
+            ),
+            (
+                base() + "server_name = \"bad name\"\n",
+                "gateways[0].server_name",
+            ),
+            (
+                base() + "server_name = \"a..b\"\n",
+                "gateways[0].server_name",
+            ),
             (base() + "reevaluate_ms = 5\n", "reevaluate_ms"),
             (
                 base().replace("127.0.0.1:4433", "nowhere"),

@@ -270,7 +270,7 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             local,
             route,
             &Arc::from("none"),
-            error(StatusCode::BAD_GATEWAY, "gateway_unreachable", &e.message),
+            error(StatusCode::BAD_GATEWAY, e.code, &e.message),
         ),
     }
 }

@@ -43,8 +43,21 @@ pub fn idempotency_key() -> HeaderValue {
     HeaderValue::from_bytes(&hex).expect("hex is a valid header value")
 }
 
+/// Whether a gateway accepts this edge's token, as its `GET /health` over the tunnel told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TokenCheck {
+    /// Not checked yet.
+    Unknown,
+    /// The gateway answered as the gateway.
+    Accepted,
+    /// The gateway answered with its masquerade site: it does not know the token.
+    Refused,
+}
+
 struct Link {
     target: Target,
+    /// The last token check; kept across connections (the token does not change).
+    token: watch::Sender<TokenCheck>,
     /// `target.name`, shared with every answer.
     name: Arc<str>,
     conn: Mutex<Option<Conn>>,
@@ -75,6 +88,46 @@ pub struct Outgoing {
     pub headers: HeaderMap,
     /// The whole body.
     pub body: Bytes,
+}
+
+/// Why a request got no answer from the tunnel.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct SendError {
+    /// The OpenAI-style error code: `gateway_unreachable` or `tunnel_auth_failed`.
+    pub code: &'static str,
+    /// What happened.
+    pub message: String,
+}
+
+impl From<RequestError> for SendError {
+    fn from(e: RequestError) -> Self {
+        Self {
+            code: "gateway_unreachable",
+            message: e.message,
+        }
+    }
+}
+
+impl SendError {
+    fn token_refused(gateway: &str) -> Self {
+        Self {
+            code: "tunnel_auth_failed",
+            message: format!(
+                "gateway {gateway} refused the tunnel token (it answered with its masquerade \
+                 site): `token` must be one of the gateway's [tunnel] tokens"
+            ),
+        }
+    }
+}
+
+/// Whether a response is a web page (the masquerade site) rather than the gateway's API.
+fn is_html<B>(response: &Response<B>) -> bool {
+    response
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/html"))
 }
 
 /// A response on its way back, with where it came from.
@@ -170,6 +223,7 @@ impl Tunnel {
             .into_iter()
             .map(|target| {
                 Arc::new(Link {
+                    token: watch::channel(TokenCheck::Unknown).0,
                     name: Arc::from(target.name.as_str()),
                     target,
                     conn: Mutex::new(None),
@@ -299,9 +353,31 @@ impl Tunnel {
         Ok(req)
     }
 
+    /// Whether gateway `i` refuses this edge's token. A web page from the gateway before its
+    /// token check has answered waits (briefly) for that answer: with a wrong token the very
+    /// first request would otherwise hand the masquerade site to the app.
+    async fn token_refused(&self, i: usize, html: bool) -> bool {
+        let mut check = self.links[i].token.subscribe();
+        let state = *check.borrow_and_update();
+        match state {
+            TokenCheck::Refused => true,
+            TokenCheck::Accepted => false,
+            TokenCheck::Unknown if !html => false,
+            TokenCheck::Unknown => {
+                let _ = tokio::time::timeout(
+                    TOKEN_CHECK_TIMEOUT * 2,
+                    check.wait_for(|c| *c != TokenCheck::Unknown),
+                )
+                .await;
+                let refused = *check.borrow() == TokenCheck::Refused;
+                refused
+            }
+        }
+    }
+
     /// Sends `out` to the best gateway, retrying once on a fresh connection when the first
     /// attempt failed before any response byte because its connection died.
-    pub async fn send(&self, out: &Outgoing) -> Result<Answer, RequestError> {
+    pub async fn send(&self, out: &Outgoing) -> Result<Answer, SendError> {
         let mut avoid = None;
         let mut last = None;
         // One retry after a dead connection; one more after a failure on a connection that is
@@ -309,19 +385,27 @@ impl Tunnel {
         let (mut fresh_retries, mut same_retries) = (1, 1);
         loop {
             let Some((i, conn)) = self.acquire(avoid).await else {
-                return Err(last.unwrap_or(RequestError {
-                    message: "no gateway is reachable".into(),
-                    retryable: false,
-                }));
+                return Err(last
+                    .unwrap_or(RequestError {
+                        message: "no gateway is reachable".into(),
+                        retryable: false,
+                    })
+                    .into());
             };
+            if *self.links[i].token.borrow() == TokenCheck::Refused {
+                return Err(SendError::token_refused(&self.links[i].target.name));
+            }
             let req = self.request(out, Full::new(out.body.clone()))?;
             match conn.send_request(req).await {
                 Ok(response) => {
+                    if self.token_refused(i, is_html(&response)).await {
+                        return Err(SendError::token_refused(&self.links[i].target.name));
+                    }
                     return Ok(Answer {
                         response,
                         gateway: self.links[i].name.clone(),
                         transport: conn.transport_label(),
-                    })
+                    });
                 }
                 Err(e) if e.retryable && !conn.is_closed() && same_retries > 0 => {
                     same_retries -= 1;
@@ -337,7 +421,7 @@ impl Tunnel {
                 }
                 Err(e) => {
                     self.report_failure(i, &conn);
-                    return Err(e);
+                    return Err(e.into());
                 }
             }
         }
@@ -348,6 +432,38 @@ impl Tunnel {
         self.acquire(None)
             .await
             .map(|(_, c)| (c, self.token.clone()))
+    }
+}
+
+/// Longest wait for the answer to a token check.
+const TOKEN_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Asks gateway `i`, over its new connection, for `GET /health` with the tunnel token: the
+/// gateway itself answers `ok`, a gateway that does not know the token shows its masquerade
+/// site (a web page). No answer leaves the last verdict in place.
+async fn check_token(tunnel: std::sync::Weak<Tunnel>, i: usize, conn: Conn) {
+    let Some(t) = tunnel.upgrade() else { return };
+    let out = Outgoing {
+        method: Method::GET,
+        path: PathAndQuery::from_static("/health"),
+        headers: HeaderMap::new(),
+        body: Bytes::new(),
+    };
+    let Ok(req) = t.request(&out, Full::new(Bytes::new())) else {
+        return;
+    };
+    let answer = tokio::time::timeout(TOKEN_CHECK_TIMEOUT, conn.send_request(req)).await;
+    let Ok(Ok(response)) = answer else { return };
+    let verdict = if is_html(&response) {
+        TokenCheck::Refused
+    } else {
+        TokenCheck::Accepted
+    };
+    let _ = tokio::time::timeout(TOKEN_CHECK_TIMEOUT, response.into_body().collect()).await;
+    let link = &t.links[i];
+    let before = link.token.send_replace(verdict);
+    if verdict == TokenCheck::Refused && before != TokenCheck::Refused {
+        tracing::error!(gateway = %link.target.name, "the gateway refused the tunnel token (it answered with its masquerade site); check `token` against the gateway's [tunnel] tokens");
     }
 }
 
@@ -409,6 +525,7 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                             next_quic_try = Instant::now() + t.quic_retry;
                         }
                         t.set_conn(i, Some(c.clone()));
+                        tokio::spawn(check_token(tunnel.clone(), i, c.clone()));
                         // TCP won against an unanswered 0-RTT connection: closing it fails its
                         // requests as retryable, and they go again over TCP.
                         if let Some(e) = early.filter(|e| !e.same(&c)) {

@@ -797,3 +797,54 @@ async fn with_udp_blocked_a_resumption_ticket_does_not_keep_the_edge_off_tcp() {
     assert_eq!(r.status, 502, "{}", r.body);
     assert!(!r.body.contains("0-RTT rejected"), "{}", r.body);
 }
+
+#[tokio::test]
+async fn an_edge_with_a_token_shorter_than_the_gateway_accepts_does_not_start() {
+    let dir = TempDir::new("short-token");
+    let path = dir.0.join("edge.toml");
+    let pin = format!("sha256:{}", "0".repeat(64));
+    std::fs::write(
+        &path,
+        format!(
+            "token = \"t\"\n[trust]\npin_sha256 = [\"{pin}\"]\n\
+             [[gateways]]\nname = \"gw\"\nquic = \"127.0.0.1:4433\"\n"
+        ),
+    )
+    .expect("write the config");
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenway"))
+        .args(["edge", "--config"])
+        .arg(&path)
+        .args(["--listen", "127.0.0.1:0"])
+        .output()
+        .expect("tokenway runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("token must be at least 16"), "{stderr}");
+}
+
+#[tokio::test]
+async fn an_edge_whose_token_the_gateway_refuses_says_so_instead_of_passing_the_masquerade_on() {
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", "");
+    let config = edge_config(&fingerprint(&gw), tunnel_addr(&gw), None, "", "")
+        .replace(TOKEN, "a-wrong-token-of-enough-length");
+    let edge = edge(&config);
+    let chat_url = format!("{}/v1/chat/completions", edge.url());
+    let refused = |r: &Reply| r.status == 502 && r.body.contains("\"tunnel_auth_failed\"");
+    // The very first request already: it must not see the masquerade site either.
+    let r = post(&chat_url, &chat("hello", true, 4), None).await;
+    assert!(refused(&r), "{} {}", r.status, r.body);
+    let r = get(&format!("{}/v1/models", edge.url())).await;
+    assert!(refused(&r), "{} {}", r.status, r.body);
+    assert!(!r.body.contains("<html"), "{}", r.body);
+    // Nothing reached the backend.
+    let backend_text = metrics(&backend).await;
+    assert_eq!(
+        metric_sum(
+            &backend_text,
+            "tokenway_requests_total{route=\"/v1/chat/completions\""
+        ),
+        0.0,
+        "{backend_text}"
+    );
+}
