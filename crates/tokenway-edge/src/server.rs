@@ -105,7 +105,7 @@ fn full(body: impl Into<Bytes>) -> LocalBody {
 /// An OpenAI-style error answer.
 fn error(status: StatusCode, code: &str, message: &str) -> Response<LocalBody> {
     let body = format!(
-        "{{\"error\":{{\"message\":{},\"type\":\"tunnel_error\",\"code\":{}}}}}",
+        "{{\"error\":{{\"message\":{},\"type\":\"tunnel_error\",\"param\":null,\"code\":{}}}}}",
         json_string(message),
         json_string(code)
     );
@@ -206,20 +206,31 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
     let (mut parts, body) = req.into_parts();
     let version = parts.version;
     let limit = local.max_body_bytes;
+    let too_large = || {
+        count(
+            local,
+            route,
+            &Arc::from("none"),
+            error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request_too_large",
+                &format!("the request body exceeds the edge's max_body_bytes ({limit})"),
+            ),
+        )
+    };
+    // A declared length over the limit is refused before anything is read (nor is
+    // `100 Continue` sent: hyper sends it only when the body is first read).
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return too_large();
+    }
     let body = match Limited::new(body, limit).collect().await {
         Ok(c) => c.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            return count(
-                local,
-                route,
-                &Arc::from("none"),
-                error(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "request_too_large",
-                    &format!("the request body exceeds the edge's max_body_bytes ({limit})"),
-                ),
-            )
-        }
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => return too_large(),
         Err(e) => {
             return count(
                 local,

@@ -58,6 +58,11 @@ struct Link {
     target: Target,
     /// The last token check; kept across connections (the token does not change).
     token: watch::Sender<TokenCheck>,
+    /// Why the last dial failed, while the gateway is unreachable (told to requests that find no
+    /// gateway).
+    dial_error: Mutex<Option<String>>,
+    /// Why the last background QUIC attempt (while on TCP) failed.
+    reprobe_error: Mutex<Option<String>>,
     /// `target.name`, shared with every answer.
     name: Arc<str>,
     conn: Mutex<Option<Conn>>,
@@ -224,6 +229,8 @@ impl Tunnel {
             .map(|target| {
                 Arc::new(Link {
                     token: watch::channel(TokenCheck::Unknown).0,
+                    dial_error: Mutex::new(None),
+                    reprobe_error: Mutex::new(None),
                     name: Arc::from(target.name.as_str()),
                     target,
                     conn: Mutex::new(None),
@@ -353,6 +360,24 @@ impl Tunnel {
         Ok(req)
     }
 
+    /// "no gateway is reachable", with why each gateway could not be dialled.
+    fn unreachable(&self) -> String {
+        let why: Vec<String> = self
+            .links
+            .iter()
+            .filter_map(|l| {
+                lock(&l.dial_error)
+                    .as_ref()
+                    .map(|e| format!("{}: {e}", l.target.name))
+            })
+            .collect();
+        if why.is_empty() {
+            "no gateway is reachable".to_string()
+        } else {
+            format!("no gateway is reachable ({})", why.join("; "))
+        }
+    }
+
     /// Whether gateway `i` refuses this edge's token. A web page from the gateway before its
     /// token check has answered waits (briefly) for that answer: with a wrong token the very
     /// first request would otherwise hand the masquerade site to the app.
@@ -386,8 +411,8 @@ impl Tunnel {
         loop {
             let Some((i, conn)) = self.acquire(avoid).await else {
                 return Err(last
-                    .unwrap_or(RequestError {
-                        message: "no gateway is reachable".into(),
+                    .unwrap_or_else(|| RequestError {
+                        message: self.unreachable(),
                         retryable: false,
                     })
                     .into());
@@ -485,7 +510,15 @@ async fn reprobe_quic(tunnel: std::sync::Weak<Tunnel>, i: usize) {
     let link = t.links[i].clone();
     let last_rtt = *lock(&link.last_rtt);
     // `quic` returns once the gateway has answered (a 0-RTT connection's handshake completed).
-    if let Ok(q) = t.dialer.quic(&link.target, last_rtt).await {
+    let dialed = t.dialer.quic(&link.target, last_rtt).await;
+    // Why QUIC keeps failing is told once per new reason (a wrong `[datagram] obfs.psk` looks
+    // like UDP being blocked: the edge would otherwise stay on TCP without a word).
+    let why = dialed.as_ref().err().map(ToString::to_string);
+    let before = std::mem::replace(&mut *lock(&link.reprobe_error), why.clone());
+    if let Some(why) = why.filter(|w| before.as_ref() != Some(w)) {
+        tracing::warn!(gateway = %link.target.name, error = %why, "QUIC still fails; staying on TCP (UDP blocked, or the [datagram] obfs.psk differs from the gateway's?)");
+    }
+    if let Ok(q) = dialed {
         // Only replace a TCP connection (or none); a link that meanwhile got QUIC keeps it.
         let on_tcp = link.current().is_none_or(|c| !c.is_quic());
         if on_tcp && !q.is_closed() {
@@ -518,6 +551,7 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                         early = Some(c.clone());
                     })
                     .await;
+                *lock(&link.dial_error) = raced.as_ref().err().map(ToString::to_string);
                 match raced {
                     Ok(c) => {
                         tracing::info!(gateway = %link.target.name, transport = c.transport_label(), "tunnel connected");

@@ -256,7 +256,7 @@ impl Dialer {
         tokio::pin!(tcp);
         if let Some(qe) = quic_error {
             tracing::info!(gateway = %target.name, error = %qe, "QUIC failed; using TCP");
-            return self.count_fallback(target, tcp.await);
+            return self.count_fallback(target, tcp.await.map_err(|te| both_failed(&qe, te)));
         }
         // Phase 2: both; the first success wins.
         tokio::select! {
@@ -267,7 +267,7 @@ impl Dialer {
                 }
                 Err(qe) => {
                     tracing::info!(gateway = %target.name, error = %qe, "QUIC failed; waiting for TCP");
-                    self.count_fallback(target, tcp.await)
+                    self.count_fallback(target, tcp.await.map_err(|te| both_failed(&qe, te)))
                 }
             },
             r = &mut tcp => match r {
@@ -277,7 +277,7 @@ impl Dialer {
                 }
                 Err(te) => {
                     tracing::debug!(gateway = %target.name, error = %te, "TCP failed; waiting for QUIC");
-                    quic.await
+                    quic.await.map_err(|qe| both_failed(&qe, te))
                 }
             },
         }
@@ -299,5 +299,16 @@ impl Dialer {
             }
         }
         r
+    }
+}
+
+/// The error of a race both transports lost: what each one ran into.
+fn both_failed(quic: &TransportError, tcp: TransportError) -> TransportError {
+    match tcp {
+        TransportError::Connect { addr, message } => TransportError::Connect {
+            addr,
+            message: format!("{message} (and QUIC: {quic})"),
+        },
+        other => other,
     }
 }

@@ -848,3 +848,53 @@ async fn an_edge_whose_token_the_gateway_refuses_says_so_instead_of_passing_the_
         "{backend_text}"
     );
 }
+
+#[tokio::test]
+async fn with_every_path_to_the_gateway_dead_the_error_says_why_in_the_openai_shape() {
+    let fp = format!("sha256:{}", "0".repeat(64));
+    let tcp = free_tcp_port();
+    let edge = edge(&edge_config(
+        &fp,
+        closed_udp_port(),
+        Some(tcp),
+        "connect_timeout_ms = 300\nfallback_head_start_ms = 0",
+        "",
+    ));
+    let r = post(
+        &format!("{}/v1/chat/completions", edge.url()),
+        &chat("anyone?", true, 4),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 502, "{}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("a JSON error");
+    let e = &v["error"];
+    assert!(e["param"].is_null() && e.get("param").is_some(), "{v}");
+    assert_eq!(e["code"], "gateway_unreachable", "{v}");
+    let message = e["message"].as_str().unwrap_or_default();
+    // The cause, not just "unreachable": the TCP fallback's refusal is named.
+    assert!(message.contains(&tcp.to_string()), "{message}");
+}
+
+#[tokio::test]
+async fn an_edge_refuses_a_declared_oversized_body_before_reading_it() {
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", "");
+    let edge = edge_for(&gw, "max_body_bytes = 4096", "");
+    let mut s = tokio::net::TcpStream::connect(edge.addr)
+        .await
+        .expect("connect to the edge");
+    s.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+          content-length: 100000000\r\nexpect: 100-continue\r\n\r\n",
+    )
+    .await
+    .expect("write");
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+        .await
+        .expect("an answer in time")
+        .expect("read");
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+}
