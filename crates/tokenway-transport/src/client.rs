@@ -44,6 +44,10 @@ pub type ClientBody = UnsyncBoxBody<Bytes, BoxError>;
 
 type H3Sender = h3::client::SendRequest<h3_quinn_prio::OpenStreams, Bytes>;
 
+/// Largest response head accepted (field section size, RFC 9114 section 4.2.2), as the
+/// gateway's HTTP/3 fronts accept for request heads.
+const MAX_RESPONSE_HEAD_BYTES: u64 = 64 * 1024;
+
 /// One HTTP/3 session on the QUIC connection: its request sender and its streams' priorities.
 #[derive(Clone)]
 struct Session {
@@ -156,6 +160,9 @@ async fn start_h3(conn: &quinn::Connection) -> Result<(AbortHandle, Session), St
     let priorities = h3_conn.priorities();
     let (mut driver, sender) = h3::client::builder()
         .send_grease(false)
+        // A response head is never buffered beyond this (vendor/README.md, "Bounded frame
+        // buffering"); the gateway's are a few hundred bytes.
+        .max_field_section_size(MAX_RESPONSE_HEAD_BYTES)
         .build::<_, _, Bytes>(h3_conn)
         .await
         .map_err(|e| format!("HTTP/3 setup failed: {e}"))?;
