@@ -1,11 +1,18 @@
 //! The accept loop the mirror and the peer server share: HTTP/1.1 and HTTP/2 on one port,
 //! optionally over TLS, TCP_NODELAY, at most `max_connections` open (a further one is closed at
 //! once, not queued), and on shutdown a drain of open connections for at most `grace`.
+//!
+//! A connection whose client reads nothing for [`WRITE_STALL_TIMEOUT`] while the server has
+//! bytes to send is closed ([`StallGuard`]): otherwise a client that stops reading keeps the
+//! piece it was being sent in memory for as long as it likes.
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -14,7 +21,9 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
+use tokio::time::Sleep;
 use tokio_rustls::TlsAcceptor;
 
 use crate::range_server::Body;
@@ -23,6 +32,92 @@ use crate::range_server::Body;
 /// mirror files a peer that announces an unspecified address such as `0.0.0.0:PORT` under it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RemoteAddr(pub SocketAddr);
+
+/// Longest a connection may go without the client taking a byte while the server has bytes
+/// to send (a puller reads continuously; its own idle bound is 10 s).
+pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Fails writes (and flushes) that have made no progress for `limit`, so that hyper drops the
+/// connection and the response it was sending.
+pub struct StallGuard<S> {
+    inner: S,
+    limit: Duration,
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl<S> StallGuard<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S, limit: Duration) -> Self {
+        Self {
+            inner,
+            limit,
+            stalled: None,
+        }
+    }
+
+    /// `r` from the inner stream: progress resets the clock, `Pending` starts it (or fails
+    /// once it has run out).
+    fn watch<T>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if r.is_ready() {
+            self.stalled = None;
+            return r;
+        }
+        let limit = self.limit;
+        let sleep = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the client read nothing for {limit:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for StallGuard<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for StallGuard<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.watch(cx, r)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.watch(cx, r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_flush(cx);
+        self.watch(cx, r)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
 
 /// Longest a TLS handshake may take before the connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -70,9 +165,8 @@ pub async fn serve<H, Fut>(
             async move { Ok::<_, Infallible>(response.await) }
         });
         let Some(acceptor) = acceptor.clone() else {
-            let conn = builder
-                .serve_connection(TokioIo::new(stream), svc)
-                .into_owned();
+            let io = TokioIo::new(StallGuard::new(stream, WRITE_STALL_TIMEOUT));
+            let conn = builder.serve_connection(io, svc).into_owned();
             let conn = graceful.watch(conn);
             tokio::spawn(async move {
                 if let Err(e) = conn.await {
@@ -100,9 +194,8 @@ pub async fn serve<H, Fut>(
                         return;
                     }
                 };
-            let conn = builder
-                .serve_connection(TokioIo::new(stream), svc)
-                .into_owned();
+            let io = TokioIo::new(StallGuard::new(stream, WRITE_STALL_TIMEOUT));
+            let conn = builder.serve_connection(io, svc).into_owned();
             if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(error = %e, "{what}: connection ended with an error");
             }
@@ -110,4 +203,33 @@ pub async fn serve<H, Fut>(
         });
     }
     let _ = tokio::time::timeout(grace, graceful.shutdown()).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_stops_reading_fails_the_write_after_the_stall_timeout() {
+        let (server, mut client) = tokio::io::duplex(1024);
+        let mut guarded = StallGuard::new(server, WRITE_STALL_TIMEOUT);
+        let piece = vec![7u8; 8 * 1024];
+        // A slow but reading client (1 KiB every 10 s): the write takes 80 s and succeeds.
+        let read = async {
+            let mut got = vec![0u8; 8 * 1024];
+            for chunk in got.chunks_mut(1024) {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                client.read_exact(chunk).await.unwrap();
+            }
+        };
+        let (w, ()) = tokio::join!(guarded.write_all(&piece), read);
+        w.unwrap();
+        // Now the client reads nothing: the write fails once the timeout has passed.
+        let t = tokio::time::Instant::now();
+        let e = guarded.write_all(&piece).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(t.elapsed() >= WRITE_STALL_TIMEOUT);
+        drop(client);
+    }
 }

@@ -44,6 +44,8 @@ pub struct MirrorMetrics {
     pub cache_max_bytes: Gauge,
     /// Peers registered and not expired.
     pub peers: Gauge,
+    /// Piece bytes held in memory for responses (bounded, see `serve_budget`).
+    pub serving_bytes: Gauge,
 }
 
 impl MirrorMetrics {
@@ -142,6 +144,11 @@ impl MirrorMetrics {
             m.cache_max_bytes.clone(),
         );
         r.register("mirror_peers", "Peers registered", m.peers.clone());
+        r.register(
+            "mirror_serving_bytes",
+            "Piece bytes held in memory for responses (bounded)",
+            m.serving_bytes.clone(),
+        );
         (m, r)
     }
 

@@ -7,6 +7,7 @@
 //! - [`manifests`]: manifests and tags, kept so they are served with the origin down.
 //! - [`peers`]: which pullers of a region hold which pieces.
 //! - [`preheat`]: pulling a whole model into the cache before anyone asks.
+//! - [`serve_budget`]: a bound on the piece bytes held for clients, all together.
 //! - [`metrics`]: the Prometheus series.
 //!
 //! A piece is the unit of everything here: it is fetched from the origin with one ranged
@@ -19,6 +20,7 @@ pub mod metrics;
 pub mod peers;
 pub mod preheat;
 pub mod recent;
+pub mod serve_budget;
 pub mod server;
 pub mod single_flight;
 
@@ -41,6 +43,7 @@ use manifests::{ManifestCache, ORIGIN_TIMEOUT};
 use metrics::MirrorMetrics;
 use peers::PeerDirectory;
 use recent::{RecentPieces, RECENT_BYTES};
+use serve_budget::{ServeBudget, BUDGET_WAIT, MAX_SERVING_BYTES};
 use single_flight::{FlightError, Role, SingleFlight};
 
 /// Origin fetches in flight at once (distinct pieces); more requests get 503.
@@ -125,6 +128,7 @@ pub struct Mirror {
     preheats: Arc<tokio::sync::Semaphore>,
     uplink: Option<Mutex<RateLimit>>,
     token: Option<crate::auth::AccessToken>,
+    serving: ServeBudget,
 }
 
 impl Mirror {
@@ -154,6 +158,7 @@ impl Mirror {
         metrics
             .cache_bytes
             .set(i64::try_from(cache.used()).unwrap_or(i64::MAX));
+        let serving = ServeBudget::new(MAX_SERVING_BYTES, metrics.serving_bytes.clone());
         Ok(Arc::new(Self {
             origin,
             cache,
@@ -176,6 +181,7 @@ impl Mirror {
             preheats: Arc::new(tokio::sync::Semaphore::new(MAX_PREHEATS)),
             uplink: config.limit_rate.map(|r| Mutex::new(RateLimit::new(r))),
             token: config.token.clone(),
+            serving,
         }))
     }
 
@@ -394,6 +400,20 @@ impl Mirror {
     }
 
     /// Applies the test fault flags to a piece about to be served.
+    /// Piece `i` of `entry` for a response, holding its share of the serving budget until
+    /// the client has taken it (see [`serve_budget`]).
+    pub(crate) async fn piece_for_client(
+        self: &Arc<Self>,
+        entry: Arc<FileEntry>,
+        i: u64,
+    ) -> PieceResult {
+        let r = entry.piece_range(i);
+        let share = self.serving.take(r.end - r.start, BUDGET_WAIT).await?;
+        let b = self.piece(entry, i).await?;
+        let b = self.serve_piece(b).await;
+        Ok(ServeBudget::hold(b, share))
+    }
+
     pub(crate) async fn serve_piece(&self, piece: Bytes) -> Bytes {
         if let Some(d) = self.faults.stall() {
             tokio::time::sleep(d).await;

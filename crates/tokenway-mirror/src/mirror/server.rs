@@ -303,10 +303,7 @@ async fn blob(m: Arc<Mirror>, req: &Request<Incoming>) -> Response<Body> {
     let e2 = Arc::clone(&entry);
     let fetch: PieceFetch = Arc::new(move |i| {
         let (m, e) = (Arc::clone(&m2), Arc::clone(&e2));
-        Box::pin(async move {
-            let b = m.piece(e, i).await?;
-            Ok(m.serve_piece(b).await)
-        })
+        Box::pin(async move { m.piece_for_client(e, i).await })
     });
     let served = m.metrics.bytes_served.clone();
     blob_response(
