@@ -10,6 +10,11 @@
 //! when it first loads the manifest, checks it against the blob hash, keeps it on disk beside
 //! the manifests and serves it to pullers, so a manifest in the memo always has its piece
 //! hashes ([`FileEntry::needs_outboard`] is false).
+//!
+//! Loading a manifest that is not in the memo is single flight per revision: on a cold mirror
+//! a crowd asking for one model at once makes one load (one copy of the manifest and of
+//! every outboard from the origin, one copy in memory), and the others wait for it and take
+//! it from the memo.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -28,6 +33,8 @@ use crate::manifest::{
 
 /// Manifests kept in memory (the disk copy has them all).
 pub const MEMO_MANIFESTS: usize = 256;
+/// Revisions loaded at once with single flight; past that a load runs on its own.
+pub const MAX_LOADS: usize = 1024;
 /// How long one origin request may take.
 pub const ORIGIN_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -45,6 +52,23 @@ pub struct ManifestCache {
     /// Outboard bytes fetched from the origin (verified).
     outboard_from_origin: Counter,
     memo: Mutex<HashMap<(String, String), Arc<Manifest>>>,
+    /// Revisions being loaded: the load lock callers of one revision queue on.
+    loading: Loading,
+}
+
+/// Load locks by (model, revision).
+type Loading = Mutex<HashMap<(String, String), Arc<tokio::sync::Mutex<()>>>>;
+
+/// Removes a revision's load lock when its leader is done, however it ends.
+struct LoadDone<'a> {
+    loading: &'a Loading,
+    key: (String, String),
+}
+
+impl Drop for LoadDone<'_> {
+    fn drop(&mut self) {
+        lock(self.loading).remove(&self.key);
+    }
 }
 
 enum Got {
@@ -75,6 +99,7 @@ impl ManifestCache {
             dir: dir.join("manifests"),
             outboard_from_origin,
             memo: Mutex::new(HashMap::new()),
+            loading: Mutex::new(HashMap::new()),
         }
     }
 
@@ -127,6 +152,31 @@ impl ManifestCache {
         revision: &str,
     ) -> Result<Arc<Manifest>, ServeError> {
         let memo_key = (model.to_string(), revision.to_string());
+        if let Some(m) = lock(&self.memo).get(&memo_key) {
+            return Ok(Arc::clone(m));
+        }
+        // Single flight: the first caller loads, the others wait on its lock and then find
+        // the manifest in the memo (or, if its load failed, try in turn).
+        let (load_lock, leader) = {
+            let mut loading = lock(&self.loading);
+            match loading.get(&memo_key) {
+                Some(l) => (Some(Arc::clone(l)), false),
+                None if loading.len() < MAX_LOADS => {
+                    let l = Arc::new(tokio::sync::Mutex::new(()));
+                    loading.insert(memo_key.clone(), Arc::clone(&l));
+                    (Some(l), true)
+                }
+                None => (None, false),
+            }
+        };
+        let _done = leader.then(|| LoadDone {
+            loading: &self.loading,
+            key: memo_key.clone(),
+        });
+        let _turn = match &load_lock {
+            Some(l) => Some(l.lock().await),
+            None => None,
+        };
         if let Some(m) = lock(&self.memo).get(&memo_key) {
             return Ok(Arc::clone(m));
         }
@@ -266,5 +316,60 @@ async fn write_atomic(path: &Path, bytes: &[u8]) {
     if let Err(e) = res {
         let _ = tokio::fs::remove_file(&tmp).await;
         tracing::warn!(error = %e, path = %path.display(), "cannot keep a copy of a manifest or tag");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::ModelRef;
+    use crate::publish::{publish, PublishOptions};
+
+    #[tokio::test]
+    async fn a_crowd_asking_a_cold_mirror_for_one_model_loads_its_outboards_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        for (name, len) in [("a.bin", 3 << 20), ("b.bin", 1 << 20)] {
+            let data: Vec<u8> = (0..len).map(|i: u32| (i % 251) as u8).collect();
+            std::fs::write(src.join(name), data).unwrap();
+        }
+        let origin: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        let opts = PublishOptions {
+            piece_size: 256 << 10,
+            ..Default::default()
+        };
+        publish(
+            Arc::clone(&origin),
+            &src,
+            "org/tiny",
+            "r1",
+            Some("latest"),
+            &opts,
+        )
+        .await
+        .unwrap();
+        let mref = ModelRef::parse("org/tiny:latest").unwrap();
+
+        let one = Counter::default();
+        let alone = ManifestCache::new(&tmp.path().join("c1"), one.clone());
+        alone.resolve(origin.as_ref(), &mref).await.unwrap();
+        let copy = one.get();
+        assert!(copy > 0, "the model has outboards");
+
+        let crowd = Counter::default();
+        let cold = ManifestCache::new(&tmp.path().join("c2"), crowd.clone());
+        let answers =
+            futures_util::future::join_all((0..16).map(|_| cold.resolve(origin.as_ref(), &mref)))
+                .await;
+        for a in answers {
+            assert_eq!(a.unwrap().manifest.revision, "r1");
+        }
+        assert_eq!(
+            crowd.get(),
+            copy,
+            "one copy of the outboards from the origin"
+        );
+        assert!(lock(&cold.loading).is_empty());
     }
 }
