@@ -50,6 +50,8 @@ pub const MAX_PIECE_SIZE: u64 = 64 << 20;
 pub const MAX_NAME_LEN: usize = 128;
 /// Longest accepted file path in a manifest.
 pub const MAX_PATH_LEN: usize = 1024;
+/// Longest component of a file path (`NAME_MAX` of common file systems).
+pub const MAX_COMPONENT_LEN: usize = 255;
 
 /// A BLAKE3 hash (32 bytes), written as 64 lowercase hex characters.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -161,7 +163,9 @@ pub fn validate_name(field: &str, name: &str) -> Result<(), MirrorError> {
 }
 
 /// Checks a relative file path from a manifest: `/`-separated, no leading `/`, no empty,
-/// `.` or `..` components, no NUL, no backslash, at most [`MAX_PATH_LEN`] bytes.
+/// `.` or `..` components, no NUL, no backslash, no control characters (they would reach
+/// terminals and file names), at most [`MAX_PATH_LEN`] bytes and [`MAX_COMPONENT_LEN`] per
+/// component (what file systems take).
 pub fn validate_rel_path(field: &str, path: &str) -> Result<(), MirrorError> {
     let bad = |reason: &str| Err(MirrorError::manifest(field, format!("{path:?}: {reason}")));
     if path.is_empty() {
@@ -176,10 +180,16 @@ pub fn validate_rel_path(field: &str, path: &str) -> Result<(), MirrorError> {
     if path.contains('\0') || path.contains('\\') {
         return bad("NUL or backslash in path");
     }
+    if path.chars().any(char::is_control) {
+        return bad("control character in path");
+    }
     for comp in path.split('/') {
         match comp {
             "" => return bad("empty path component"),
             "." | ".." => return bad("'.' or '..' component (path traversal)"),
+            c if c.len() > MAX_COMPONENT_LEN => {
+                return bad("a path component longer than 255 bytes")
+            }
             _ => {}
         }
     }
@@ -550,21 +560,26 @@ impl Manifest {
             }
             f.validate(&format!("files[{i}]"))?;
         }
-        let mut paths: Vec<&str> = self.files.iter().map(|f| f.path.as_str()).collect();
-        paths.sort_unstable();
-        for w in paths.windows(2) {
-            if w[0] == w[1] {
+        let mut paths = std::collections::HashSet::with_capacity(self.files.len());
+        for f in &self.files {
+            if !paths.insert(f.path.as_str()) {
                 return Err(MirrorError::manifest(
                     "files",
-                    format!("duplicate path {:?}", w[0]),
+                    format!("duplicate path {:?}", f.path),
                 ));
             }
-            // `a` as a file and `a/b` as another would clash on disk.
-            if w[1].starts_with(w[0]) && w[1].as_bytes().get(w[0].len()) == Some(&b'/') {
-                return Err(MirrorError::manifest(
-                    "files",
-                    format!("{:?} is both a file and a directory", w[0]),
-                ));
+        }
+        // `a` as a file and `a/b` as another would clash on disk (whatever sorts between
+        // them, such as `a.b`).
+        for f in &self.files {
+            for (i, _) in f.path.match_indices('/') {
+                let dir = &f.path[..i];
+                if paths.contains(dir) {
+                    return Err(MirrorError::manifest(
+                        "files",
+                        format!("{dir:?} is both a file and a directory"),
+                    ));
+                }
             }
         }
         Ok(())
@@ -932,6 +947,48 @@ mod tests {
             entry("a/b", b"2", MIN_PIECE_SIZE),
         ]);
         assert!(m.validate().unwrap_err().to_string().contains("directory"));
+    }
+
+    #[test]
+    fn a_file_that_is_also_a_directory_is_rejected_when_a_sibling_sorts_between_them() {
+        // "a" < "a.b" < "a/b": '.' sorts before '/'.
+        let m = manifest(vec![
+            entry("a", b"1", MIN_PIECE_SIZE),
+            entry("a.b", b"2", MIN_PIECE_SIZE),
+            entry("a/b", b"3", MIN_PIECE_SIZE),
+        ]);
+        let err = m.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("\"a\" is both a file and a directory"),
+            "{err}"
+        );
+        let m = manifest(vec![
+            entry("x/y", b"1", MIN_PIECE_SIZE),
+            entry("x/y-2", b"2", MIN_PIECE_SIZE),
+            entry("x/y.0/z", b"3", MIN_PIECE_SIZE),
+        ]);
+        m.validate().unwrap();
+    }
+
+    #[test]
+    fn paths_with_control_characters_or_overlong_components_are_rejected() {
+        let long = "x".repeat(256);
+        let nested = format!("dir/{long}");
+        for bad in [
+            "\u{1b}[2J\u{1b}]0;owned\u{7}x\nline2.json",
+            "a\nb",
+            "tab\there",
+            long.as_str(),
+            nested.as_str(),
+        ] {
+            let m = manifest(vec![entry(bad, b"y", MIN_PIECE_SIZE)]);
+            let err = Manifest::from_json(&m.to_json()).unwrap_err().to_string();
+            assert!(err.contains("files[0].path"), "{bad:?}: {err}");
+        }
+        let ok = "é/".to_string() + &"x".repeat(255);
+        manifest(vec![entry(&ok, b"y", MIN_PIECE_SIZE)])
+            .validate()
+            .unwrap();
     }
 
     #[test]
