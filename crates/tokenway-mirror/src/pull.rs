@@ -1036,10 +1036,14 @@ fn finish_work(
         for p in paths.iter().skip(1) {
             let dst = out2.join(p);
             let tmp = partial.with_extension("copy");
-            std::fs::copy(&partial, &tmp).map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
-                MirrorError::io(format!("copying to {}", tmp.display()), e)
-            })?;
+            // Synced before the rename, like the partial itself: a copy must never appear
+            // under its final name with bytes a power failure lost.
+            std::fs::copy(&partial, &tmp)
+                .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+                .map_err(|e| {
+                    let _ = std::fs::remove_file(&tmp);
+                    MirrorError::io(format!("copying to {}", tmp.display()), e)
+                })?;
             place(&tmp, &dst)?;
         }
         place(&partial, &out2.join(&paths[0]))?;
@@ -1089,7 +1093,15 @@ fn place(src: &Path, dst: &Path) -> Result<(), MirrorError> {
             format!("renaming {} to {}", src.display(), dst.display()),
             e,
         )
-    })
+    })?;
+    // The rename itself is durable once the directory is synced (best effort: not every
+    // file system lets a directory be opened and synced).
+    if let Some(parent) = dst.parent() {
+        if let Ok(d) = std::fs::File::open(parent) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename. A write that fails (disk

@@ -348,6 +348,39 @@ async fn a_resume_record_with_bits_past_the_last_piece_still_completes_the_pull(
     assert_identical(&s.src, &s.out, &s.manifest);
 }
 
+/// Two paths with the same bytes: the second gets a synced copy, renamed into place.
+#[tokio::test]
+async fn duplicate_paths_are_each_placed_with_the_same_verified_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(src.join("sub")).unwrap();
+    let mut data = vec![0u8; 3 << 20];
+    SmallRng::seed_from_u64(3).fill_bytes(&mut data);
+    std::fs::write(src.join("a.bin"), &data).unwrap();
+    std::fs::write(src.join("sub/a-copy.bin"), &data).unwrap();
+    let origin = open_origin(&format!("file://{}", tmp.path().join("origin").display())).unwrap();
+    publish(
+        Arc::clone(&origin),
+        &src,
+        "org/dup",
+        "r1",
+        Some("latest"),
+        &PublishOptions::default(),
+    )
+    .await
+    .unwrap();
+    let out = tmp.path().join("out");
+    let mref = ModelRef::parse("org/dup").unwrap();
+    let r = pull(origin, &mref, &out, &PullOptions::default())
+        .await
+        .unwrap();
+    assert!(r.complete);
+    assert_eq!(r.files_written, 2);
+    assert!(std::fs::read(out.join("a.bin")).unwrap() == data);
+    assert!(std::fs::read(out.join("sub/a-copy.bin")).unwrap() == data);
+    assert!(!out.join(".partial").exists());
+}
+
 #[tokio::test]
 async fn corrupt_piece_in_origin_fails_naming_file_and_piece_and_is_not_placed() {
     let s = setup().await;
