@@ -241,6 +241,13 @@ impl Stop {
     }
 }
 
+/// Resolves once `stop` is set (checked every 100 ms).
+async fn stopped(stop: &Stop) {
+    while !stop.is_set() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// One blob being assembled.
 struct Blob {
     entry: FileEntry,
@@ -868,7 +875,12 @@ async fn fetch_piece(
         if fetches > 0 && ctx.only_origin {
             tokio::time::sleep(Duration::from_millis(50 * u64::from(fetches + 1))).await;
         }
-        let (done, hedged) = hedged_fetch(ctx, primary, cands.get(1), entry, piece).await;
+        // A stop drops the piece in flight at once rather than when its source answers or
+        // times out (up to a minute): it would be discarded anyway.
+        let (done, hedged) = tokio::select! {
+            r = hedged_fetch(ctx, primary, cands.get(1), entry, piece) => r,
+            () = stopped(stop) => return out,
+        };
         out.hedged |= hedged;
         let mut winner = None;
         for (src, f, d) in done {

@@ -66,6 +66,31 @@ pub struct PullArgs {
     pub test_corrupt_every: u64,
 }
 
+/// Ctrl-C presses; on Unix none is lost between two waits (a second press that comes while
+/// the first is being handled still counts).
+struct Interrupts {
+    #[cfg(unix)]
+    sigint: Option<tokio::signal::unix::Signal>,
+}
+
+impl Interrupts {
+    fn new() -> Self {
+        Self {
+            #[cfg(unix)]
+            sigint: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok(),
+        }
+    }
+
+    /// Waits for the next press; false if they cannot be listened for.
+    async fn next(&mut self) -> bool {
+        #[cfg(unix)]
+        if let Some(s) = &mut self.sigint {
+            return s.recv().await.is_some();
+        }
+        tokio::signal::ctrl_c().await.is_ok()
+    }
+}
+
 /// One line with every counter, for logs and tests.
 fn summary(r: &PullReport, secs: f64) -> String {
     let list = |v: &[(String, u32)]| -> String {
@@ -185,12 +210,22 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
         })
     });
 
-    // Ctrl-C stops starting pieces; what is recorded is kept for the next run.
+    // Ctrl-C stops starting pieces (those in flight are dropped when they end); what is
+    // recorded is kept for the next run. A second Ctrl-C quits at once: the record on disk
+    // only ever lists written pieces, so nothing is lost but the pieces in flight.
     let cancel = Arc::clone(&opts.cancel);
+    let mut interrupts = Interrupts::new();
     tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_ok() {
-            eprintln!("interrupted: finishing pieces in flight; rerun to resume");
+        if interrupts.next().await {
+            eprintln!(
+                "interrupted: stopping; progress is kept, rerun to resume (Ctrl-C again to quit \
+                 at once)"
+            );
             cancel.store(true, Ordering::Relaxed);
+            if interrupts.next().await {
+                eprintln!("interrupted again: quitting; progress is kept, rerun to resume");
+                std::process::exit(130);
+            }
         }
     });
 
@@ -207,8 +242,12 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
     };
     let result = run_pull.await;
     display.finish();
-    if let Some(a) = &announcer {
-        // Report the final bytes-from-peers count (and complete holdings) right away.
+    if let Some(a) = announcer
+        .as_ref()
+        .filter(|_| !opts.cancel.load(Ordering::Relaxed))
+    {
+        // Report the final bytes-from-peers count (and complete holdings) right away (not
+        // when interrupted: an unreachable mirror would hold up the exit).
         let _ = a.once().await;
     }
     let report = result.with_context(|| format!("pulling {mref} into {}", args.out.display()))?;

@@ -654,6 +654,60 @@ fn signal(p: &Proc, sig: &str) {
     assert!(ok.success(), "kill {sig} failed");
 }
 
+/// Ctrl-C on a pull whose mirror hangs: the pull stops (dropping the pieces in flight instead
+/// of waiting them out), says that progress is kept, and a rerun resumes from it.
+#[tokio::test]
+async fn ctrl_c_stops_a_pull_stuck_on_a_hung_mirror_and_a_rerun_resumes() {
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let cache = TempDir::new("w-int");
+    let mirror = start_mirror(&fx.origin_url(), &cache.0, &[]);
+    let out = TempDir::new("w-int-out");
+    let args = [
+        fx.small.name,
+        "--mirror",
+        &mirror.url(),
+        "--out",
+        &s(&out.0),
+    ];
+    let mut slow = args.to_vec();
+    slow.extend(["--limit-rate", "2M"]);
+    let pull = Pull::start(&slow);
+    // Wait until a piece is recorded, then freeze the mirror under the pieces in flight.
+    let recorded = |dir: &Path| {
+        std::fs::read_dir(dir.join(".partial")).is_ok_and(|d| {
+            d.filter_map(Result::ok)
+                .any(|e| e.file_name().to_string_lossy().ends_with(".progress"))
+        })
+    };
+    let end = Instant::now() + Duration::from_secs(60);
+    while !recorded(&out.0) {
+        assert!(
+            Instant::now() < end,
+            "no piece recorded:\n{}",
+            pull.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    signal(&mirror, "-STOP");
+    let ok = Command::new("kill")
+        .args(["-INT", &pull.child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(ok.success());
+    let (ok, err) = pull.wait(Duration::from_secs(60)).await;
+    signal(&mirror, "-CONT");
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("interrupted: stopping; progress is kept"),
+        "{err}"
+    );
+    assert!(err.contains("complete=false"), "{err}");
+    let err = pull_ok(&args).await;
+    assert_same_tree(&fx.small.src, &out.0);
+    assert!(field(&err, "pieces_resumed") > 0, "{err}");
+}
+
 #[tokio::test]
 async fn a_hung_mirror_listed_first_does_not_stall_the_pull() {
     let _turn = crate::harness::HEAVY.lock().await;
