@@ -96,7 +96,9 @@ pub async fn blob_response(
         None => (StatusCode::OK, 0..size),
         Some(v) => match parse_range(v, size) {
             Ok(r) => (StatusCode::PARTIAL_CONTENT, r),
-            Err(RangeError::Malformed(m)) => {
+            // Not a byte range: ignored, as RFC 9110 section 14.2 says.
+            Err(RangeError::Malformed(_)) => (StatusCode::OK, 0..size),
+            Err(RangeError::Refused(m)) => {
                 return error_response(&ServeError::new(
                     StatusCode::RANGE_NOT_SATISFIABLE,
                     "bad_range",
@@ -312,5 +314,20 @@ mod tests {
         let body = resp.into_body().collect().await.expect("body").to_bytes();
         assert_eq!(&body[..], &d[..]);
         assert_eq!(n.load(std::sync::atomic::Ordering::Relaxed), d.len() as u64);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_range_header_that_is_not_a_byte_range_is_ignored_and_multi_range_refused() {
+        let d = data();
+        for ignored in ["items=0-1", "bytes=+5-+9", "garbage"] {
+            let f = fetch(d.clone(), Duration::ZERO, None);
+            let resp = blob_response(entry(&d), Some(ignored), false, f, no_count()).await;
+            assert_eq!(resp.status(), StatusCode::OK, "{ignored}");
+            let body = resp.into_body().collect().await.expect("body").to_bytes();
+            assert_eq!(&body[..], &d[..]);
+        }
+        let f = fetch(d.clone(), Duration::ZERO, None);
+        let resp = blob_response(entry(&d), Some("bytes=0-1,5-6"), false, f, no_count()).await;
+        assert_eq!(resp.status(), StatusCode::RANGE_NOT_SATISFIABLE);
     }
 }
