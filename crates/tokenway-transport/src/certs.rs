@@ -55,13 +55,29 @@ impl Identity {
     }
 
     /// Generates a self-signed certificate for `names` (DNS names or IP addresses).
+    ///
+    /// It reads like one an operator would make: the first name as its common name, valid from
+    /// yesterday for 397 days (the longest a public CA issues). rcgen's defaults (the common
+    /// name "rcgen self signed cert", valid 1975 to 4096) would mark every tokenway port for a
+    /// prober, the masquerade's included. Edges pin the certificate itself, not its dates.
     pub fn self_signed(names: &[&str]) -> Result<Self, TransportError> {
-        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-        let generated = rcgen::generate_simple_self_signed(names).map_err(|e| {
+        let failed = |e: rcgen::Error| {
             TransportError::Tls(format!("cannot generate a self-signed certificate: {e}"))
-        })?;
-        let cert = generated.cert.der().clone();
-        let key = PrivateKeyDer::try_from(generated.key_pair.serialize_der())
+        };
+        let owned: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let mut params = rcgen::CertificateParams::new(owned).map_err(failed)?;
+        let mut dn = rcgen::DistinguishedName::new();
+        if let Some(first) = names.first() {
+            dn.push(rcgen::DnType::CommonName, *first);
+        }
+        params.distinguished_name = dn;
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::days(1);
+        params.not_after = now + time::Duration::days(397);
+        let key_pair = rcgen::KeyPair::generate().map_err(failed)?;
+        let generated = params.self_signed(&key_pair).map_err(failed)?;
+        let cert = generated.der().clone();
+        let key = PrivateKeyDer::try_from(key_pair.serialize_der())
             .map_err(|e| TransportError::Tls(format!("generated key: {e}")))?;
         Ok(Self {
             certs: vec![cert],
@@ -128,6 +144,17 @@ pub fn fingerprint(cert: &CertificateDer<'_>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_generated_certificate_does_not_carry_rcgens_defaults() {
+        let id = Identity::self_signed(&["localhost", "127.0.0.1"]).expect("generated");
+        let der = id.certs[0].as_ref();
+        let has = |needle: &[u8]| der.windows(needle.len()).any(|w| w == needle);
+        assert!(!has(b"rcgen"), "rcgen's common name");
+        // rcgen's default validity starts 1975-01-01 (UTCTime 750101000000Z).
+        assert!(!has(b"750101000000Z"), "rcgen's default validity");
+        assert!(has(b"localhost"), "the first name is the common name and a SAN");
+    }
 
     #[test]
     fn self_signed_identity_builds_both_server_configs() {
