@@ -318,6 +318,10 @@ pub async fn pull_from(
     tokio::fs::create_dir_all(&partial_dir)
         .await
         .map_err(|e| MirrorError::io(format!("creating {}", partial_dir.display()), e))?;
+    let dir_lock = {
+        let (p, o) = (partial_dir.clone(), out.to_path_buf());
+        blocking(move || DirLock::take(&p, &o)).await?
+    };
 
     let mut report = PullReport {
         manifest: manifest.clone(),
@@ -611,6 +615,7 @@ pub async fn pull_from(
     report.complete = prog.files_done == prog.files_total;
     if report.complete {
         // Best effort: the directory is empty once everything is in place.
+        drop(dir_lock);
         let _ = tokio::fs::remove_dir(&partial_dir).await;
     }
     Ok(report)
@@ -1095,6 +1100,82 @@ fn finished_blob(
 }
 
 /// Renames `src` to `dst`, creating parent directories.
+/// The lock of an output directory, `<out>/.partial/lock` holding the pid of the pull that
+/// uses it: two pulls into one directory would share partial files and resume records and
+/// trip over each other's renames. A lock whose process is gone (SIGKILL, power loss) is
+/// taken over. Removed when dropped.
+struct DirLock {
+    /// `None` where the file system cannot hold the lock (no hard links): best effort.
+    path: Option<PathBuf>,
+}
+
+impl DirLock {
+    fn take(partial_dir: &Path, out: &Path) -> Result<Self, MirrorError> {
+        let path = partial_dir.join("lock");
+        let me = std::process::id();
+        // Written whole beside the lock, then linked into place: a lock is never seen empty.
+        let tmp = partial_dir.join(format!("lock.{me}.tmp"));
+        std::fs::write(&tmp, me.to_string())
+            .map_err(|e| MirrorError::io(format!("writing {}", tmp.display()), e))?;
+        let res = (|| {
+            for _ in 0..2 {
+                match std::fs::hard_link(&tmp, &path) {
+                    Ok(()) => return Ok(true),
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                        let holder = std::fs::read_to_string(&path)
+                            .ok()
+                            .and_then(|s| s.trim().parse::<u32>().ok());
+                        if let Some(pid) = holder.filter(|&p| p != me && process_alive(p)) {
+                            return Err(MirrorError::io(
+                                format!(
+                                    "another pull (pid {pid}) is using {}; wait for it to \
+                                     finish, or remove {} if no pull is running",
+                                    out.display(),
+                                    path.display()
+                                ),
+                                std::io::Error::new(
+                                    std::io::ErrorKind::WouldBlock,
+                                    "output directory in use",
+                                ),
+                            ));
+                        }
+                        // Its pull is gone: take it over.
+                        let _ = std::fs::remove_file(&path);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, path = %path.display(), "cannot lock the output directory; going on without");
+                        return Ok(false);
+                    }
+                }
+            }
+            Err(MirrorError::io(
+                format!("taking {}", path.display()),
+                std::io::Error::new(
+                    std::io::ErrorKind::WouldBlock,
+                    "another pull keeps taking it",
+                ),
+            ))
+        })();
+        let _ = std::fs::remove_file(&tmp);
+        res.map(|locked| Self {
+            path: locked.then_some(path),
+        })
+    }
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        if let Some(p) = &self.path {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Is process `pid` running? (Linux `/proc`; elsewhere every lock counts as left behind.)
+fn process_alive(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty())
+}
+
 fn place(src: &Path, dst: &Path) -> Result<(), MirrorError> {
     if let Some(parent) = dst.parent() {
         std::fs::create_dir_all(parent)

@@ -381,6 +381,46 @@ async fn duplicate_paths_are_each_placed_with_the_same_verified_bytes() {
     assert!(!out.join(".partial").exists());
 }
 
+/// A second pull into a directory another live pull is using is refused with a clear error
+/// (instead of tripping over its renames); a lock left by a pull that is gone is taken over.
+#[tokio::test]
+async fn a_pull_into_a_directory_another_pull_is_using_is_refused_and_a_stale_lock_taken_over() {
+    let s = setup().await;
+    let lock = s.out.join(".partial").join("lock");
+    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
+    // A live process that is not this one holds the lock.
+    let live = std::os::unix::process::parent_id();
+    std::fs::write(&lock, live.to_string()).unwrap();
+    let mref = ModelRef::parse("org/tiny").unwrap();
+    let err = pull(
+        Arc::clone(&s.origin),
+        &mref,
+        &s.out,
+        &PullOptions::default(),
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains(&format!("another pull (pid {live})")), "{err}");
+    assert!(lock.exists(), "the other pull's lock is left alone");
+    // The holder is gone: its lock is taken over and the pull completes.
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    let gone_pid = gone.id();
+    gone.wait().unwrap();
+    std::fs::write(&lock, gone_pid.to_string()).unwrap();
+    let r = pull(
+        Arc::clone(&s.origin),
+        &mref,
+        &s.out,
+        &PullOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert!(r.complete);
+    assert_identical(&s.src, &s.out, &s.manifest);
+    assert!(!s.out.join(".partial").exists());
+}
+
 #[tokio::test]
 async fn corrupt_piece_in_origin_fails_naming_file_and_piece_and_is_not_placed() {
     let s = setup().await;
