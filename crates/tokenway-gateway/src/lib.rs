@@ -31,7 +31,6 @@ pub mod replay;
 pub mod request_meta;
 pub mod server;
 pub mod service;
-pub mod stall_io;
 pub mod state;
 pub mod status;
 pub mod tunnel;

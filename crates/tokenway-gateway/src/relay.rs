@@ -21,7 +21,7 @@
 //! another connection, `/metrics` may lag the last byte of an answer by that bookkeeping.
 //!
 //! A silent backend (no bytes for `stream_idle`) ends the stream. A client that stops reading is
-//! handled below this layer, by the connection's write-stall guard (`stall_io`).
+//! handled below this layer, by the connection's write-stall guard (`tokenway_transport::stall_io`).
 //!
 //! After the first byte has reached the client nothing can be retried. An upstream failure in an
 //! event stream then becomes a final SSE error event and a clean end; in any other body it becomes

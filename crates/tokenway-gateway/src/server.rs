@@ -28,10 +28,10 @@ use crate::error::GatewayError;
 use crate::front_h1::H1Connection;
 use crate::h3_front::{self, Front};
 use crate::service::TcpFront;
-use crate::stall_io::StallGuard;
 use crate::state::Shared;
 use crate::{cpu_affinity, discovery, probe, service};
 use tokenway_transport::certs::Identity;
+use tokenway_transport::stall_io::StallGuard;
 
 /// How long open connections get to finish after shutdown is asked.
 const DRAIN: Duration = Duration::from_secs(5);

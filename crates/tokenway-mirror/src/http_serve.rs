@@ -8,11 +8,8 @@
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::io;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -21,10 +18,10 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::time::Sleep;
 use tokio_rustls::TlsAcceptor;
+
+use tokenway_transport::stall_io::StallGuard;
 
 use crate::range_server::Body;
 
@@ -36,88 +33,6 @@ pub struct RemoteAddr(pub SocketAddr);
 /// Longest a connection may go without the client taking a byte while the server has bytes
 /// to send (a puller reads continuously; its own idle bound is 10 s).
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Fails writes (and flushes) that have made no progress for `limit`, so that hyper drops the
-/// connection and the response it was sending.
-pub struct StallGuard<S> {
-    inner: S,
-    limit: Duration,
-    stalled: Option<Pin<Box<Sleep>>>,
-}
-
-impl<S> StallGuard<S> {
-    /// Wraps `inner`.
-    pub fn new(inner: S, limit: Duration) -> Self {
-        Self {
-            inner,
-            limit,
-            stalled: None,
-        }
-    }
-
-    /// `r` from the inner stream: progress resets the clock, `Pending` starts it (or fails
-    /// once it has run out).
-    fn watch<T>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
-        if r.is_ready() {
-            self.stalled = None;
-            return r;
-        }
-        let limit = self.limit;
-        let sleep = self
-            .stalled
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        match sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("the client read nothing for {limit:?}"),
-            ))),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for StallGuard<S> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for StallGuard<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.watch(cx, r)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.watch(cx, r)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let r = Pin::new(&mut self.inner).poll_flush(cx);
-        self.watch(cx, r)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
 
 /// Longest a TLS handshake may take before the connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -208,6 +123,7 @@ pub async fn serve<H, Fut>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[tokio::test(start_paused = true)]

@@ -153,7 +153,10 @@ mod tests {
         assert!(!has(b"rcgen"), "rcgen's common name");
         // rcgen's default validity starts 1975-01-01 (UTCTime 750101000000Z).
         assert!(!has(b"750101000000Z"), "rcgen's default validity");
-        assert!(has(b"localhost"), "the first name is the common name and a SAN");
+        assert!(
+            has(b"localhost"),
+            "the first name is the common name and a SAN"
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub mod fallback;
 pub mod h3_quinn_prio;
 pub mod settings;
 pub mod socket;
+pub mod stall_io;
 pub mod stats;
 pub mod trust;
 

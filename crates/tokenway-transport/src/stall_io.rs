@@ -1,10 +1,11 @@
-//! A write-stall guard for client connections.
+//! A write-stall guard for the connections of clients: the gateway's fronts and the mirror's
+//! and peers' servers.
 //!
 //! A client that stops reading fills its receive window and our send buffer; the connection's
-//! writes then stay pending forever and the response it was streaming keeps a backend slot.
-//! [`StallGuard`] fails a write that has made no progress for the configured time, which ends
-//! the connection and releases everything it held. Reads are untouched (idle keep-alive
-//! connections are bounded by hyper's own timers).
+//! writes then stay pending forever, and what the answer held stays held: a backend slot on the
+//! gateway, a piece in memory on a mirror. [`StallGuard`] fails a write that has made no
+//! progress for the configured time, which ends the connection and releases everything it held.
+//! Reads are untouched (an idle connection is bounded by its server's own read timeouts).
 
 use std::future::Future;
 use std::io;
