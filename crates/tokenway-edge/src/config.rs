@@ -310,7 +310,7 @@ mod tests {
         let text = include_str!("../../../examples/edge.toml");
         let c = EdgeConfig::from_toml_str(text).expect("examples/edge.toml is valid");
         assert_eq!(c.forwards.len(), 1);
-        assert_eq!(c.gateways[0].tcp.as_deref(), Some("127.0.0.1:8443"));
+        assert_eq!(c.gateways[0].tcp.as_deref(), Some("127.0.0.1:4433"));
     }
 
     #[test]
