@@ -201,7 +201,14 @@ where
                 // without it (the body is neither read nor held) and the connection closes.
                 BeforeBody::Masquerade if head.body != RequestBody::Empty => {
                     let req = Request::from_parts(head.parts, Full::new(Bytes::new()));
-                    let handling = service::handle(self.shared.clone(), req, self.peer, self.front);
+                    // Boxed for the reason below: inline, its states would enlarge every
+                    // connection's future by kilobytes.
+                    let handling = Box::pin(service::handle(
+                        self.shared.clone(),
+                        req,
+                        self.peer,
+                        self.front,
+                    ));
                     let Ok(resp) = handling.await;
                     return self.close_with(resp, &method, version).await;
                 }
