@@ -129,6 +129,13 @@ impl Adaptation {
             self.last = Some(*report);
             return true;
         };
+        if restarted(report, &prev) {
+            // The peer's receiver started over (its process or its state for this peer): its
+            // counters began again from zero, so the difference from `prev` would be garbage
+            // (wrapped to billions). Its next report is measured from this one.
+            self.last = Some(*report);
+            return true;
+        }
         if !report.is_newer_than(&prev) {
             return false;
         }
@@ -297,6 +304,22 @@ impl Adaptation {
 }
 
 /// `P(X ≥ m)` for `X ~ Binomial(n, p)` (`n` is small: a block's packets).
+/// How far behind the last report a report may be and still be one that arrived out of order
+/// rather than one of a receiver that started over.
+const REORDER_REPORTS: u32 = 64;
+
+/// Whether `report` comes from a receiver that started over since `prev`: its cumulative
+/// counters went back, and it is not an old report that arrived late (a few behind `prev`).
+fn restarted(report: &LossReport, prev: &LossReport) -> bool {
+    let back = |now: u32, before: u32| (now.wrapping_sub(before) as i32) < 0;
+    let counters_back = back(report.received, prev.received)
+        || back(report.lost, prev.lost)
+        || back(report.blocks_missing, prev.blocks_missing);
+    let reordered =
+        !report.is_newer_than(prev) && prev.seq.wrapping_sub(report.seq) <= REORDER_REPORTS;
+    counters_back && !reordered
+}
+
 fn binomial_tail(n: usize, m: usize, p: f64) -> f64 {
     let p = p.clamp(0.0, 1.0);
     let mut choose = 1.0; // C(n, i), built up from C(n, 0)
@@ -576,5 +599,32 @@ mod tests {
         assert!(!a.on_report(&report(6, 80, 20, 20), |_| None));
         assert!(!a.on_report(&report(4, 0, 0, 0), |_| None));
         assert_eq!(a.loss_estimate(), before);
+    }
+
+    #[test]
+    fn a_peer_receiver_that_started_over_is_followed_from_its_first_report() {
+        // Well into a clean stream, the peer restarts: its reports begin again at seq 0 with
+        // counters from zero. They are neither stale (ignored for 2³¹ reports) nor measured
+        // against the old counters (wrapped: billions lost).
+        let mut a = Adaptation::default();
+        assert!(a.on_report(&report(1_000, 50_000, 0, 0), |_| None));
+        assert!(a.on_report(&report(1_001, 50_100, 0, 0), |_| None));
+        assert!(a.on_report(&report(0, 100, 0, 0), |_| None));
+        assert_eq!(a.loss_estimate(), 0.0);
+        // 2 % loss after the restart is measured as such.
+        for seq in 1..40 {
+            let r = report(seq, 100 + seq * 98, seq * 2, seq * 2);
+            assert!(a.on_report(&r, |_| None));
+        }
+        let loss = a.loss_estimate();
+        assert!((0.015..0.025).contains(&loss), "{loss}");
+        // The same when the restart happens within a few reports of the start (its seq
+        // passes the old one soon): the counters tell.
+        let mut b = Adaptation::default();
+        assert!(b.on_report(&report(3, 300, 0, 0), |_| None));
+        assert!(b.on_report(&report(4, 400, 0, 0), |_| None));
+        assert!(b.on_report(&report(5, 10, 0, 0), |_| None));
+        assert!(b.on_report(&report(6, 110, 0, 0), |_| None));
+        assert_eq!(b.loss_estimate(), 0.0);
     }
 }
