@@ -31,6 +31,11 @@ const MAX_SKIPPED: usize = 64;
 /// Most restored packets waiting for [`FecReceiver::pop_recovered`].
 const MAX_RECOVERED_QUEUE: usize = 2 * MAX_BLOCK_SOURCES;
 
+/// Largest buffer kept in the pool: a packet of a 1500-byte MTU path, with room. Buffers of
+/// larger datagrams (jumbo frames, or a peer sending junk at the UDP maximum) are freed after
+/// use, so the pool's memory stays at its count times this.
+const POOLED_CAPACITY: usize = 2048;
+
 /// Receiver configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReceiverConfig {
@@ -508,12 +513,12 @@ impl FecReceiver {
         let bit = 1u64 << h.index;
         let i = match slot {
             Slot::Stale => {
-                self.pool.push(packet);
+                self.pool_put(packet);
                 self.stats.untracked_sources += 1;
                 return Received::Deliver(range);
             }
             Slot::Finalised => {
-                self.pool.push(packet);
+                self.pool_put(packet);
                 let now_ms = self.ms_since_epoch(now);
                 let f = &mut self.history[usize::from(h.block.0) % HISTORY];
                 if f.have & bit != 0 {
@@ -537,12 +542,12 @@ impl FecReceiver {
         self.suspect_run = 0;
         let b = &mut self.blocks[i];
         if (b.received | b.recovered) & bit != 0 {
-            self.pool.push(packet);
+            self.pool_put(packet);
             return Received::Dropped(DropReason::Duplicate);
         }
         if let Some((k, _)) = b.kr {
             if h.index >= k || packet.len() + 2 > b.shard_len {
-                self.pool.push(packet);
+                self.pool_put(packet);
                 return Received::Dropped(DropReason::Malformed);
             }
         }
@@ -560,11 +565,11 @@ impl FecReceiver {
     fn on_repair(&mut self, now: Instant, h: RepairHeader, shard: Vec<u8>) -> Received {
         let i = match self.locate(now, h.block) {
             Slot::Stale => {
-                self.pool.push(shard);
+                self.pool_put(shard);
                 return Received::Dropped(DropReason::Stale);
             }
             Slot::Finalised => {
-                self.pool.push(shard);
+                self.pool_put(shard);
                 return Received::Dropped(DropReason::LateRepair);
             }
             Slot::Open(i) => i,
@@ -579,11 +584,11 @@ impl FecReceiver {
             }
         };
         if !consistent {
-            self.pool.push(shard);
+            self.pool_put(shard);
             return Received::Dropped(DropReason::Malformed);
         }
         if b.repairs.iter().any(|(j, _)| *j == h.index) {
-            self.pool.push(shard);
+            self.pool_put(shard);
             return Received::Dropped(DropReason::Duplicate);
         }
         b.kr = Some((h.k, h.r));
@@ -634,6 +639,7 @@ impl FecReceiver {
                 q.push_back(pooled_copy(pool, packet));
             },
         );
+        self.decoder.0.shrink(b.shard_len, POOLED_CAPACITY);
         b.recovered |= restored;
         self.stats.recovered += u64::from(restored.count_ones());
         if result.is_err() {
@@ -681,8 +687,10 @@ impl FecReceiver {
         self.report_dirty = true;
     }
 
+    /// Returns a buffer to the pool, unless the pool is full or the buffer grew past
+    /// [`POOLED_CAPACITY`]: one large datagram must not leave a pool of large buffers behind.
     fn pool_put(&mut self, mut buf: Vec<u8>) {
-        if self.pool.len() < 2 * MAX_BLOCK_SOURCES {
+        if self.pool.len() < 2 * MAX_BLOCK_SOURCES && buf.capacity() <= POOLED_CAPACITY {
             buf.clear();
             self.pool.push(buf);
         }
@@ -864,4 +872,51 @@ fn pooled_copy(pool: &mut Vec<Vec<u8>>, bytes: &[u8]) -> Vec<u8> {
     v.clear();
     v.extend_from_slice(bytes);
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fec::{FecConfig, FecMode, FecScope, FecSender};
+
+    #[test]
+    fn large_datagrams_leave_no_large_buffers_behind() {
+        let config = FecConfig {
+            mode: FecMode::Fixed { k: 3, r: 2 },
+            scope: FecScope::All,
+            ..FecConfig::default()
+        };
+        let mut tx = FecSender::new(config, None, [1; 32]).expect("sender");
+        let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
+        let now = Instant::now();
+        let later = now + Duration::from_secs(1);
+        for size in [1200usize, 60_000] {
+            let mut wire = Vec::new();
+            for n in 0..3u8 {
+                let mut out = Vec::new();
+                tx.send(now, &vec![n; size], &mut out).expect("send");
+                wire.push(out);
+            }
+            tx.on_timeout(later);
+            let mut out = Vec::new();
+            while tx.poll_transmit(later, &mut out) {
+                wire.push(std::mem::take(&mut out));
+            }
+            // The first source is lost: Reed-Solomon restores it from the rest.
+            for d in &mut wire[1..] {
+                let _ = rx.on_datagram(now, d);
+            }
+            let mut restored = Vec::new();
+            assert!(rx.pop_recovered(&mut restored), "size {size}");
+            assert_eq!(restored, vec![0u8; size]);
+        }
+        assert_eq!(rx.stats().recovered, 2);
+        assert!(!rx.pool.is_empty());
+        assert!(
+            rx.pool.iter().all(|b| b.capacity() <= POOLED_CAPACITY),
+            "{:?}",
+            rx.pool.iter().map(Vec::capacity).collect::<Vec<_>>()
+        );
+        assert!(rx.decoder.0.is_released(POOLED_CAPACITY));
+    }
 }
