@@ -238,11 +238,23 @@ async fn request(
                 tracing::debug!(%remote, "unauthenticated tunnel request: masquerade");
                 let req = Request::from_parts(parts, ());
                 let resp = Box::pin(tunnel.masquerade.respond(&req, &shared.client)).await;
-                write_response(&mut send, resp, req.method() == Method::HEAD).await;
+                write_response(
+                    &mut send,
+                    resp,
+                    req.method() == Method::HEAD,
+                    shared.config.timeouts.client_write(),
+                )
+                .await;
                 return;
             }
             if let Err(e) = tunnel.admit(&mut parts.headers, Instant::now()) {
-                write_response(&mut send, e.into_response(), false).await;
+                write_response(
+                    &mut send,
+                    e.into_response(),
+                    false,
+                    shared.config.timeouts.client_write(),
+                )
+                .await;
                 return;
             }
             // Hysteria-2-style rate negotiation: brutal at min(edge `tw-rx-rate`, our
@@ -262,12 +274,13 @@ async fn request(
     let head = parts.method == Method::HEAD;
     let req = Request::from_parts(parts, H3Body { recv });
     let stopped = prio.stopped();
+    let stall = shared.config.timeouts.client_write();
     let serve = async {
         // Boxed, like the other large futures here: the task spawned per request stays small, so
         // tokio does not copy kilobytes of future state into the task and out again.
         let resp = Box::pin(service::handle_request(shared, req, transport, remote)).await;
         prio.set(class.unwrap_or_else(|| response_priority(&resp)));
-        write_response(&mut send, resp, head).await;
+        write_response(&mut send, resp, head, stall).await;
     };
     // A client that cancels (STOP_SENDING, which dropping a stream sends) or whose connection
     // closes cancels the request at once, as on the TCP fronts: dropping `serve` drops the
@@ -284,23 +297,38 @@ async fn request(
     }
 }
 
-/// Sends a response head and streams its body, frame by frame.
-async fn write_response(send: &mut SendHalf, resp: Response<ResponseBody>, head_only: bool) {
+/// Sends a response head and streams its body, frame by frame. A client that leaves the
+/// stream's flow-control window full for `stall` (it reads nothing, while its connection stays
+/// alive) has its stream reset, as the TCP fronts close such a connection (`client_write_ms`):
+/// else it would hold its backend slot, and the backend's output, as long as it liked.
+async fn write_response(
+    send: &mut SendHalf,
+    resp: Response<ResponseBody>,
+    head_only: bool,
+    stall: Duration,
+) {
     let (parts, mut body) = resp.into_parts();
-    if send
-        .send_response(Response::from_parts(parts, ()))
-        .await
-        .is_err()
-    {
-        return;
+    let stalled = |send: &mut SendHalf| {
+        tracing::debug!(
+            stall_ms = stall.as_millis() as u64,
+            "HTTP/3 client read nothing; resetting its stream"
+        );
+        send.stop_stream(h3::error::Code::H3_REQUEST_CANCELLED);
+    };
+    match tokio::time::timeout(stall, send.send_response(Response::from_parts(parts, ()))).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => return,
+        Err(_) => return stalled(send),
     }
     if !head_only {
         while let Some(frame) = body.frame().await {
             match frame {
                 Ok(frame) => {
                     if let Ok(data) = frame.into_data() {
-                        if send.send_data(data).await.is_err() {
-                            return;
+                        match tokio::time::timeout(stall, send.send_data(data)).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(_)) => return,
+                            Err(_) => return stalled(send),
                         }
                     }
                 }
@@ -335,7 +363,13 @@ async fn forward(
             "forward_not_allowed",
             "this target is not in the gateway's forward_allow list",
         );
-        write_response(&mut send, e.into_response(), false).await;
+        write_response(
+            &mut send,
+            e.into_response(),
+            false,
+            shared.config.timeouts.client_write(),
+        )
+        .await;
         return;
     };
     let connect = tokio::time::timeout(
@@ -352,7 +386,13 @@ async fn forward(
                 "forward_unreachable",
                 format!("cannot connect to {target}"),
             );
-            write_response(&mut send, e.into_response(), false).await;
+            write_response(
+                &mut send,
+                e.into_response(),
+                false,
+                shared.config.timeouts.client_write(),
+            )
+            .await;
             return;
         }
     };

@@ -394,3 +394,78 @@ async fn a_headers_frame_announcing_more_than_the_head_limit_closes_the_connecti
     };
     assert_eq!(r["status"], 200, "{r}");
 }
+
+#[tokio::test]
+async fn an_http3_client_that_never_reads_is_cut_off_and_its_backend_slot_released() {
+    use tokenway_transport::client::{QuicClient, QuicConnect};
+    use tokenway_transport::trust::{client_tls, Trust};
+    use tokenway_transport::QuicSettings;
+
+    // The answer streams far more than the stream's flow-control window: a client that reads
+    // none of it leaves the gateway's writes waiting, with its QUIC connection alive (quinn
+    // acknowledges packets whether or not the application reads them).
+    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 0.0\n");
+    let gw = gateway(
+        &[&backend],
+        "h3_listen = \"127.0.0.1:0\"",
+        &format!(
+            "[timeouts]\nclient_write_ms = 500\n\
+             [tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n"
+        ),
+    );
+    let h3_addr = gw.extra("h3").expect("h3 front");
+    let pin = gw
+        .fingerprint()
+        .expect("the gateway reports its fingerprint");
+    let settings = QuicSettings {
+        zero_rtt: false,
+        ..QuicSettings::default()
+    };
+    let endpoint = tokenway_transport::endpoint::client_endpoint(
+        "127.0.0.1:0".parse().expect("addr"),
+        &settings,
+    )
+    .expect("client endpoint");
+    let tls = client_tls(
+        &Trust::Pinned(vec![pin]),
+        &[tokenway_transport::ALPN_H3],
+        false,
+    )
+    .expect("client TLS");
+    let client = QuicClient::connect(QuicConnect {
+        endpoint: &endpoint,
+        addr: h3_addr,
+        server_name: "localhost",
+        tls,
+        settings: &settings,
+        initial_rtt: None,
+        peer: "test",
+        metrics: None,
+        timeout: Duration::from_secs(5),
+    })
+    .await
+    .expect("connected");
+    let req = http::Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(chat(
+            "flood me", true, 400_000,
+        ))))
+        .expect("request");
+    let unread = client.send_request(req).await.expect("response head");
+    assert_eq!(unread.status(), 200);
+    let metrics = format!("{}/metrics", gw.url());
+    let released = eventually(Duration::from_secs(15), || async {
+        metric_sum(
+            &get(&metrics).await.body,
+            "tokenway_backend_inflight{backend=\"b0\"",
+        ) == 0.0
+    })
+    .await;
+    assert!(
+        released,
+        "the never-reading HTTP/3 client still holds a backend slot"
+    );
+    // The connection itself stays usable for requests that are read.
+    assert!(!client.is_closed());
+    drop(unread);
+}
