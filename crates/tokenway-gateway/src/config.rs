@@ -239,9 +239,12 @@ pub struct MasqueradeConfig {
 pub struct Timeouts {
     /// TCP connect to a backend.
     pub connect_ms: u64,
-    /// From sending a request to a backend to its response head and first body bytes; past it
-    /// the attempt counts as a timeout and the next backend is tried.
+    /// From sending a streamed request to a backend to its response head and first body bytes;
+    /// past it the attempt counts as a timeout and the next backend is tried.
     pub first_byte_ms: u64,
+    /// The same for a request whose answer comes whole (not streamed): its first byte comes
+    /// only when the generation has ended.
+    pub whole_answer_ms: u64,
     /// Longest silence inside a streaming response before it is ended with an error event.
     pub stream_idle_ms: u64,
     /// Reading a client's request head and body.
@@ -257,6 +260,8 @@ impl Default for Timeouts {
         Self {
             connect_ms: 2_000,
             first_byte_ms: 60_000,
+            // The official OpenAI clients' own default request timeout.
+            whole_answer_ms: 600_000,
             stream_idle_ms: 60_000,
             client_read_ms: 30_000,
             client_write_ms: 30_000,
@@ -270,9 +275,13 @@ impl Timeouts {
     pub fn connect(&self) -> Duration {
         Duration::from_millis(self.connect_ms)
     }
-    /// First-byte timeout.
+    /// First-byte timeout of a streamed request.
     pub fn first_byte(&self) -> Duration {
         Duration::from_millis(self.first_byte_ms)
+    }
+    /// First-byte timeout of a request answered whole.
+    pub fn whole_answer(&self) -> Duration {
+        Duration::from_millis(self.whole_answer_ms)
     }
     /// Stream idle timeout.
     pub fn stream_idle(&self) -> Duration {
@@ -296,8 +305,11 @@ impl Timeouts {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HealthSettings {
-    /// Interval between `GET /health` probes to each backend, milliseconds.
+    /// Interval between health probes (`GET probe_path`) to each backend, milliseconds.
     pub probe_interval_ms: u64,
+    /// Path of the health probe: `/health` (vLLM, SGLang, TGI, llama.cpp); Ollama answers `/`.
+    /// A backend's own `health_path` overrides it.
+    pub probe_path: String,
     /// Timeout of one probe, milliseconds.
     pub probe_timeout_ms: u64,
     /// Consecutive failed probes that eject a backend.
@@ -315,6 +327,7 @@ impl Default for HealthSettings {
         let h = HealthConfig::default();
         Self {
             probe_interval_ms: 1_000,
+            probe_path: "/health".to_string(),
             probe_timeout_ms: 1_000,
             eject_after_failures: h.eject_after_failures,
             readmit_after_successes: h.readmit_after_successes,
@@ -362,6 +375,14 @@ pub struct BackendConfig {
     /// `routing.prefix_capacity_blocks`.
     #[serde(default)]
     pub prefix_capacity_blocks: Option<usize>,
+    /// Path of this backend's health probe; absent means `health.probe_path`.
+    #[serde(default)]
+    pub health_path: Option<String>,
+}
+
+/// Whether `path` can be a probe's path: absolute, and a valid request target.
+fn valid_probe_path(path: &str) -> bool {
+    path.starts_with('/') && path.parse::<http::uri::PathAndQuery>().is_ok()
 }
 
 /// Largest prefix-index capacity in blocks (`routing.prefix_capacity_blocks` and per backend).
@@ -583,10 +604,18 @@ impl GatewayConfig {
                 self.queue_max,
             ));
         }
+        if !valid_probe_path(&self.health.probe_path) {
+            return Err(bad(
+                "health.probe_path",
+                "a path starting with `/`",
+                format!("{:?}", self.health.probe_path),
+            ));
+        }
         let t = &self.timeouts;
         for (key, v) in [
             ("timeouts.connect_ms", t.connect_ms),
             ("timeouts.first_byte_ms", t.first_byte_ms),
+            ("timeouts.whole_answer_ms", t.whole_answer_ms),
             ("timeouts.stream_idle_ms", t.stream_idle_ms),
             ("timeouts.client_read_ms", t.client_read_ms),
             ("timeouts.client_write_ms", t.client_write_ms),
@@ -828,8 +857,15 @@ pub fn validate_backends(backends: &[BackendConfig], key: &str) -> Result<(), Ga
         if uri.scheme_str() != Some("http") || uri.authority().is_none() {
             return Err(bad(
                 &format!("{key}[{i}].url"),
-                "an http://host:port URL",
+                "an http://host[:port] URL",
                 format!("{:?}", b.url),
+            ));
+        }
+        if let Some(p) = b.health_path.as_deref().filter(|p| !valid_probe_path(p)) {
+            return Err(bad(
+                &format!("{key}[{i}].health_path"),
+                "a path starting with `/`",
+                format!("{p:?}"),
             ));
         }
         if b.max_inflight == 0 {
@@ -1043,5 +1079,33 @@ mod tests {
             let e = GatewayConfig::from_toml_str(&format!("{TUNNEL}{extra}")).unwrap_err();
             assert!(e.to_string().contains(key), "{key}: {e}");
         }
+    }
+
+    #[test]
+    fn the_health_probe_path_is_set_globally_or_per_backend_and_checked() {
+        let b = "[[backends]]\nurl = \"http://ollama.internal:11434\"\n";
+        let c = GatewayConfig::from_toml_str(&format!("{b}health_path = \"/\"\n")).expect("valid");
+        assert_eq!(c.health.probe_path, "/health");
+        assert_eq!(c.backends[0].health_path.as_deref(), Some("/"));
+        let c =
+            GatewayConfig::from_toml_str(&format!("[health]\nprobe_path = \"/v1/models\"\n{b}"))
+                .expect("valid");
+        assert_eq!(c.health.probe_path, "/v1/models");
+        for (toml, key) in [
+            (
+                format!("[health]\nprobe_path = \"health\"\n{b}"),
+                "health.probe_path",
+            ),
+            (
+                format!("{b}health_path = \"x y\"\n"),
+                "backends[0].health_path",
+            ),
+        ] {
+            let e = GatewayConfig::from_toml_str(&toml).unwrap_err();
+            assert!(e.to_string().contains(key), "{key}: {e}");
+        }
+        // A URL without a port is port 80.
+        GatewayConfig::from_toml_str("[[backends]]\nurl = \"http://vllm.internal\"\n")
+            .expect("valid");
     }
 }

@@ -101,7 +101,12 @@ async fn get(
 
 async fn probe_once(shared: &Shared, id: BackendId) -> bool {
     let timeout = std::time::Duration::from_millis(shared.config.health.probe_timeout_ms);
-    let Some(resp) = get(shared, id, "/health").await else {
+    let u = shared.upstream(id);
+    let path = u
+        .health_path
+        .as_deref()
+        .unwrap_or(&shared.config.health.probe_path);
+    let Some(resp) = get(shared, id, path).await else {
         return false;
     };
     let ok = resp.status().is_success();

@@ -74,7 +74,13 @@ async fn try_backend(
 ) -> Tried {
     let upstream = shared.upstream(id);
     let sent_at = Instant::now();
-    let deadline = tokio::time::Instant::now() + shared.config.timeouts.first_byte();
+    let timeouts = &shared.config.timeouts;
+    let wait = if req.request.whole_answer {
+        timeouts.whole_answer()
+    } else {
+        timeouts.first_byte()
+    };
+    let deadline = tokio::time::Instant::now() + wait;
     let head = encode_head(
         &upstream.authority,
         req.parts,
@@ -126,7 +132,11 @@ async fn try_backend(
         Ok(Ok(f)) => f,
     };
     let ttfb = sent_at.elapsed();
-    attempt.first_byte(ttfb);
+    // An error answer's first bytes are not a first token: they must neither feed the TTFT
+    // estimates nor pass a trial (the last candidate's 5xx below fails it).
+    if status.is_success() {
+        attempt.first_byte(ttfb);
+    }
     if status.is_server_error() {
         // The last candidate's own error answer goes to the client as it is; it still counts
         // against the backend's health.
@@ -201,7 +211,9 @@ pub async fn forward(
             },
         };
         let primary = try_backend(shared, id, held, &req, &routed, next == candidates.len());
-        let delay = if next < candidates.len() {
+        // A whole answer is not hedged: its wait is the whole generation, not a late first
+        // token, and a hedge would run it twice.
+        let delay = if next < candidates.len() && !req.request.whole_answer {
             shared.router().hedge_delay(id, Instant::now())
         } else {
             None

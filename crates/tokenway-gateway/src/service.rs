@@ -309,7 +309,8 @@ fn route_request(
     let prompt = meta.prompt_text();
     let mut r = RouteRequest::new(meta.require_model()?)
         .with_blocks(prompt_blocks(prompt, settings.block_bytes))
-        .with_prompt_tokens(u32::try_from(prompt.len() / 4).unwrap_or(u32::MAX));
+        .with_prompt_tokens(u32::try_from(prompt.len() / 4).unwrap_or(u32::MAX))
+        .with_whole_answer(meta.stream != Some(true));
     if let Some(limit) = meta.output_limit() {
         r = r.with_max_output_tokens(limit);
     }

@@ -76,6 +76,8 @@ pub struct Upstream {
     /// Its `tokenway_backend_inflight` gauge, resolved at the first use (a family lookup hashes
     /// the label strings every time).
     inflight_gauge: std::sync::OnceLock<Gauge>,
+    /// Its own health probe path (`health_path`), if it has one.
+    pub health_path: Option<String>,
     /// Its `tokenway_requests_total{status="200"}` counters per proxied route (in the order of
     /// [`crate::service::PROXIED`]), resolved at the first use: the counter of every answered
     /// request, looked up without hashing or copying the name.
@@ -98,6 +100,17 @@ fn timing_desc(name: &str) -> String {
         .map(|c| if c == '"' || c == '\\' { '_' } else { c })
         .collect();
     format!(", backend;desc=\"{quoted}\"")
+}
+
+/// The `host:port` to connect to for `base`: a URL without a port (`http://vllm.internal`)
+/// means port 80, as it does for the health probes' HTTP client.
+fn connect_authority(base: &Uri) -> Arc<str> {
+    let authority = base.authority().map_or("", |a| a.as_str());
+    if base.port_u16().is_some() {
+        Arc::from(authority)
+    } else {
+        Arc::from(format!("{authority}:80"))
+    }
 }
 
 impl Upstream {
@@ -137,7 +150,7 @@ impl Upstream {
             name_header: HeaderValue::from_str(&name).ok(),
             timing_desc: timing_desc(&name),
             name,
-            authority: Arc::from(base.authority().map_or("", |a| a.as_str())),
+            authority: connect_authority(&base),
             base,
             authorization,
             model_entries: Mutex::new(entries),
@@ -145,6 +158,7 @@ impl Upstream {
             models_configured: !b.models.is_empty(),
             models_stale: AtomicBool::new(false),
             url: b.url.clone(),
+            health_path: b.health_path.clone(),
             source,
             removed: AtomicBool::new(false),
             inflight_gauge: std::sync::OnceLock::new(),
@@ -651,5 +665,24 @@ impl Drop for Reservation {
 impl Drop for Attempt {
     fn drop(&mut self) {
         self.finish(Outcome::ClientCancelled);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_backend_url_without_a_port_connects_to_port_80() {
+        let cases = [
+            ("http://vllm.internal/", "vllm.internal:80"),
+            ("http://10.0.0.7:8000/", "10.0.0.7:8000"),
+            ("http://[fd00::7]/", "[fd00::7]:80"),
+            ("http://[fd00::7]:30000/", "[fd00::7]:30000"),
+        ];
+        for (url, want) in cases {
+            let base: Uri = url.parse().expect("URL");
+            assert_eq!(&*connect_authority(&base), want, "{url}");
+        }
     }
 }

@@ -83,6 +83,10 @@ pub struct RouteRequest {
     pub max_output_tokens: Option<u32>,
     /// Set when routing it again after a hold ([`Route::hold`](crate::Route::hold)).
     pub held: Option<Held>,
+    /// The answer comes whole, not streamed (`stream` false or absent, embeddings): its first
+    /// byte arrives when the generation has ended, so it says nothing about the time to first
+    /// token and feeds neither that estimate nor outlier detection.
+    pub whole_answer: bool,
 }
 
 /// A request that the router told the gateway to hold, routed again.
@@ -130,6 +134,12 @@ impl RouteRequest {
     /// With the output limit.
     pub fn with_max_output_tokens(mut self, tokens: u32) -> Self {
         self.max_output_tokens = Some(tokens);
+        self
+    }
+
+    /// With an answer that comes whole rather than streamed.
+    pub fn with_whole_answer(mut self, whole: bool) -> Self {
+        self.whole_answer = whole;
         self
     }
 

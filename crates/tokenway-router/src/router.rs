@@ -133,6 +133,8 @@ pub struct AttemptTicket {
     /// Identifies its expected end in its backend's `ends`.
     serial: u64,
     first_token_at: Option<Instant>,
+    /// Its answer comes whole ([`RouteRequest::whole_answer`]).
+    whole_answer: bool,
 }
 
 impl AttemptTicket {
@@ -790,6 +792,7 @@ impl Router {
             pending: Vec::new(),
             serial: self.next_serial,
             first_token_at: None,
+            whole_answer: req.whole_answer,
         };
         self.next_serial = self.next_serial.wrapping_add(1);
         let Some(b) = self.backends.get(id.0) else {
@@ -841,6 +844,18 @@ impl Router {
         }
         ticket.first_token = true;
         let cfg = self.cfg;
+        if ticket.whole_answer {
+            // The generation has ended: its prefill is done, and a trial has succeeded, but
+            // the time is not a time to first token, nor the rest a decode time.
+            let b = self.backends.get_mut(ticket.id.0)?;
+            b.work_tokens = b.work_tokens.saturating_sub(ticket.prefill_tokens);
+            b.pending.remove(&std::mem::take(&mut ticket.pending));
+            if !std::mem::take(&mut ticket.trial) {
+                return None;
+            }
+            let t = b.health.end_trial(Some(true), now, &cfg.health);
+            return after_transition(b, t);
+        }
         let alternative = self.may_judge_outlier(ticket.id, ttft);
         let b = self.backends.get_mut(ticket.id.0)?;
         b.work_tokens = b.work_tokens.saturating_sub(ticket.prefill_tokens);

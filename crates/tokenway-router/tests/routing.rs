@@ -400,6 +400,59 @@ fn sustained_ttft_outliers_against_the_backends_own_history_eject_it() {
 }
 
 #[test]
+fn a_whole_answer_is_no_first_token_nor_an_outlier_but_ends_a_trial() {
+    // A request that is not streamed gets its first byte when the generation is done: minutes
+    // for a long one. That must not read as a slow first token (an outlier ejection, a peak
+    // EWMA that steers streams away), nor corrupt the decode estimate.
+    let t0 = Instant::now();
+    let mut r = cost_router(&["busy", "ok"]);
+    let id = BackendId(0);
+    let streamed = RouteRequest::new(M).with_prompt_tokens(10);
+    let whole = streamed
+        .clone()
+        .with_whole_answer(true)
+        .with_max_output_tokens(4000);
+    let mut now = t0;
+    for i in 0..40 {
+        now += ms(100);
+        let mut t = r.start_attempt(id, &streamed, now);
+        assert_eq!(r.first_token(&mut t, ms(80 + i % 20), now), None);
+        let _ = r.end_attempt(t, Outcome::Success, now + ms(50));
+    }
+    let ewma = r.backend(id).and_then(|v| v.ewma_ttft);
+    let before = r.snapshot(now).backends[0].clone();
+    for _ in 0..10 {
+        now += ms(100);
+        let mut t = r.start_attempt(id, &whole, now);
+        assert_eq!(r.first_token(&mut t, ms(90_000), now + ms(90_000)), None);
+        assert_eq!(r.end_attempt(t, Outcome::Success, now + ms(90_001)), None);
+    }
+    let after = r.snapshot(now).backends[0].clone();
+    assert_eq!(r.backend(id).map(|v| v.healthy), Some(true));
+    assert_eq!(r.backend(id).and_then(|v| v.ewma_ttft), ewma);
+    assert_eq!(after.prefill_tokens_per_s, before.prefill_tokens_per_s);
+    assert_eq!(after.overhead_ms, before.overhead_ms);
+    assert_eq!(after.decode_ms_per_token, before.decode_ms_per_token);
+    assert!(before.decode_ms_per_token.is_some_and(|d| d > 0.0));
+    assert_eq!(after.inflight_work_tokens, 0);
+
+    // Ejected, its trial may be a whole answer: the answer re-admits it.
+    r.on_attempt_end(id, Outcome::ConnectError, now);
+    let at = now + ms(1000);
+    let mut trial = r.start_attempt(id, &whole, at);
+    assert!(trial.is_trial());
+    assert_eq!(
+        r.first_token(&mut trial, ms(30_000), at + ms(30_000)),
+        Some(HealthTransition::Readmitted)
+    );
+    assert_eq!(
+        r.end_attempt(trial, Outcome::Success, at + ms(30_001)),
+        None
+    );
+    assert_eq!(r.backend(id).map(|v| v.healthy), Some(true));
+}
+
+#[test]
 fn the_last_healthy_backend_of_a_model_is_not_ejected_for_slow_first_tokens() {
     // A burst that slows every first token (here: the only backend) must not turn slow answers
     // into 503s; once another backend serves the model, the same streak ejects.

@@ -210,6 +210,7 @@ fn backend(entry: &DnsBackends, url: String) -> BackendConfig {
         max_inflight: entry.max_inflight,
         api_key: entry.api_key.clone(),
         prefix_capacity_blocks: entry.prefix_capacity_blocks,
+        health_path: None,
     }
 }
 

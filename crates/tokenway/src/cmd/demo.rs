@@ -79,6 +79,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             max_inflight: 256,
             api_key: None,
             prefix_capacity_blocks: None,
+            health_path: None,
         });
         println!(
             "backend  {name:<9} http://{addr}  (base {base} ms, {tpot} ms/token, {slots} slots)"

@@ -88,6 +88,7 @@ pub fn load(args: &GatewayArgs) -> anyhow::Result<GatewayConfig> {
                 max_inflight: 256,
                 api_key: None,
                 prefix_capacity_blocks: None,
+                health_path: None,
             })
             .collect();
     }

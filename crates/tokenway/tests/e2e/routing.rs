@@ -230,3 +230,68 @@ async fn discovery_picks_up_added_and_removed_backends_from_a_changed_file() {
         ["file-b"]
     );
 }
+
+#[tokio::test]
+async fn an_answer_that_is_not_streamed_may_take_longer_than_the_first_byte_timeout() {
+    // 25 tokens at 40 ms: a whole answer comes after about a second, past `first_byte_ms`,
+    // which bounds the wait for a stream's first token only.
+    let slow = "base_latency_ms = 1.0\ntime_per_output_token_ms = 40.0\n";
+    let sims = [sim(slow), sim(slow)];
+    let gw = gateway(
+        &[&sims[0], &sims[1]],
+        "policy = \"round_robin\"",
+        "[timeouts]\nfirst_byte_ms = 300\n",
+    );
+    let url = format!("{}/v1/chat/completions", gw.url());
+    for i in 0..2 {
+        let r = post(&url, &chat(&format!("whole {i}"), false, 25), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(r.body.contains("\"chat.completion\""), "{}", r.body);
+        let timing = r
+            .headers
+            .get("server-timing")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        assert!(!timing.contains("retry"), "retried: {timing}");
+    }
+    // A stream's first token still has to come within it.
+    let r = post(&url, &chat("streamed", true, 25), None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let admin: serde_json::Value =
+        serde_json::from_str(&get(&format!("{}/admin/backends", gw.url())).await.body)
+            .expect("JSON");
+    for b in admin["backends"].as_array().expect("backends") {
+        assert_eq!(b["state"], "healthy", "{admin}");
+        // The whole answers' second did not enter the time-to-first-token estimate.
+        let ewma = b["ewma_ttft_ms"].as_f64().unwrap_or(0.0);
+        assert!(ewma < 500.0, "{admin}");
+    }
+}
+
+#[tokio::test]
+async fn a_trial_answered_with_a_server_error_keeps_the_backend_ejected() {
+    let failing = sim("[faults]\nerror_rate = 1.0\n");
+    // No probe re-admits it during the test: only requests judge it.
+    let gw = gateway(&[&failing], "", "[health]\nprobe_interval_ms = 3600000\n");
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let admin_url = format!("{}/admin/backends", gw.url());
+    let state = || async {
+        let v: serde_json::Value = serde_json::from_str(&get(&admin_url).await.body).expect("JSON");
+        v["backends"][0].clone()
+    };
+    // Three 500s in a row (each the only candidate's answer, passed on) eject it.
+    for i in 0..3 {
+        let r = post(&url, &chat(&format!("e{i}"), true, 2), None).await;
+        assert_eq!(r.status, 500, "{}", r.body);
+    }
+    let b = state().await;
+    assert_eq!(b["eject_reason"], "passive_failures", "{b}");
+    // After the minimum ejection its next request is a trial; the trial's 500 fails it.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let r = post(&url, &chat("trial", true, 2), None).await;
+    assert_eq!(r.status, 500, "{}", r.body);
+    let b = state().await;
+    assert_ne!(b["state"], "healthy", "{b}");
+    assert_eq!(b["eject_reason"], "trial_failed", "{b}");
+}
