@@ -29,7 +29,10 @@
 //! delivered (acked) fewer bytes than `rate`, the window is stretched by a gain (up to
 //! [`MAX_GAIN`]); when it delivered more, the gain falls back towards 1. On a link faster than
 //! the target the gain stays at 1 and the rate at the target; on a link at the target rate the
-//! gain fills its bottleneck queue, which is what brutal does anyway.
+//! gain fills its bottleneck queue, which is what brutal does anyway. A second that lost more
+//! than the ack-rate floor compensates (20 %) never raises the gain, and relaxes it (square
+//! root per second): there the shortfall is loss, and stretching for it would defeat the floor's
+//! bound of 1.25 × rate.
 //!
 //! The controller reads no clock: `now` comes from quinn, and [`Brutal::on_rtt`] takes the
 //! smoothed RTT, so tests drive it with simulated time.
@@ -131,6 +134,13 @@ impl Brutal {
         };
         let s = self.slots[(prev % SLOTS as u64) as usize];
         if s.second != prev || s.app_limited || s.acked == 0 || self.rate == 0 {
+            return;
+        }
+        if s.lost as f64 > (1.0 - MIN_ACK_RATE) * (s.acked + s.lost) as f64 {
+            // Loss beyond what brutal compensates: the shortfall is the link's, not the
+            // window's. Stretching the window for it would push up to MAX_GAIN / MIN_ACK_RATE
+            // times the rate into a link that drops a fifth of it; the gain relaxes instead.
+            self.gain = self.gain.sqrt().max(1.0);
             return;
         }
         let ratio = self.rate as f64 / s.acked as f64;
@@ -384,6 +394,32 @@ mod tests {
             }
         }
         assert_eq!(b.gain(), 1.0);
+    }
+
+    #[test]
+    fn loss_beyond_the_floor_relaxes_the_gain_instead_of_stacking_on_the_compensation() {
+        let t0 = Instant::now();
+        let mut b = Brutal::new(1_000_000, t0, MTU);
+        b.on_rtt(ms(100));
+        // A second that fell short without loss (ACK delay): the gain rises.
+        for i in 0..10 {
+            b.on_acked_app(t0 + ms(100 * i), 80_000, false);
+        }
+        b.on_acked_app(t0 + Duration::from_secs(1), 80_000, false);
+        let earned = b.gain();
+        assert!(earned > 1.0, "gain {earned}");
+        // Then 40 % loss, and a shortfall: the window stays within 1.25 × rate · RTT.
+        for s in 1..8u64 {
+            for i in 0..10 {
+                let at = t0 + Duration::from_secs(s) + ms(100 * i);
+                b.on_acked_app(at, 60_000, false);
+                b.on_lost(at, 40_000);
+            }
+        }
+        assert!(b.gain() < earned, "gain {} (was {earned})", b.gain());
+        assert!(b.gain() < 1.01, "gain {}", b.gain());
+        let w = b.window_at(t0 + Duration::from_secs(8));
+        assert!(w <= 126_250, "window {w}");
     }
 
     #[test]
