@@ -11,11 +11,14 @@
 //! ```
 //!
 //! **Peers.** Layer state (an `FecSender` and an `FecReceiver`) is kept per remote address, in
-//! a map bounded at [`MAX_PEERS`] (the least recently seen peer is evicted) and swept of peers
-//! idle for [`PEER_IDLE`]. A datagram from an address without state is first checked on a copy
-//! (de-obfuscate and parse the framing): only a well-framed packet creates state, so a prober
-//! or a scanner without the key costs one parse and no memory. Its datagrams are dropped and
-//! counted (`stranger`); QUIC never sees them, so it never answers: a prober sees silence.
+//! a map bounded at [`MAX_PEERS`] and swept of peers idle for [`PEER_IDLE`]; at the bound the
+//! least recently seen peer is evicted for a new one only if it has been quiet for
+//! [`EVICT_QUIET`], so spoofed addresses cannot push out live connections. A datagram from an
+//! address without state is first checked on a copy (de-obfuscate and parse the framing): only
+//! a well-framed packet that carries QUIC data (plain or source; not a lone repair or loss
+//! report) creates state, so a prober or a scanner without the key costs one parse and no
+//! memory. Its datagrams are dropped and counted (`stranger`); QUIC never sees them, so it
+//! never answers: a prober sees silence.
 //!
 //! **Timers.** A task per socket sleeps until the earliest deadline of any peer (a block's
 //! flush deadline, a spaced repair packet, a receiver's block expiry or loss report), or until
@@ -69,6 +72,7 @@ use tokenway_wire::fec::{
     FecConfig, FecReceiver, FecSender, Received, ReceiverConfig, ReceiverStats, SenderStats,
 };
 use tokenway_wire::obfs::Obfuscator;
+use tokenway_wire::packet::Packet;
 use tokio::sync::Notify;
 
 use crate::error::TransportError;
@@ -78,6 +82,10 @@ use crate::settings::DatagramSettings;
 pub const MAX_PEERS: usize = 1024;
 /// A peer silent for this long loses its layer state.
 pub const PEER_IDLE: Duration = Duration::from_secs(120);
+/// How long the least recently seen peer must have been quiet to be evicted for a new one when
+/// the map is full: longer than a QUIC keep-alive (5 s by default), so a live connection's
+/// state is never taken.
+pub const EVICT_QUIET: Duration = Duration::from_secs(15);
 /// How often idle peers are swept and metrics published.
 const HOUSEKEEPING: Duration = Duration::from_secs(1);
 /// Datagrams read from the inner socket per call.
@@ -195,7 +203,8 @@ pub struct DatagramStats {
     pub sent: SenderStats,
     /// FEC receivers' counters, summed.
     pub received: ReceiverStats,
-    /// Datagrams from addresses without state that were not valid layer packets.
+    /// Datagrams from addresses without state that were not valid layer packets carrying QUIC
+    /// data, or that found the peer map full of live peers.
     pub stranger_drops: u64,
     /// Datagrams (repairs, loss reports) the inner socket refused, and framed datagrams that
     /// quinn did not retry.
@@ -431,6 +440,26 @@ fn send_segments(
 }
 
 impl State {
+    fn new(config: LayerConfig) -> Self {
+        State {
+            config,
+            peers: HashMap::new(),
+            out: Vec::with_capacity(2048),
+            extra: Vec::with_capacity(2048),
+            batch: Vec::with_capacity(16 * 2048),
+            ready: VecDeque::new(),
+            pool: Vec::new(),
+            retired_sent: SenderStats::default(),
+            retired_received: ReceiverStats::default(),
+            stranger_drops: 0,
+            send_failed: 0,
+            deliver_dropped: 0,
+            peers_evicted: 0,
+            timer_at: None,
+            published: DatagramStats::default(),
+        }
+    }
+
     fn new_peer(&self, now: Instant) -> Result<Peer, TransportError> {
         let err = |e: tokenway_wire::WireError| TransportError::Config(format!("datagram.{e}"));
         let mut tx = FecSender::new(
@@ -458,7 +487,10 @@ impl State {
         })
     }
 
-    /// Makes sure `addr` has state, evicting the least recently seen peer at the bound.
+    /// Makes sure `addr` has state. At the bound, the least recently seen peer makes room if it
+    /// has been quiet for [`EVICT_QUIET`]; if every peer is live, `addr` gets none (`false`):
+    /// a flood of well-framed datagrams from spoofed addresses (no obfuscation key to check)
+    /// must not evict the FEC state of live connections.
     fn ensure_peer(&mut self, addr: SocketAddr, now: Instant) -> bool {
         if self.peers.contains_key(&addr) {
             return true;
@@ -468,9 +500,12 @@ impl State {
                 .peers
                 .iter()
                 .min_by_key(|(_, p)| p.last_seen)
-                .map(|(a, _)| *a);
-            if let Some(a) = oldest {
-                self.retire(a);
+                .map(|(a, p)| (*a, p.last_seen));
+            match oldest {
+                Some((a, seen)) if now.saturating_duration_since(seen) >= EVICT_QUIET => {
+                    self.retire(a);
+                }
+                _ => return false,
             }
         }
         match self.new_peer(now) {
@@ -494,8 +529,9 @@ impl State {
         }
     }
 
-    /// Whether a datagram from an address without state is a well-framed layer packet
-    /// (checked on a copy, so the real receiver sees it untouched).
+    /// Whether a datagram from an address without state is a well-framed layer packet that
+    /// carries QUIC data (checked on a copy, so the real receiver sees it untouched). A repair
+    /// or a loss report alone creates no state: a new peer's first datagram is a QUIC packet.
     fn is_layer_packet(&mut self, datagram: &[u8]) -> bool {
         self.extra.clear();
         self.extra.extend_from_slice(datagram);
@@ -506,7 +542,10 @@ impl State {
             },
             None => &self.extra[..],
         };
-        tokenway_wire::packet::parse(inner).is_ok()
+        matches!(
+            tokenway_wire::packet::parse(inner),
+            Ok(Packet::Plain(_) | Packet::Source(..))
+        )
     }
 
     fn push_ready(&mut self, r: Ready) {
@@ -539,6 +578,7 @@ impl State {
                 return None;
             }
             if !self.ensure_peer(addr, now) {
+                self.stranger_drops += 1;
                 return None;
             }
         }
@@ -812,23 +852,7 @@ impl DatagramSocket {
         })?;
         let socket = Arc::new(DatagramSocket {
             inner,
-            state: Mutex::new(State {
-                config,
-                peers: HashMap::new(),
-                out: Vec::with_capacity(2048),
-                extra: Vec::with_capacity(2048),
-                batch: Vec::with_capacity(16 * 2048),
-                ready: VecDeque::new(),
-                pool: Vec::new(),
-                retired_sent: SenderStats::default(),
-                retired_received: ReceiverStats::default(),
-                stranger_drops: 0,
-                send_failed: 0,
-                deliver_dropped: 0,
-                peers_evicted: 0,
-                timer_at: None,
-                published: DatagramStats::default(),
-            }),
+            state: Mutex::new(State::new(config)),
             recv: Mutex::new(RecvBufs {
                 bufs: std::array::from_fn(|_| vec![0u8; RECV_BUF]),
                 meta: [RecvMeta::default(); RECV_BATCH],
@@ -1127,6 +1151,56 @@ mod tests {
             classify(&mut start, &mut bytes, false, later, 200, 250_000),
             Some(true)
         );
+    }
+
+    #[test]
+    fn strangers_cannot_push_out_live_peers_nor_make_state_with_a_loss_report() {
+        let config = LayerConfig::from_settings(&DatagramSettings::default(), "server", None)
+            .expect("layer config");
+        let mut st = State::new(config);
+        let t0 = Instant::now();
+        let meta = |i: usize| RecvMeta {
+            addr: SocketAddr::from(([198, 18, (i >> 8) as u8, i as u8], 4433)),
+            ..RecvMeta::default()
+        };
+        let quic = |st: &State| {
+            let mut tx = FecSender::new(st.config.fec.clone(), st.config.obfs.clone(), [7; 32])
+                .expect("sender");
+            let mut out = Vec::new();
+            tx.send(t0, &[0x40; 40], &mut out).expect("framed");
+            out
+        };
+        for i in 0..MAX_PEERS {
+            let mut d = quic(&st);
+            st.on_datagram(t0, &meta(i), &mut d);
+        }
+        assert_eq!(st.peers.len(), MAX_PEERS);
+        // One more while every peer is live: it gets no state and evicts nobody.
+        let mut d = quic(&st);
+        st.on_datagram(t0 + Duration::from_secs(1), &meta(MAX_PEERS), &mut d);
+        assert!(!st.peers.contains_key(&meta(MAX_PEERS).addr));
+        assert_eq!((st.peers_evicted, st.stranger_drops), (0, 1));
+        // Peer 0 speaks again; the others stay quiet past EVICT_QUIET: the least recently
+        // seen of them makes room.
+        let later = t0 + EVICT_QUIET + Duration::from_secs(1);
+        let mut d = quic(&st);
+        st.on_datagram(later, &meta(0), &mut d);
+        let mut d = quic(&st);
+        st.on_datagram(later, &meta(MAX_PEERS), &mut d);
+        assert!(st.peers.contains_key(&meta(MAX_PEERS).addr));
+        assert!(st.peers.contains_key(&meta(0).addr));
+        assert_eq!(st.peers_evicted, 1);
+        // A loss report from an address without state creates none.
+        let mut report = Vec::new();
+        tokenway_wire::packet::write_loss_report(
+            &mut report,
+            &tokenway_wire::loss_report::LossReport::default(),
+        );
+        let stranger = meta(MAX_PEERS + 1);
+        st.retire(meta(1).addr);
+        st.on_datagram(later, &stranger, &mut report);
+        assert!(!st.peers.contains_key(&stranger.addr));
+        assert_eq!(st.stranger_drops, 2);
     }
 
     #[tokio::test]
