@@ -54,7 +54,7 @@ pub use health::{
 };
 pub use hedge::{HedgeConfig, HedgeWinner};
 pub use policy::Policy;
-pub use prefix::{prompt_blocks, BlockHash, PrefixIndex};
+pub use prefix::{prompt_blocks, BlockHash, PrefixIndex, MAX_PROMPT_BLOCKS};
 pub use request::{Held, RouteRequest, SessionKey, SessionKind};
 pub use router::{AttemptTicket, Route, RouteReason, Router, DEFAULT_TTFT_ESTIMATE};
 pub use snapshot::{BackendSnapshot, RouterSnapshot};

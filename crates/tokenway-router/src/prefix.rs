@@ -31,6 +31,12 @@ use serde::Serialize;
 
 use crate::hash::stable_hash_chained;
 
+/// Most blocks tracked of one prompt: 2 MiB of prompt text at the default 256-byte blocks,
+/// more than an engine's KV cache holds for one request. Every block is inserted into the
+/// chosen backend's index under the router's lock, so a 32 MiB prompt would otherwise hold it
+/// for 131 072 insertions and flush the index of every other conversation.
+pub const MAX_PROMPT_BLOCKS: usize = 8192;
+
 /// Chain seed of the first block, so that `h_0` differs from a hash of the bare block.
 const CHAIN_SEED: u64 = 0x746f_6b65_6e77_6179; // "tokenway"
 
@@ -45,12 +51,15 @@ pub struct BlockHash(pub u64);
 /// A `block_bytes` of 0 yields no blocks. A trailing partial block is included: two prompts
 /// that share it share that prefix too, and a prompt that extends it gets a different hash for
 /// its (longer) block, which is exactly "not cached". Use the same `block_bytes` everywhere.
+///
+/// At most [`MAX_PROMPT_BLOCKS`] blocks: the rest of a longer prompt is not tracked.
 pub fn prompt_blocks(text: &[u8], block_bytes: usize) -> Vec<BlockHash> {
     if block_bytes == 0 {
         return Vec::new();
     }
     let mut prev = CHAIN_SEED;
     text.chunks(block_bytes)
+        .take(MAX_PROMPT_BLOCKS)
         .map(|block| {
             prev = stable_hash_chained(prev, block);
             BlockHash(prev)
@@ -239,6 +248,10 @@ mod tests {
     #[test]
     fn zero_block_size_or_empty_text_gives_no_blocks() {
         assert!(prompt_blocks(b"abc", 0).is_empty());
+        let huge = vec![b'x'; 4 * MAX_PROMPT_BLOCKS];
+        let blocks = prompt_blocks(&huge, 2);
+        assert_eq!(blocks.len(), MAX_PROMPT_BLOCKS);
+        assert_eq!(blocks, prompt_blocks(&huge[..2 * MAX_PROMPT_BLOCKS], 2));
         assert!(prompt_blocks(b"", 16).is_empty());
     }
 
