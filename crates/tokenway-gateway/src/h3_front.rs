@@ -59,24 +59,40 @@ impl Front {
     }
 }
 
-/// Accepts connections on `endpoint` until `stop` fires.
+/// Accepts connections on `endpoint` until `stop` fires, then drains: new connections are
+/// refused, every open one is sent GOAWAY (its client opens no new request on it), and the
+/// requests in flight get up to `drain` to finish before the endpoint closes, as the TCP fronts'
+/// connections do.
 pub async fn serve(
     endpoint: quinn::Endpoint,
     shared: Arc<Shared>,
     front: Front,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
+    drain: Duration,
 ) {
+    // Every request stream in flight holds a receiver; `closed()` resolves when none is left.
+    let (open, _) = watch::channel(());
+    let open = Arc::new(open);
+    let mut stopping = stop.clone();
     loop {
         let incoming = tokio::select! {
             i = endpoint.accept() => match i { Some(i) => i, None => break },
-            _ = stop.changed() => break,
+            _ = stopping.changed() => break,
         };
         let shared = shared.clone();
+        let (stop, open) = (stop.clone(), open.clone());
         tokio::spawn(async move {
-            if let Err(e) = connection(incoming, shared, front).await {
+            if let Err(e) = connection(incoming, shared, front, stop, open).await {
                 tracing::debug!(error = %e, "HTTP/3 connection ended");
             }
         });
+    }
+    endpoint.set_server_config(None);
+    if tokio::time::timeout(drain, open.closed()).await.is_err() {
+        tracing::info!(
+            front = front.label(),
+            "HTTP/3 requests still open after the drain period; closing them"
+        );
     }
     endpoint.close(quinn::VarInt::from_u32(0), b"");
     let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
@@ -86,6 +102,8 @@ async fn connection(
     incoming: quinn::Incoming,
     shared: Arc<Shared>,
     front: Front,
+    mut stop: watch::Receiver<bool>,
+    open: Arc<watch::Sender<()>>,
 ) -> Result<(), String> {
     let remote = incoming.remote_address();
     let connecting = incoming.accept().map_err(|e| e.to_string())?;
@@ -127,13 +145,33 @@ async fn connection(
         .build::<_, Bytes>(h3_conn)
         .await
         .map_err(|e| e.to_string())?;
+    // At shutdown, GOAWAY: the requests accepted so far are served, later ones refused; accept
+    // then ends once they are done.
+    let mut closing = *stop.borrow();
+    if closing {
+        let _ = h3.shutdown(1).await;
+    }
     loop {
-        match h3.accept().await {
+        let accepted = if closing {
+            h3.accept().await
+        } else {
+            tokio::select! {
+                a = h3.accept() => a,
+                _ = stop.changed() => {
+                    closing = true;
+                    let _ = h3.shutdown(1).await;
+                    continue;
+                }
+            }
+        };
+        match accepted {
             Ok(Some(resolver)) => {
                 let shared = shared.clone();
                 let priorities = priorities.clone();
                 let rate = rate.clone();
+                let in_flight = open.subscribe();
                 tokio::spawn(async move {
+                    let _in_flight = in_flight;
                     // A stream that never completes its head holds no task past the client read
                     // timeout (dropping the resolver stops the stream).
                     let head = tokio::time::timeout(
@@ -288,9 +326,18 @@ async fn request(
     // backend through queueing, prefill and a whole non-streaming answer.
     match stopped {
         Some(stopped) => {
+            tokio::pin!(stopped);
             tokio::select! {
-                () = serve => {}
-                () = stopped => tracing::debug!(%remote, "HTTP/3 client left; request cancelled"),
+                () = serve => {
+                    // Done once the client has acknowledged the whole answer (`stopped` then
+                    // resolves), bounded like a stalled reader: the request counts as in
+                    // flight until then, so a shutdown's drain does not close the connection
+                    // (which abandons data not yet delivered) under its last bytes.
+                    let _ = tokio::time::timeout(stall, &mut stopped).await;
+                }
+                () = &mut stopped => {
+                    tracing::debug!(%remote, "HTTP/3 client left; request cancelled");
+                }
             }
         }
         None => serve.await,

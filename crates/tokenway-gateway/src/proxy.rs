@@ -224,10 +224,17 @@ pub async fn forward(
             // and inline they would make every request's future (allocated and copied whole per
             // request) larger by both, hedged or not.
             Some(delay) => {
-                // Only to a backend with a free slot; a full one stays a candidate for a retry.
+                // Only to a backend with a free slot, and within the hedge budget: the slot
+                // first, then the budget, so that a hedge that cannot go spends none. A backend
+                // that is full, or that the budget keeps from being hedged to, stays a
+                // candidate for a retry (`next` moves past it only when the hedge goes).
                 let hedge = || {
                     let hedge_id = candidates[next];
                     let held = Reservation::try_take(shared, hedge_id)?;
+                    if !shared.router().on_hedge_sent(Instant::now()) {
+                        // `held` gives its slot back here.
+                        return None;
+                    }
                     next += 1;
                     let last = next == candidates.len();
                     Some((
@@ -340,8 +347,9 @@ impl Ready {
     }
 }
 
-/// Awaits the primary attempt to `primary_id`; if it has not answered after `delay` and the
-/// router allows another hedge, starts the one `hedge` makes and races the two.
+/// Awaits the primary attempt to `primary_id`; if it has not answered after `delay`, starts
+/// the hedge that `hedge` makes (none when no backend or no budget allows one) and races the
+/// two.
 async fn hedged<P, H>(
     shared: &Arc<Shared>,
     primary_id: BackendId,
@@ -358,16 +366,7 @@ where
     tokio::select! {
         t = &mut primary => t,
         _ = tokio::time::sleep(delay) => {
-            // The slot first, then the budget: a hedge that cannot go spends none. One that
-            // the budget refuses gives its slot back here, at the end of this statement, not
-            // after the primary's answer.
-            let hedging = match hedge() {
-                Some((id, hedge)) if shared.router().on_hedge_sent(Instant::now()) => {
-                    Some((id, hedge))
-                }
-                _ => None,
-            };
-            match hedging {
+            match hedge() {
                 Some((hedge_id, hedge)) => {
                     tracing::debug!(primary = %shared.upstream(primary_id).name, hedge = %shared.upstream(hedge_id).name, "first token late: hedging");
                     race(shared, primary, hedge, primary_id, hedge_id, last_failure).await

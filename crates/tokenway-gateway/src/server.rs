@@ -256,13 +256,15 @@ impl BoundGateway {
             }
         }
         drop(fronts);
+        let mut quic = Vec::new();
         for (endpoint, front) in [(self.h3, Front::Public), (self.tunnel, Front::Tunnel)] {
             if let Some(endpoint) = endpoint {
-                tasks.push(tokio::spawn(h3_front::serve(
+                quic.push(tokio::spawn(h3_front::serve(
                     endpoint,
                     self.shared.clone(),
                     front,
                     stop_rx.clone(),
+                    DRAIN,
                 )));
             }
         }
@@ -272,12 +274,21 @@ impl BoundGateway {
             let _ = t.await;
         }
         extra.stop_accepting().await;
-        if tokio::time::timeout(DRAIN, graceful.shutdown())
-            .await
-            .is_err()
-        {
-            tracing::info!("connections still open after the drain period; closing them");
-        }
+        // The QUIC fronts drain their requests (h3_front::serve) while the TCP ones do.
+        let tcp = async {
+            if tokio::time::timeout(DRAIN, graceful.shutdown())
+                .await
+                .is_err()
+            {
+                tracing::info!("connections still open after the drain period; closing them");
+            }
+        };
+        let quic = async {
+            for t in quic {
+                let _ = t.await;
+            }
+        };
+        tokio::join!(tcp, quic);
         extra.exit().await;
     }
 }

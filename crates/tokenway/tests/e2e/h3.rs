@@ -395,24 +395,19 @@ async fn a_headers_frame_announcing_more_than_the_head_limit_closes_the_connecti
     assert_eq!(r["status"], 200, "{r}");
 }
 
-#[tokio::test]
-async fn an_http3_client_that_never_reads_is_cut_off_and_its_backend_slot_released() {
+/// A quinn-based HTTP/3 client (the edge's) connected to `gw`'s public HTTP/3 front, trusting
+/// the certificate the gateway announced; with its endpoint (a quinn `Endpoint`, which this
+/// crate does not name), to keep while the client is used.
+async fn quinn_client(
+    gw: &Proc,
+) -> (
+    tokenway_transport::client::QuicClient,
+    Box<dyn std::any::Any>,
+) {
     use tokenway_transport::client::{QuicClient, QuicConnect};
     use tokenway_transport::trust::{client_tls, Trust};
     use tokenway_transport::QuicSettings;
 
-    // The answer streams far more than the stream's flow-control window: a client that reads
-    // none of it leaves the gateway's writes waiting, with its QUIC connection alive (quinn
-    // acknowledges packets whether or not the application reads them).
-    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 0.0\n");
-    let gw = gateway(
-        &[&backend],
-        "h3_listen = \"127.0.0.1:0\"",
-        &format!(
-            "[timeouts]\nclient_write_ms = 500\n\
-             [tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n"
-        ),
-    );
     let h3_addr = gw.extra("h3").expect("h3 front");
     let pin = gw
         .fingerprint()
@@ -445,12 +440,32 @@ async fn an_http3_client_that_never_reads_is_cut_off_and_its_backend_slot_releas
     })
     .await
     .expect("connected");
-    let req = http::Request::post("/v1/chat/completions")
+    (client, Box::new(endpoint))
+}
+
+fn chat_request(body: String) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    http::Request::post("/v1/chat/completions")
         .header("content-type", "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(chat(
-            "flood me", true, 400_000,
-        ))))
-        .expect("request");
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .expect("request")
+}
+
+#[tokio::test]
+async fn an_http3_client_that_never_reads_is_cut_off_and_its_backend_slot_released() {
+    // The answer streams far more than the stream's flow-control window: a client that reads
+    // none of it leaves the gateway's writes waiting, with its QUIC connection alive (quinn
+    // acknowledges packets whether or not the application reads them).
+    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 0.0\n");
+    let gw = gateway(
+        &[&backend],
+        "h3_listen = \"127.0.0.1:0\"",
+        &format!(
+            "[timeouts]\nclient_write_ms = 500\n\
+             [tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n"
+        ),
+    );
+    let (client, _endpoint) = quinn_client(&gw).await;
+    let req = chat_request(chat("flood me", true, 400_000));
     let unread = client.send_request(req).await.expect("response head");
     assert_eq!(unread.status(), 200);
     let metrics = format!("{}/metrics", gw.url());
@@ -468,4 +483,49 @@ async fn an_http3_client_that_never_reads_is_cut_off_and_its_backend_slot_releas
     // The connection itself stays usable for requests that are read.
     assert!(!client.is_closed());
     drop(unread);
+}
+
+#[tokio::test]
+async fn at_shutdown_an_http3_stream_in_flight_finishes_before_the_gateway_exits() {
+    use http_body_util::BodyExt;
+
+    // 30 tokens at 40 ms: the stream is still running when the gateway is told to stop.
+    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 40.0\n");
+    let mut gw = quic_gateway(&backend, "");
+    let (client, _endpoint) = quinn_client(&gw).await;
+    let resp = client
+        .send_request(chat_request(chat("drain me", true, 30)))
+        .await
+        .expect("response head");
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let first = body
+        .frame()
+        .await
+        .expect("a first frame")
+        .expect("readable");
+    let mut text = first.into_data().map(|d| d.to_vec()).unwrap_or_default();
+    // SIGTERM, as a service manager stops it.
+    let term = Command::new("kill")
+        .args(["-TERM", &gw.child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(term.success());
+    while let Some(frame) = body.frame().await {
+        let frame = frame.expect("the stream finishes, not reset by the shutdown");
+        if let Ok(d) = frame.into_data() {
+            text.extend_from_slice(&d);
+        }
+    }
+    let text = String::from_utf8_lossy(&text);
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    // The gateway then exits on its own.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while gw.child.try_wait().ok().flatten().is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the gateway did not exit after draining"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
