@@ -145,15 +145,22 @@ async fn connection(
         .build::<_, Bytes>(h3_conn)
         .await
         .map_err(|e| e.to_string())?;
-    // At shutdown, GOAWAY: the requests accepted so far are served, later ones refused; accept
-    // then ends once they are done.
+    // At shutdown, GOAWAY: the requests accepted so far are served, later ones refused, and
+    // once they are done (their answers acknowledged) the connection closes, so that its
+    // client dials afresh instead of finding it refusing. Each request task holds a receiver
+    // of `requests`.
+    let (requests, _) = watch::channel(());
     let mut closing = *stop.borrow();
     if closing {
         let _ = h3.shutdown(1).await;
     }
     loop {
         let accepted = if closing {
-            h3.accept().await
+            tokio::select! {
+                a = h3.accept() => a,
+                // Dropping `h3` closes the connection (H3_NO_ERROR).
+                () = requests.closed() => return Ok(()),
+            }
         } else {
             tokio::select! {
                 a = h3.accept() => a,
@@ -169,7 +176,7 @@ async fn connection(
                 let shared = shared.clone();
                 let priorities = priorities.clone();
                 let rate = rate.clone();
-                let in_flight = open.subscribe();
+                let in_flight = (open.subscribe(), requests.subscribe());
                 tokio::spawn(async move {
                     let _in_flight = in_flight;
                     // A stream that never completes its head holds no task past the client read
@@ -318,7 +325,7 @@ async fn request(
         // tokio does not copy kilobytes of future state into the task and out again.
         let resp = Box::pin(service::handle_request(shared, req, transport, remote)).await;
         prio.set(class.unwrap_or_else(|| response_priority(&resp)));
-        write_response(&mut send, resp, head, stall).await;
+        write_response(&mut send, resp, head, stall).await
     };
     // A client that cancels (STOP_SENDING, which dropping a stream sends) or whose connection
     // closes cancels the request at once, as on the TCP fronts: dropping `serve` drops the
@@ -328,19 +335,24 @@ async fn request(
         Some(stopped) => {
             tokio::pin!(stopped);
             tokio::select! {
-                () = serve => {
+                finished = serve => {
                     // Done once the client has acknowledged the whole answer (`stopped` then
                     // resolves), bounded like a stalled reader: the request counts as in
                     // flight until then, so a shutdown's drain does not close the connection
-                    // (which abandons data not yet delivered) under its last bytes.
-                    let _ = tokio::time::timeout(stall, &mut stopped).await;
+                    // (which abandons data not yet delivered) under its last bytes. A reset
+                    // stream has nothing left to deliver (and `stopped` would not resolve).
+                    if finished {
+                        let _ = tokio::time::timeout(stall, &mut stopped).await;
+                    }
                 }
                 () = &mut stopped => {
                     tracing::debug!(%remote, "HTTP/3 client left; request cancelled");
                 }
             }
         }
-        None => serve.await,
+        None => {
+            serve.await;
+        }
     }
 }
 
@@ -348,12 +360,15 @@ async fn request(
 /// stream's flow-control window full for `stall` (it reads nothing, while its connection stays
 /// alive) has its stream reset, as the TCP fronts close such a connection (`client_write_ms`):
 /// else it would hold its backend slot, and the backend's output, as long as it liked.
+///
+/// Returns whether the whole response went out and the stream was finished (not reset or
+/// failed).
 async fn write_response(
     send: &mut SendHalf,
     resp: Response<ResponseBody>,
     head_only: bool,
     stall: Duration,
-) {
+) -> bool {
     let (parts, mut body) = resp.into_parts();
     let stalled = |send: &mut SendHalf| {
         tracing::debug!(
@@ -361,10 +376,11 @@ async fn write_response(
             "HTTP/3 client read nothing; resetting its stream"
         );
         send.stop_stream(h3::error::Code::H3_REQUEST_CANCELLED);
+        false
     };
     match tokio::time::timeout(stall, send.send_response(Response::from_parts(parts, ()))).await {
         Ok(Ok(())) => {}
-        Ok(Err(_)) => return,
+        Ok(Err(_)) => return false,
         Err(_) => return stalled(send),
     }
     if !head_only {
@@ -374,7 +390,7 @@ async fn write_response(
                     if let Ok(data) = frame.into_data() {
                         match tokio::time::timeout(stall, send.send_data(data)).await {
                             Ok(Ok(())) => {}
-                            Ok(Err(_)) => return,
+                            Ok(Err(_)) => return false,
                             Err(_) => return stalled(send),
                         }
                     }
@@ -382,12 +398,12 @@ async fn write_response(
                 Err(e) => {
                     tracing::debug!(error = %e, "response body failed; resetting the stream");
                     send.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
-                    return;
+                    return false;
                 }
             }
         }
     }
-    let _ = send.finish().await;
+    matches!(tokio::time::timeout(stall, send.finish()).await, Ok(Ok(())))
 }
 
 /// CONNECT: relays bytes between the stream and an allow-listed TCP target.

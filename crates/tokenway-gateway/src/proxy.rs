@@ -82,7 +82,7 @@ async fn try_backend(
     };
     let deadline = tokio::time::Instant::now() + wait;
     let head = encode_head(
-        &upstream.authority,
+        &upstream.host,
         req.parts,
         upstream_headers(&upstream, req.parts),
         req.body.len(),

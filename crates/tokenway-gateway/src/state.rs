@@ -47,8 +47,11 @@ pub struct Upstream {
     pub name: String,
     /// `scheme://authority` of the backend.
     pub base: Uri,
-    /// The authority of `base`, shared with the connections to it (no copy per request).
+    /// The `host:port` to connect to (`base`'s authority, with port 80 when it names none),
+    /// shared with the connections to it (no copy per request); also their pool's key.
     pub authority: Arc<str>,
+    /// The `Host` header: `base`'s authority as configured (no `:80` added).
+    pub host: Arc<str>,
     /// `Authorization` sent to the backend, if configured.
     pub authorization: Option<HeaderValue>,
     /// Labels of the per-backend gauges.
@@ -151,6 +154,7 @@ impl Upstream {
             timing_desc: timing_desc(&name),
             name,
             authority: connect_authority(&base),
+            host: Arc::from(base.authority().map_or("", |a| a.as_str())),
             base,
             authorization,
             model_entries: Mutex::new(entries),

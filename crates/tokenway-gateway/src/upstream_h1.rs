@@ -411,10 +411,10 @@ enum Exchange {
     Failed(H1Error),
 }
 
-/// The request head sent to a backend: method and path from `parts`, `host: authority`, the
+/// The request head sent to a backend: method and path from `parts`, `host: host`, the
 /// given headers, and the body's length.
 pub fn encode_head<'h>(
-    authority: &str,
+    host: &str,
     parts: &Parts,
     headers: impl Iterator<Item = (&'h HeaderName, &'h HeaderValue)>,
     body_len: usize,
@@ -425,7 +425,7 @@ pub fn encode_head<'h>(
     out.push(b' ');
     out.extend_from_slice(path.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
-    out.extend_from_slice(authority.as_bytes());
+    out.extend_from_slice(host.as_bytes());
     out.extend_from_slice(b"\r\n");
     for (name, value) in headers {
         out.extend_from_slice(name.as_str().as_bytes());

@@ -820,7 +820,9 @@ impl Router {
                 .push((ticket.serial, now + end.min(Duration::from_secs(3600))));
         }
         let new = &req.blocks[est.cached_blocks.min(req.blocks.len())..];
-        if !self.cfg.cost.prefill_hold_max.is_zero() && !new.is_empty() {
+        // A whole answer's first byte comes when its generation ends, long after its prefill:
+        // its blocks must not stay pending that long, holding other requests for them.
+        if !self.cfg.cost.prefill_hold_max.is_zero() && !new.is_empty() && !req.whole_answer {
             let ready_at = now + ticket.expected_ttft().min(Duration::from_secs(3600));
             if b.pending.add(new, ready_at) {
                 ticket.pending = new.to_vec();
@@ -846,10 +848,10 @@ impl Router {
         let cfg = self.cfg;
         if ticket.whole_answer {
             // The generation has ended: its prefill is done, and a trial has succeeded, but
-            // the time is not a time to first token, nor the rest a decode time.
+            // the time is not a time to first token, nor the rest a decode time. (Its blocks
+            // were never pending: see `start_attempt`.)
             let b = self.backends.get_mut(ticket.id.0)?;
             b.work_tokens = b.work_tokens.saturating_sub(ticket.prefill_tokens);
-            b.pending.remove(&std::mem::take(&mut ticket.pending));
             if !std::mem::take(&mut ticket.trial) {
                 return None;
             }
@@ -1379,6 +1381,14 @@ mod tests {
         r.cfg.cost.prefill_hold_max = Duration::ZERO;
         let b = r.route(&first, t0).expect("routable").backends[0];
         let t = r.start_attempt(b, &first, t0);
+        assert_eq!(r.route(&second, t1).expect("routable").hold, None);
+        r.end_attempt(t, Outcome::Success, t1);
+        // A first turn answered whole holds nobody: its first byte comes only when its whole
+        // generation has ended, long after the prefill others would wait for.
+        let mut r = router(Policy::CostAware, 4);
+        let whole = first.clone().with_whole_answer(true);
+        let b = r.route(&whole, t0).expect("routable").backends[0];
+        let t = r.start_attempt(b, &whole, t0);
         assert_eq!(r.route(&second, t1).expect("routable").hold, None);
         r.end_attempt(t, Outcome::Success, t1);
     }

@@ -133,7 +133,7 @@ impl Brutal {
             return;
         };
         let s = self.slots[(prev % SLOTS as u64) as usize];
-        if s.second != prev || s.app_limited || s.acked == 0 || self.rate == 0 {
+        if s.second != prev || s.app_limited || s.acked + s.lost == 0 || self.rate == 0 {
             return;
         }
         if s.lost as f64 > (1.0 - MIN_ACK_RATE) * (s.acked + s.lost) as f64 {

@@ -19,6 +19,7 @@
 
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -127,6 +128,8 @@ struct Inner {
     /// Why the handshake of a 0-RTT connection did not complete ([`ZeroRtt::Failed`]); set
     /// before the verdict is sent.
     handshake_error: Mutex<Option<String>>,
+    /// The gateway sent GOAWAY (it is shutting down): no new request goes on this connection.
+    draining: AtomicBool,
 }
 
 impl Drop for Inner {
@@ -217,6 +220,7 @@ impl QuicClient {
             sampler,
             zero_rtt: zero_rx,
             handshake_error: Mutex::new(None),
+            draining: AtomicBool::new(false),
         });
         let count_connection = |metrics: &Option<QuicMetrics>, peer: &str| {
             if let Some(m) = metrics {
@@ -303,9 +307,10 @@ impl QuicClient {
         self.inner.conn.rtt()
     }
 
-    /// Whether the connection has closed (for any reason).
+    /// Whether the connection has closed (for any reason), or takes no new request because
+    /// the gateway sent GOAWAY: either way a new request needs a new connection.
     pub fn is_closed(&self) -> bool {
-        self.inner.conn.close_reason().is_some()
+        self.inner.conn.close_reason().is_some() || self.inner.draining.load(Ordering::Relaxed)
     }
 
     /// Why the handshake of a 0-RTT connection did not complete, once it is known
@@ -395,11 +400,17 @@ impl QuicClient {
             mut sender,
             priorities,
         } = lock(&self.inner.session).clone();
+        let inner = &self.inner;
         let result = async {
             let stream = sender
                 .send_request(Request::from_parts(parts, ()))
                 .await
-                .map_err(|e| (format!("cannot open a request stream: {e}"), true))?;
+                .map_err(|e| {
+                    if e.is_remote_closing() {
+                        inner.draining.store(true, Ordering::Relaxed);
+                    }
+                    (format!("cannot open a request stream: {e}"), true)
+                })?;
             // The head has gone out at the default class; the body follows at the chosen one.
             priorities.set(stream.id(), priority);
             let (send, mut recv) = stream.split();

@@ -12,8 +12,9 @@
 //!
 //! **Peers.** Layer state (an `FecSender` and an `FecReceiver`) is kept per remote address, in
 //! a map bounded at [`MAX_PEERS`] and swept of peers idle for [`PEER_IDLE`]; at the bound the
-//! least recently seen peer is evicted for a new one only if it has been quiet for
-//! [`EVICT_QUIET`], so spoofed addresses cannot push out live connections. A datagram from an
+//! least recently seen peer that has not proved two-way (QUIC sent to it, and it sent again) is
+//! evicted for a new one, else the least recently seen of all, so spoofed addresses churn
+//! through their own entries before live connections' and nobody is locked out. A datagram from an
 //! address without state is first checked on a copy (de-obfuscate and parse the framing): only
 //! a well-framed packet that carries QUIC data (plain or source; not a lone repair or loss
 //! report) creates state, so a prober or a scanner without the key costs one parse and no
@@ -82,18 +83,20 @@ use crate::settings::DatagramSettings;
 pub const MAX_PEERS: usize = 1024;
 /// A peer silent for this long loses its layer state.
 pub const PEER_IDLE: Duration = Duration::from_secs(120);
-/// How long the least recently seen peer must have been quiet to be evicted for a new one when
-/// the map is full: longer than a QUIC keep-alive (5 s by default), so a live connection's
-/// state is never taken.
-pub const EVICT_QUIET: Duration = Duration::from_secs(15);
 /// How often idle peers are swept and metrics published.
 const HOUSEKEEPING: Duration = Duration::from_secs(1);
 /// Datagrams read from the inner socket per call.
 const RECV_BATCH: usize = 4;
+/// Reads from the inner socket in one `poll_recv` that yield nothing for quinn (every datagram
+/// dropped, or a repair or report) before the task yields: a flood of junk must not keep quinn's
+/// endpoint driver, and the tasks sharing its thread, in this loop for as long as it lasts.
+const RECV_ROUNDS: usize = 32;
 /// Size of each receive buffer (a GRO batch or the largest UDP payload).
 const RECV_BUF: usize = 65_536;
 /// Most datagrams waiting for quinn to read them; beyond it they are dropped and counted.
 const MAX_READY: usize = 256;
+/// Largest buffer kept for reuse: a datagram of a 1500-byte MTU path, with room.
+const POOLED_CAPACITY: usize = 2048;
 /// How often [`LayerSlot::follow_rtt`] copies a connection's RTT into the layer.
 pub const RTT_FOLLOW_INTERVAL: Duration = Duration::from_millis(100);
 /// Window over which a peer's send rate is measured (interactive scope).
@@ -204,7 +207,7 @@ pub struct DatagramStats {
     /// FEC receivers' counters, summed.
     pub received: ReceiverStats,
     /// Datagrams from addresses without state that were not valid layer packets carrying QUIC
-    /// data, or that found the peer map full of live peers.
+    /// data.
     pub stranger_drops: u64,
     /// Datagrams (repairs, loss reports) the inner socket refused, and framed datagrams that
     /// quinn did not retry.
@@ -315,6 +318,10 @@ struct Peer {
     window_start: Instant,
     window_bytes: u64,
     interactive: bool,
+    /// QUIC has sent to this address.
+    sent: bool,
+    /// It sent again after QUIC sent to it: a two-way peer, not an address someone spoofed.
+    confirmed: bool,
 }
 
 impl Peer {
@@ -484,28 +491,28 @@ impl State {
             window_start: now,
             window_bytes: 0,
             interactive: true,
+            sent: false,
+            confirmed: false,
         })
     }
 
-    /// Makes sure `addr` has state. At the bound, the least recently seen peer makes room if it
-    /// has been quiet for [`EVICT_QUIET`]; if every peer is live, `addr` gets none (`false`):
-    /// a flood of well-framed datagrams from spoofed addresses (no obfuscation key to check)
-    /// must not evict the FEC state of live connections.
+    /// Makes sure `addr` has state. At the bound the least recently seen peer that is not
+    /// confirmed (two-way) makes room, or, when all are, the least recently seen of all: a
+    /// flood of well-framed datagrams from spoofed addresses (possible without an obfuscation
+    /// key) churns through its own entries before it touches a live connection's FEC state,
+    /// and never locks a newcomer out.
     fn ensure_peer(&mut self, addr: SocketAddr, now: Instant) -> bool {
         if self.peers.contains_key(&addr) {
             return true;
         }
         if self.peers.len() >= MAX_PEERS {
-            let oldest = self
+            let victim = self
                 .peers
                 .iter()
-                .min_by_key(|(_, p)| p.last_seen)
-                .map(|(a, p)| (*a, p.last_seen));
-            match oldest {
-                Some((a, seen)) if now.saturating_duration_since(seen) >= EVICT_QUIET => {
-                    self.retire(a);
-                }
-                _ => return false,
+                .min_by_key(|(_, p)| (p.confirmed, p.last_seen))
+                .map(|(a, _)| *a);
+            if let Some(a) = victim {
+                self.retire(a);
             }
         }
         match self.new_peer(now) {
@@ -551,9 +558,17 @@ impl State {
     fn push_ready(&mut self, r: Ready) {
         if self.ready.len() >= MAX_READY {
             self.deliver_dropped += 1;
-            self.pool.push(r.buf);
+            self.pool_put(r.buf);
         } else {
             self.ready.push_back(r);
+        }
+    }
+
+    /// Keeps a delivered buffer for reuse, unless a large datagram grew it past
+    /// [`POOLED_CAPACITY`]: the pool (at most [`MAX_READY`] buffers) stays small.
+    fn pool_put(&mut self, buf: Vec<u8>) {
+        if buf.capacity() <= POOLED_CAPACITY {
+            self.pool.push(buf);
         }
     }
 
@@ -578,12 +593,12 @@ impl State {
                 return None;
             }
             if !self.ensure_peer(addr, now) {
-                self.stranger_drops += 1;
                 return None;
             }
         }
         let peer = self.peers.get_mut(&addr)?;
         peer.last_seen = now;
+        peer.confirmed |= peer.sent;
         if meta.dst_ip.is_some() {
             peer.src_ip = meta.dst_ip;
         }
@@ -645,7 +660,7 @@ impl State {
                 };
                 n += 1;
             }
-            self.pool.push(r.buf);
+            self.pool_put(r.buf);
         }
         n
     }
@@ -901,6 +916,7 @@ impl DatagramSocket {
             return Ok(());
         };
         peer.last_seen = now;
+        peer.sent = true;
         if t.src_ip.is_some() {
             peer.src_ip = t.src_ip;
         }
@@ -983,7 +999,7 @@ impl DatagramSocket {
         bufs: &mut [IoSliceMut<'_>],
         meta: &mut [RecvMeta],
     ) -> Poll<io::Result<usize>> {
-        loop {
+        for _ in 0..RECV_ROUNDS {
             {
                 let mut st = lock(&self.state);
                 if !st.ready.is_empty() {
@@ -1020,6 +1036,13 @@ impl DatagramSocket {
             }
             self.schedule(&mut st, earliest);
         }
+        let n = lock(&self.state).deliver(bufs, meta);
+        if n > 0 {
+            return Poll::Ready(Ok(n));
+        }
+        // More may be waiting: come back after the other tasks had their turn.
+        cx.waker().wake_by_ref();
+        Poll::Pending
     }
 }
 
@@ -1154,7 +1177,7 @@ mod tests {
     }
 
     #[test]
-    fn strangers_cannot_push_out_live_peers_nor_make_state_with_a_loss_report() {
+    fn spoofed_strangers_evict_each_other_before_two_way_peers_and_a_loss_report_makes_no_state() {
         let config = LayerConfig::from_settings(&DatagramSettings::default(), "server", None)
             .expect("layer config");
         let mut st = State::new(config);
@@ -1170,37 +1193,51 @@ mod tests {
             tx.send(t0, &[0x40; 40], &mut out).expect("framed");
             out
         };
+        let receive = |st: &mut State, i: usize, at: Instant| {
+            let mut d = quic(st);
+            st.on_datagram(at, &meta(i), &mut d);
+        };
+        let (t1, later) = (t0 + Duration::from_secs(1), t0 + Duration::from_secs(2));
         for i in 0..MAX_PEERS {
-            let mut d = quic(&st);
-            st.on_datagram(t0, &meta(i), &mut d);
+            receive(&mut st, i, t1);
         }
         assert_eq!(st.peers.len(), MAX_PEERS);
-        // One more while every peer is live: it gets no state and evicts nobody.
-        let mut d = quic(&st);
-        st.on_datagram(t0 + Duration::from_secs(1), &meta(MAX_PEERS), &mut d);
-        assert!(!st.peers.contains_key(&meta(MAX_PEERS).addr));
-        assert_eq!((st.peers_evicted, st.stranger_drops), (0, 1));
-        // Peer 0 speaks again; the others stay quiet past EVICT_QUIET: the least recently
-        // seen of them makes room.
-        let later = t0 + EVICT_QUIET + Duration::from_secs(1);
-        let mut d = quic(&st);
-        st.on_datagram(later, &meta(0), &mut d);
-        let mut d = quic(&st);
-        st.on_datagram(later, &meta(MAX_PEERS), &mut d);
+        // QUIC answered every one of them, and all but peer 7 answered back: two-way peers.
+        for p in st.peers.values_mut() {
+            p.sent = true;
+        }
+        for i in (0..MAX_PEERS).filter(|&i| i != 7) {
+            receive(&mut st, i, later);
+        }
+        // Peer 0 (two-way) has been quiet longest; still a newcomer takes the one-way entry.
+        st.peers.get_mut(&meta(0).addr).expect("peer 0").last_seen = t0;
+        receive(&mut st, MAX_PEERS, later);
         assert!(st.peers.contains_key(&meta(MAX_PEERS).addr));
-        assert!(st.peers.contains_key(&meta(0).addr));
-        assert_eq!(st.peers_evicted, 1);
+        assert!(
+            !st.peers.contains_key(&meta(7).addr),
+            "the one-way entry goes first"
+        );
+        assert!(st.peers.contains_key(&meta(0).addr), "two-way peers stay");
+        // With every entry two-way, a newcomer still gets in (nobody is locked out): the least
+        // recently seen makes room.
+        st.peers
+            .get_mut(&meta(MAX_PEERS).addr)
+            .expect("newcomer")
+            .confirmed = true;
+        receive(&mut st, MAX_PEERS + 1, later);
+        assert!(st.peers.contains_key(&meta(MAX_PEERS + 1).addr));
+        assert!(!st.peers.contains_key(&meta(0).addr));
+        assert_eq!(st.peers_evicted, 2);
         // A loss report from an address without state creates none.
         let mut report = Vec::new();
         tokenway_wire::packet::write_loss_report(
             &mut report,
             &tokenway_wire::loss_report::LossReport::default(),
         );
-        let stranger = meta(MAX_PEERS + 1);
-        st.retire(meta(1).addr);
+        let stranger = meta(MAX_PEERS + 2);
         st.on_datagram(later, &stranger, &mut report);
         assert!(!st.peers.contains_key(&stranger.addr));
-        assert_eq!(st.stranger_drops, 2);
+        assert_eq!(st.stranger_drops, 1);
     }
 
     #[tokio::test]

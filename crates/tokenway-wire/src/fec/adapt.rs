@@ -303,7 +303,6 @@ impl Adaptation {
     }
 }
 
-/// `P(X ≥ m)` for `X ~ Binomial(n, p)` (`n` is small: a block's packets).
 /// How far behind the last report a report may be and still be one that arrived out of order
 /// rather than one of a receiver that started over.
 const REORDER_REPORTS: u32 = 64;
@@ -320,6 +319,7 @@ fn restarted(report: &LossReport, prev: &LossReport) -> bool {
     counters_back && !reordered
 }
 
+/// `P(X ≥ m)` for `X ~ Binomial(n, p)` (`n` is small: a block's packets).
 fn binomial_tail(n: usize, m: usize, p: f64) -> f64 {
     let p = p.clamp(0.0, 1.0);
     let mut choose = 1.0; // C(n, i), built up from C(n, 0)

@@ -480,8 +480,18 @@ async fn an_http3_client_that_never_reads_is_cut_off_and_its_backend_slot_releas
         released,
         "the never-reading HTTP/3 client still holds a backend slot"
     );
-    // The connection itself stays usable for requests that are read.
-    assert!(!client.is_closed());
+    // Only that stream was cut: the connection serves a request that is read.
+    let resp = client
+        .send_request(chat_request(chat("read me", true, 4)))
+        .await
+        .expect("a second request on the same connection");
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .expect("the whole answer")
+        .to_bytes();
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     drop(unread);
 }
 

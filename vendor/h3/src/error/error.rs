@@ -148,6 +148,12 @@ impl StreamError {
             _ => false,
         }
     }
+
+    /// Returns if the error is that the peer sent GOAWAY (no new request may go on this
+    /// connection). tokenway: the variant is non-exhaustive, so callers outside h3 cannot match it.
+    pub fn is_remote_closing(&self) -> bool {
+        matches!(self, StreamError::RemoteClosing)
+    }
 }
 
 impl From<InternalConnectionError> for LocalError {
