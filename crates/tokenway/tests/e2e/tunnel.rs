@@ -660,6 +660,68 @@ async fn the_edge_fails_over_to_another_gateway_when_its_gateway_dies() {
     );
 }
 
+#[tokio::test]
+async fn a_gateway_stopped_with_sigterm_finishes_the_edges_streams_and_the_next_go_elsewhere() {
+    // 30 tokens at 40 ms: the stream is under way when its gateway is told to stop.
+    let slow = "base_latency_ms = 1.0\ntime_per_output_token_ms = 40.0\n";
+    let backends = [sim(slow), sim(slow)];
+    let gws = [
+        tunnel_gateway(&backends[0], "", ""),
+        tunnel_gateway(&backends[1], "", ""),
+    ];
+    let names = ["gw-a", "gw-b"];
+    let mut toml = format!(
+        "token = \"{TOKEN}\"\n[trust]\npin_sha256 = [\"{}\", \"{}\"]\n",
+        fingerprint(&gws[0]),
+        fingerprint(&gws[1])
+    );
+    for (gw, name) in gws.iter().zip(names) {
+        toml.push_str(&format!(
+            "[[gateways]]\nname = \"{name}\"\nquic = \"{}\"\n",
+            tunnel_addr(gw)
+        ));
+    }
+    let edge = edge(&toml);
+    let served = |text: &str, name: &str| {
+        metric_sum(
+            text,
+            &format!(
+                "tokenway_ttft_seconds_count{{route=\"/v1/chat/completions\",backend=\"{name}\""
+            ),
+        )
+    };
+    let mut body = open_stream(&edge.url(), "under way", 30).await;
+    let mut text = String::new();
+    read_events(&mut body, &mut text, 2).await;
+    let m = metrics(&edge).await;
+    let in_use = if served(&m, names[0]) > 0.0 { 0 } else { 1 };
+    assert_eq!(served(&m, names[in_use]), 1.0, "{m}");
+    let other = 1 - in_use;
+    // SIGTERM, as a service manager stops a gateway for a rolling restart.
+    let term = Command::new("kill")
+        .args(["-TERM", &gws[in_use].child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(term.success());
+    let ended =
+        tokio::time::timeout(Duration::from_secs(10), read_to_end(&mut body, &mut text)).await;
+    assert!(ended.is_ok(), "the stream did not end");
+    assert_eq!(
+        data_events(&text).last().map(String::as_str),
+        Some("[DONE]"),
+        "the stream under way was cut by the shutdown: {text}"
+    );
+    // The next requests go to the other gateway, none refused on the draining connection.
+    let url = format!("{}/v1/chat/completions", edge.url());
+    for i in 0..4 {
+        let r = post(&url, &chat(&format!("next {i}"), true, 2), None).await;
+        assert_eq!(r.status, 200, "request {i} after the SIGTERM: {}", r.body);
+        assert!(r.body.trim_end().ends_with("data: [DONE]"), "{}", r.body);
+    }
+    let m = metrics(&edge).await;
+    assert_eq!(served(&m, names[other]), 4.0, "{m}");
+}
+
 /// The gateway's in-flight count on backend `b0`.
 async fn backend_inflight(gw: &Proc) -> f64 {
     metric_sum(
