@@ -350,7 +350,7 @@ impl HealthSettings {
 }
 
 /// One inference backend (vLLM, SGLang, llama.cpp server, TGI, Ollama, `tokenway sim`).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BackendConfig {
     /// Name used in logs and metrics; defaults to the URL's host:port.

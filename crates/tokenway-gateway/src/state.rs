@@ -69,6 +69,8 @@ pub struct Upstream {
     pub name_header: Option<HeaderValue>,
     /// The configured URL, as given.
     pub url: String,
+    /// The whole entry it was built from (a `backends_file` edit of any key replaces it).
+    pub config: BackendConfig,
     /// Where this backend came from.
     pub source: Source,
     /// Set when discovery removed it: its probe task stops, the router no longer ranks it.
@@ -162,6 +164,7 @@ impl Upstream {
             models_configured: !b.models.is_empty(),
             models_stale: AtomicBool::new(false),
             url: b.url.clone(),
+            config: b.clone(),
             health_path: b.health_path.clone(),
             source,
             removed: AtomicBool::new(false),

@@ -1,7 +1,8 @@
 //! Backend discovery from a file: `backends_file` holds `[[backends]]` entries like the main
 //! config. It is re-read when its modification time changes (checked every second) and on
-//! SIGHUP; backends that appeared are added (and probed), backends that disappeared or changed
-//! their URL are removed (requests in flight finish). A file that does not parse or validate is
+//! SIGHUP; backends that appeared are added (and probed), backends that disappeared are removed
+//! (requests in flight finish), and a backend whose entry changed in any key (URL, models,
+//! `max_inflight`, region, key, probe path...) is replaced: removed, then added as new. A file that does not parse or validate is
 //! reported and ignored: the previous set stays, so a bad edit never empties the pool.
 //! Backends of the main config are never touched.
 
@@ -79,7 +80,7 @@ pub async fn reload(shared: &Arc<Shared>, path: &Path, stop: &watch::Receiver<bo
         .live_upstreams()
         .into_iter()
         .filter(|(_, u)| u.source == Source::File)
-        .map(|(id, u)| (u.name.clone(), (id, u.url.clone())))
+        .map(|(id, u)| (u.name.clone(), (id, u.config.clone())))
         .collect();
     let statics: Vec<String> = shared
         .live_upstreams()
@@ -92,8 +93,8 @@ pub async fn reload(shared: &Arc<Shared>, path: &Path, stop: &watch::Receiver<bo
         .iter()
         .map(|b| (b.display_name(), b))
         .collect();
-    for (name, (id, url)) in &current {
-        let keep = wanted.get(name).is_some_and(|b| &b.url == url);
+    for (name, (id, config)) in &current {
+        let keep = wanted.get(name).is_some_and(|b| *b == config);
         if !keep {
             tracing::info!(backend = %name, "backend removed by backends_file");
             shared.remove_backend(*id);
@@ -104,7 +105,7 @@ pub async fn reload(shared: &Arc<Shared>, path: &Path, stop: &watch::Receiver<bo
             tracing::warn!(backend = %name, "backends_file names a backend of the main config; ignored");
             continue;
         }
-        if current.get(name).is_some_and(|(_, url)| url == &b.url) {
+        if current.get(name).is_some_and(|(_, config)| config == *b) {
             continue;
         }
         match shared.add_backend(b, Source::File) {

@@ -222,6 +222,24 @@ async fn discovery_picks_up_added_and_removed_backends_from_a_changed_file() {
         .await,
         "file-a was not removed"
     );
+    // An edit of another key than the URL applies too (the entry is replaced).
+    std::fs::write(&file, entry("file-b", &b) + "max_inflight = 7\n").expect("write");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            let v: serde_json::Value = serde_json::from_str(&get(&admin).await.body).expect("JSON");
+            v["backends"]
+                .as_array()
+                .expect("backends")
+                .iter()
+                .any(|b| b["name"] == "file-b" && b["max_inflight"] == 7)
+        })
+        .await,
+        "the new max_inflight of file-b was not applied"
+    );
+    assert_eq!(
+        served_by(url.clone()).await.into_iter().collect::<Vec<_>>(),
+        ["file-b"]
+    );
     // A broken edit keeps the current set.
     std::fs::write(&file, "[[backends]]\nurl = 42\n").expect("write");
     tokio::time::sleep(Duration::from_millis(1500)).await;
