@@ -70,7 +70,17 @@ pub struct RelayBody {
     /// The upstream body ended with the last frame handed out; the response's end is reported
     /// with that frame's bookkeeping.
     end_unreported: bool,
+    /// Of an event stream, the start of an event whose end has not arrived yet: held back, so
+    /// that an upstream failure's error event never lands inside it (the client would read
+    /// the two as one event of broken JSON, not as an error).
+    partial: Option<Bytes>,
 }
+
+/// What one poll of the relay's body gives.
+type Polled = Poll<Option<Result<Frame<Bytes>, BoxError>>>;
+
+/// Most bytes of an unfinished event held back; a longer one is passed on as it comes.
+const MAX_PARTIAL_EVENT: usize = 1 << 20;
 
 impl RelayBody {
     /// Relays `upstream`, whose first frame (already read while the attempt could still be
@@ -94,6 +104,7 @@ impl RelayBody {
             tail: Tail::Open,
             unobserved: None,
             end_unreported: false,
+            partial: None,
         }
     }
 
@@ -114,8 +125,10 @@ impl RelayBody {
     }
 
     /// Ends the relay after an upstream failure or stall.
-    fn fail(&mut self, stalled: bool, why: &str) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn fail(&mut self, stalled: bool, why: &str) -> Polled {
         self.tail = Tail::Closed;
+        // The unfinished event will never be finished: the error event takes its place.
+        self.partial = None;
         let backend = self.attempt.backend_name();
         let (outcome, message) = if stalled {
             (
@@ -142,7 +155,12 @@ impl RelayBody {
         }
     }
 
-    fn complete(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn complete(&mut self) -> Polled {
+        if let Some(rest) = self.partial.take() {
+            // The backend ended inside an event: pass it on as it is, and end after it.
+            self.tail = Tail::Pending(None);
+            return self.pass(rest);
+        }
         self.tail = Tail::Closed;
         self.attempt.finish(Outcome::Success);
         self.clock.finish();
@@ -153,7 +171,47 @@ impl RelayBody {
     /// upstream body has ended with it, the body says so now (`is_end_stream`): a body of known
     /// length is not polled again once its last byte is out (the client connection knows the
     /// length), so its end is reported with the frame's bookkeeping, at the drop.
-    fn data(&mut self, data: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    ///
+    /// `None` when all of it was held back (the start of an event still arriving): the caller
+    /// polls the upstream again.
+    fn data(&mut self, data: Bytes) -> Option<Polled> {
+        let ended = matches!(self.tail, Tail::Pending(None)) || self.upstream.is_end_stream();
+        let data = if self.clock.sse() && !ended {
+            let data = match self.partial.take() {
+                None => data,
+                Some(held) => {
+                    let mut joined = BytesMut::with_capacity(held.len() + data.len());
+                    joined.extend_from_slice(&held);
+                    joined.extend_from_slice(&data);
+                    joined.freeze()
+                }
+            };
+            let whole = tokenway_wire::sse::complete_events_len(&data);
+            if whole == data.len() || data.len() - whole > MAX_PARTIAL_EVENT {
+                data
+            } else {
+                self.partial = Some(data.slice(whole..));
+                if whole == 0 {
+                    return None;
+                }
+                data.slice(..whole)
+            }
+        } else {
+            match self.partial.take() {
+                None => data,
+                Some(held) => {
+                    let mut joined = BytesMut::with_capacity(held.len() + data.len());
+                    joined.extend_from_slice(&held);
+                    joined.extend_from_slice(&data);
+                    joined.freeze()
+                }
+            }
+        };
+        Some(self.pass(data))
+    }
+
+    /// Hands out a data frame (see [`Self::data`]).
+    fn pass(&mut self, data: Bytes) -> Polled {
         if matches!(self.tail, Tail::Pending(None)) || self.upstream.is_end_stream() {
             self.tail = Tail::Closed;
             self.end_unreported = true;
@@ -209,57 +267,24 @@ impl Body for RelayBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled {
         let this = &mut *self;
         this.settle();
         if let Some(frame) = this.first.take() {
-            return match frame.into_data() {
+            match frame.into_data() {
                 Ok(data) => {
                     // What arrived behind the first frame leaves with it (and the head).
                     let data = this.coalesce(cx, data);
-                    this.data(data)
-                }
-                Err(frame) => Poll::Ready(Some(Ok(frame))),
-            };
-        }
-        match std::mem::replace(&mut this.tail, Tail::Open) {
-            Tail::Open => {}
-            Tail::Closed => {
-                this.tail = Tail::Closed;
-                return Poll::Ready(None);
-            }
-            Tail::Pending(None) => return this.complete(),
-            Tail::Pending(Some(Ok(trailers))) => {
-                this.tail = Tail::Pending(None);
-                return Poll::Ready(Some(Ok(trailers)));
-            }
-            Tail::Pending(Some(Err(why))) => return this.fail(false, &why),
-        }
-        match Pin::new(&mut this.upstream).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                this.last_activity = tokio::time::Instant::now();
-                match frame.into_data() {
-                    Ok(data) => {
-                        let data = this.coalesce(cx, data);
-                        this.data(data)
+                    if let Some(ready) = this.data(data) {
+                        return ready;
                     }
-                    Err(trailers) => Poll::Ready(Some(Ok(trailers))),
                 }
+                Err(frame) => return Poll::Ready(Some(Ok(frame))),
             }
-            Poll::Ready(Some(Err(e))) => this.fail(false, &e.to_string()),
-            Poll::Ready(None) => this.complete(),
-            Poll::Pending => {
-                let deadline = this.last_activity + this.idle_timeout;
-                if this.idle.deadline() != deadline {
-                    this.idle.as_mut().reset(deadline);
-                }
-                match this.idle.as_mut().poll(cx) {
-                    Poll::Ready(()) => this.fail(true, ""),
-                    Poll::Pending => Poll::Pending,
-                }
+        }
+        loop {
+            if let Some(ready) = this.poll_upstream(cx) {
+                return ready;
             }
         }
     }
@@ -285,6 +310,61 @@ impl Body for RelayBody {
         }
         hint.set_lower(upstream.lower() + n);
         hint
+    }
+}
+
+impl RelayBody {
+    /// One step of [`Body::poll_frame`] past the first frame: `None` when a frame was read but
+    /// all of it held back (poll again).
+    fn poll_upstream(&mut self, cx: &mut Context<'_>) -> Option<Polled> {
+        match std::mem::replace(&mut self.tail, Tail::Open) {
+            Tail::Open => {}
+            Tail::Closed => {
+                self.tail = Tail::Closed;
+                return Some(Poll::Ready(None));
+            }
+            Tail::Pending(None) => return Some(self.complete()),
+            Tail::Pending(Some(Ok(trailers))) => {
+                if let Some(rest) = self.partial.take() {
+                    // Data never follows trailers: what was held back goes first.
+                    self.tail = Tail::Pending(Some(Ok(trailers)));
+                    return Some(Poll::Ready(Some(Ok(Frame::data(rest)))));
+                }
+                self.tail = Tail::Pending(None);
+                return Some(Poll::Ready(Some(Ok(trailers))));
+            }
+            Tail::Pending(Some(Err(why))) => return Some(self.fail(false, &why)),
+        }
+        Some(match Pin::new(&mut self.upstream).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                self.last_activity = tokio::time::Instant::now();
+                match frame.into_data() {
+                    Ok(data) => {
+                        let data = self.coalesce(cx, data);
+                        return self.data(data);
+                    }
+                    Err(trailers) => match self.partial.take() {
+                        Some(rest) => {
+                            self.tail = Tail::Pending(Some(Ok(trailers)));
+                            Poll::Ready(Some(Ok(Frame::data(rest))))
+                        }
+                        None => Poll::Ready(Some(Ok(trailers))),
+                    },
+                }
+            }
+            Poll::Ready(Some(Err(e))) => self.fail(false, &e.to_string()),
+            Poll::Ready(None) => self.complete(),
+            Poll::Pending => {
+                let deadline = self.last_activity + self.idle_timeout;
+                if self.idle.deadline() != deadline {
+                    self.idle.as_mut().reset(deadline);
+                }
+                match self.idle.as_mut().poll(cx) {
+                    Poll::Ready(()) => self.fail(true, ""),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        })
     }
 }
 
@@ -421,5 +501,31 @@ mod tests {
             count(&shared, "tokenway_request_duration_seconds_count"),
             0.0
         );
+    }
+
+    #[tokio::test]
+    async fn an_event_cut_by_an_upstream_failure_is_replaced_by_the_error_event() {
+        let (_shared, mut relay, mut backend) = relay().await;
+        next(&mut relay).await;
+        // An event that arrives in two pieces leaves whole.
+        backend
+            .write_all(b"a\r\ndata: {\"n\"\r\n")
+            .await
+            .expect("write");
+        backend.write_all(b"5\r\n:2}\n\n\r\n").await.expect("write");
+        assert_eq!(&next(&mut relay).await[..], b"data: {\"n\":2}\n\n");
+        // An event and the start of another, then the backend's connection breaks: the whole
+        // event goes out, the piece never does, and the error event starts a line of its own.
+        backend
+            .write_all(b"1a\r\ndata: {\"n\":3}\n\ndata: {\"n\r\n")
+            .await
+            .expect("write");
+        assert_eq!(&next(&mut relay).await[..], b"data: {\"n\":3}\n\n");
+        drop(backend);
+        let error = next(&mut relay).await;
+        assert!(error.starts_with(b"data: {\"error\""), "{error:?}");
+        assert!(error.ends_with(b"\n\n"));
+        let end = poll_fn(|cx| Pin::new(&mut relay).poll_frame(cx)).await;
+        assert!(end.is_none());
     }
 }

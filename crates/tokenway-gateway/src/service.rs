@@ -362,6 +362,13 @@ pub fn before_body(shared: &Shared, parts: &http::request::Parts, front: TcpFron
     }
 }
 
+/// The token of an `Authorization: Bearer TOKEN` value; the scheme's name is case-insensitive
+/// (RFC 9110 §11.1), so `bearer TOKEN` is the same.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
+}
+
 /// Checks the Bearer key when keys are configured.
 fn authenticate(shared: &Shared, headers: &http::HeaderMap) -> Result<(), ApiError> {
     let keys = &shared.config.api_keys;
@@ -371,7 +378,7 @@ fn authenticate(shared: &Shared, headers: &http::HeaderMap) -> Result<(), ApiErr
     let presented = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer_token)
         .map(str::trim);
     match presented {
         Some(p)
@@ -432,7 +439,7 @@ where
 
 fn route_error(shared: &Shared, e: RouteError) -> ApiError {
     match e {
-        RouteError::UnknownModel { model } if shared.all_models_known() => ApiError::new(
+        RouteError::UnknownModel { model } if !shared.models_being_discovered() => ApiError::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "model_not_found",
@@ -560,4 +567,18 @@ fn text(status: StatusCode, body: &'static str) -> Response<ResponseBody> {
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer_token("Bearer k1"), Some("k1"));
+        assert_eq!(bearer_token("bearer k1"), Some("k1"));
+        assert_eq!(bearer_token("BEARER k1"), Some("k1"));
+        assert_eq!(bearer_token("Basic k1"), None);
+        assert_eq!(bearer_token("Bearerk1"), None);
+    }
 }

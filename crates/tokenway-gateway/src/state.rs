@@ -60,6 +60,8 @@ pub struct Upstream {
     pub model_entries: Mutex<Vec<serde_json::Value>>,
     /// Whether the model list is known (from config or a successful fetch).
     pub models_known: AtomicBool,
+    /// When it was added (at start, or by discovery).
+    pub added: Instant,
     /// Whether models come from the config (then never re-learned).
     pub models_configured: bool,
     /// Whether the learned list should be fetched again at the next good probe: the backend
@@ -161,6 +163,7 @@ impl Upstream {
             authorization,
             model_entries: Mutex::new(entries),
             models_known: AtomicBool::new(!b.models.is_empty()),
+            added: Instant::now(),
             models_configured: !b.models.is_empty(),
             models_stale: AtomicBool::new(false),
             url: b.url.clone(),
@@ -499,13 +502,20 @@ impl Shared {
         }
     }
 
-    /// Whether every backend has reported (or been configured with) its models.
-    pub fn all_models_known(&self) -> bool {
-        self.live_upstreams()
-            .iter()
-            .all(|(_, u)| u.models_known.load(Ordering::Relaxed))
+    /// Whether a backend that may serve a model not known yet is still being discovered: its
+    /// model list is neither configured nor fetched, and it was added less than
+    /// [`MODEL_DISCOVERY_GRACE`] ago. Past that, a backend that never answered (down since the
+    /// gateway started) no longer turns every unknown model into a 503 that clients retry.
+    pub fn models_being_discovered(&self) -> bool {
+        self.live_upstreams().iter().any(|(_, u)| {
+            !u.models_known.load(Ordering::Relaxed) && u.added.elapsed() < MODEL_DISCOVERY_GRACE
+        })
     }
 }
+
+/// How long a backend without a configured model list may take to report it before an
+/// unknown model is a 404 rather than a 503 (see [`Shared::models_being_discovered`]).
+pub const MODEL_DISCOVERY_GRACE: Duration = Duration::from_secs(30);
 
 /// One request in flight to one backend. Reports its outcome to the router exactly once: by
 /// [`Attempt::finish`], or as `ClientCancelled` when dropped unfinished.

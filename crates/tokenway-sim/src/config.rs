@@ -94,11 +94,18 @@ impl Default for SimConfig {
 /// a million slots is far beyond any real server).
 const MAX_CONCURRENCY: usize = 1_000_000;
 
+/// Longest time any setting may ask for: a day.
+const MAX_MS: f64 = 86_400_000.0;
+
 fn non_negative_ms(key: &'static str, v: f64) -> Result<(), SimError> {
-    if v.is_finite() && v >= 0.0 {
+    if v.is_finite() && (0.0..=MAX_MS).contains(&v) {
         Ok(())
     } else {
-        Err(SimError::invalid(key, "a finite number >= 0", v))
+        Err(SimError::invalid(
+            key,
+            "a number of milliseconds in [0, 86400000]",
+            v,
+        ))
     }
 }
 

@@ -43,9 +43,15 @@ pub fn decode_interval(
     time_per_output_token.mul_f64(1.0 + batch_penalty * others)
 }
 
-/// Converts non-negative, finite milliseconds (validated by the config) into a duration.
+/// Converts milliseconds (validated by the config: finite, 0 to a day) into a duration; any
+/// other value is clamped to that range rather than panicking.
 pub fn ms(millis: f64) -> Duration {
-    Duration::from_secs_f64(millis.max(0.0) / 1000.0)
+    let secs = if millis.is_finite() {
+        millis.clamp(0.0, 86_400_000.0) / 1000.0
+    } else {
+        0.0
+    };
+    Duration::from_secs_f64(secs)
 }
 
 /// The chained hash of one prompt block.

@@ -6,6 +6,10 @@ use bytes::Bytes;
 use http::StatusCode;
 use serde::{Deserialize, Serialize};
 
+/// Most output tokens one request may ask for, like an engine's context length: 1 Mi (the
+/// e2e tests' floods ask for 400 000).
+pub const MAX_OUTPUT_TOKENS: u32 = 1 << 20;
+
 /// Which completion API a request came in on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Api {
@@ -150,6 +154,15 @@ impl Job {
             return Err(ApiError::invalid_request(
                 "max_tokens must be at least 1, got 0.".to_owned(),
             )
+            .with_param(limit_param));
+        }
+        // Like an engine's context length (vLLM answers 400 past `max_model_len`): without a
+        // bound, a non-streaming request for 2^32 tokens at no time per token would build
+        // gigabytes of text in a loop nobody can cancel.
+        if let Some(n) = job.max_tokens.filter(|n| *n > MAX_OUTPUT_TOKENS) {
+            return Err(ApiError::invalid_request(format!(
+                "max_tokens must be at most {MAX_OUTPUT_TOKENS} (the sim's context length), got {n}."
+            ))
             .with_param(limit_param));
         }
         Ok(job)

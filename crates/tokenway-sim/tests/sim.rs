@@ -278,6 +278,17 @@ async fn bad_requests_get_openai_error_bodies() {
     let (status, v) = sim.post_json("/v1/nothing", json!({})).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(v["error"]["type"], "invalid_request_error");
+
+    // More output than a context holds: a 400 naming the parameter, as vLLM answers.
+    let (status, v) = sim
+        .post_json(
+            "/v1/chat/completions",
+            json!({"model": "sim-model", "max_tokens": 4_294_967_295u32,
+                   "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["param"], "max_tokens");
 }
 
 #[tokio::test]
@@ -340,7 +351,7 @@ async fn error_rate_one_answers_500_and_faults_change_at_run_time() {
     assert!(v["error"]["message"].is_string());
 
     sim.set_faults(json!({"error_rate": 0.0})).await;
-    let (status, _) = sim.post_json("/v1/chat/completions", body).await;
+    let (status, _) = sim.post_json("/v1/chat/completions", body.clone()).await;
     assert_eq!(status, StatusCode::OK);
 
     let (status, v) = sim
@@ -351,6 +362,17 @@ async fn error_rate_one_answers_500_and_faults_change_at_run_time() {
         .as_str()
         .unwrap()
         .contains("sim.faults.error_rate"));
+    // A delay no clock can hold is refused, not a panic in every later request.
+    let (status, v) = sim
+        .post_json("/admin/faults", json!({"slow_start_ms": 1e300}))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("sim.faults.slow_start_ms"));
+    let (status, _) = sim.post_json("/v1/chat/completions", body).await;
+    assert_eq!(status, StatusCode::OK);
 }
 
 #[tokio::test]

@@ -321,6 +321,24 @@ impl SseScanner {
     }
 }
 
+/// How many leading bytes of `data` (a piece of an event stream that starts at an event
+/// boundary) are whole events: up to and including the last blank line (`\n\n`, `\r\n\r\n` or
+/// `\r\r`). The rest is an event still arriving. `data.len()` when it ends at a boundary.
+pub fn complete_events_len(data: &[u8]) -> usize {
+    if data.ends_with(b"\n\n") || data.ends_with(b"\r\r") {
+        return data.len();
+    }
+    let ends = [&b"\n\n"[..], b"\r\r", b"\n\r\n"];
+    ends.iter()
+        .filter_map(|end| {
+            data.windows(end.len())
+                .rposition(|w| w == *end)
+                .map(|i| i + end.len())
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// An SSE event carrying an OpenAI-style error object, for ending a stream cleanly after the
 /// first byte has already reached the client:
 /// `data: {"error":{"message":...,"type":"upstream_error","code":...}}\n\n`.
@@ -365,6 +383,17 @@ fn push_json_string(out: &mut Vec<u8>, s: &str) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn complete_events_end_at_the_last_blank_line() {
+        assert_eq!(complete_events_len(b"data: a\n\ndata: b\n\n"), 18);
+        assert_eq!(complete_events_len(b"data: a\n\ndata: {\"cho"), 9);
+        assert_eq!(complete_events_len(b"data: a\r\n\r\ndata: b"), 11);
+        assert_eq!(complete_events_len(b"data: a\r\rdata"), 9);
+        assert_eq!(complete_events_len(b"data: {\"choices\""), 0);
+        assert_eq!(complete_events_len(b"data: a\n"), 0);
+        assert_eq!(complete_events_len(b""), 0);
+    }
     use super::*;
     use proptest::prelude::*;
 
