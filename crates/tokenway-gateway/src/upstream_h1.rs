@@ -447,7 +447,8 @@ pub struct ResponseHead {
     /// Status, version and the end-to-end headers: hop-by-hop ones (RFC 9110 §7.6.1) are left
     /// out as the head is parsed; what they say about this connection is kept below.
     pub parts: http::response::Parts,
-    /// The `content-type` is `text/event-stream`.
+    /// The `content-type` is `text/event-stream`, and the body is not encoded (gzip...): its
+    /// bytes are events the gateway can read.
     pub event_stream: bool,
     /// `transfer-encoding` lists `chunked`.
     chunked: bool,
@@ -490,6 +491,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ResponseHead>, H1Error> {
     }
     let (mut chunked, mut close, mut named) = (false, false, false);
     let (mut content_length, mut content_type) = (None, None);
+    let mut encoded = false;
     // More than one `content-length` field, or one with a list of values.
     let mut length_fields = 0;
     for h in resp.headers.iter() {
@@ -507,10 +509,14 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ResponseHead>, H1Error> {
             }
         } else if name.eq_ignore_ascii_case("content-type") {
             content_type.get_or_insert(h.value);
+        } else if name.eq_ignore_ascii_case("content-encoding") {
+            encoded |= !h.value.trim_ascii().eq_ignore_ascii_case(b"identity");
         }
     }
-    let event_stream =
-        content_type.is_some_and(|v| v.trim_ascii_start().starts_with(b"text/event-stream"));
+    // A compressed event stream (a backend behind a compressing proxy) is relayed as opaque
+    // bytes: no events are scanned or held back, and a failure ends it as a broken body.
+    let event_stream = !encoded
+        && content_type.is_some_and(|v| v.trim_ascii_start().starts_with(b"text/event-stream"));
     // The client's side frames the answer by the `content-length` it is given: one that chunked
     // framing overrides (RFC 9112 §6.3) or that came as a list is not passed on as it was.
     let drop_length = chunked || length_fields > 1;
@@ -1343,6 +1349,13 @@ mod tests {
         assert!(!head.event_stream && !head.chunked && !head.close);
         assert_eq!(head.content_length, Some(7));
         assert_eq!(head.parts.headers[http::header::CONTENT_LENGTH], "7");
+        // A compressed event stream is opaque bytes to the gateway.
+        let mut gzipped = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n\
+               transfer-encoding: chunked\r\n\r\n"[..],
+        );
+        let head = parse_head(&mut gzipped).expect("valid").expect("complete");
+        assert!(!head.event_stream);
     }
 
     #[test]
