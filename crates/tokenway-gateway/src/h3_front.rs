@@ -293,13 +293,7 @@ async fn request(
                 return;
             }
             if let Err(e) = tunnel.admit(&mut parts.headers, Instant::now()) {
-                write_response(
-                    &mut send,
-                    e.into_response(),
-                    false,
-                    shared.config.timeouts.client_write(),
-                )
-                .await;
+                write_error(&mut send, e, &shared).await;
                 return;
             }
             // Hysteria-2-style rate negotiation: brutal at min(edge `tw-rx-rate`, our
@@ -354,6 +348,12 @@ async fn request(
             serve.await;
         }
     }
+}
+
+/// Sends one of the gateway's own error answers.
+async fn write_error(send: &mut SendHalf, e: ApiError, shared: &Shared) {
+    let stall = shared.config.timeouts.client_write();
+    write_response(send, e.into_response(), false, stall).await;
 }
 
 /// Sends a response head and streams its body, frame by frame. A client that leaves the
@@ -426,13 +426,7 @@ async fn forward(
             "forward_not_allowed",
             "this target is not in the gateway's forward_allow list",
         );
-        write_response(
-            &mut send,
-            e.into_response(),
-            false,
-            shared.config.timeouts.client_write(),
-        )
-        .await;
+        write_error(&mut send, e, shared).await;
         return;
     };
     let connect = tokio::time::timeout(
@@ -449,13 +443,7 @@ async fn forward(
                 "forward_unreachable",
                 format!("cannot connect to {target}"),
             );
-            write_response(
-                &mut send,
-                e.into_response(),
-                false,
-                shared.config.timeouts.client_write(),
-            )
-            .await;
+            write_error(&mut send, e, shared).await;
             return;
         }
     };

@@ -602,6 +602,34 @@ async fn an_edge_pinning_another_certificate_never_sends_the_request() {
     );
 }
 
+/// The names [`edge_for_two`] gives its gateways.
+const GATEWAY_NAMES: [&str; 2] = ["gw-a", "gw-b"];
+
+/// An edge in front of two gateways (`gw-a`, `gw-b`), with extra top-level keys and tables
+/// `top`.
+fn edge_for_two(gws: &[Proc; 2], top: &str) -> Proc {
+    let mut toml = format!(
+        "token = \"{TOKEN}\"\n{top}\n[trust]\npin_sha256 = [\"{}\", \"{}\"]\n",
+        fingerprint(&gws[0]),
+        fingerprint(&gws[1])
+    );
+    for (gw, name) in gws.iter().zip(GATEWAY_NAMES) {
+        toml.push_str(&format!(
+            "[[gateways]]\nname = \"{name}\"\nquic = \"{}\"\n",
+            tunnel_addr(gw)
+        ));
+    }
+    edge(&toml)
+}
+
+/// First tokens the edge saw from gateway `name`, in the edge's `/metrics` text.
+fn served_by(text: &str, name: &str) -> f64 {
+    metric_sum(
+        text,
+        &format!("tokenway_ttft_seconds_count{{route=\"/v1/chat/completions\",backend=\"{name}\""),
+    )
+}
+
 #[tokio::test]
 async fn the_edge_fails_over_to_another_gateway_when_its_gateway_dies() {
     let backends = [sim(FAST_SIM), sim(FAST_SIM)];
@@ -609,28 +637,13 @@ async fn the_edge_fails_over_to_another_gateway_when_its_gateway_dies() {
         tunnel_gateway(&backends[0], "", ""),
         tunnel_gateway(&backends[1], "", ""),
     ];
-    let names = ["gw-a", "gw-b"];
-    let mut toml = format!(
-        "token = \"{TOKEN}\"\nreevaluate_ms = 500\n[quic]\nidle_timeout_ms = 1500\nkeep_alive_ms = 300\n[trust]\npin_sha256 = [\"{}\", \"{}\"]\n",
-        fingerprint(&gws[0]),
-        fingerprint(&gws[1])
+    let names = GATEWAY_NAMES;
+    let edge = edge_for_two(
+        &gws,
+        "reevaluate_ms = 500\n[quic]\nidle_timeout_ms = 1500\nkeep_alive_ms = 300\n",
     );
-    for (gw, name) in gws.iter().zip(names) {
-        toml.push_str(&format!(
-            "[[gateways]]\nname = \"{name}\"\nquic = \"{}\"\n",
-            tunnel_addr(gw)
-        ));
-    }
-    let edge = edge(&toml);
     let url = format!("{}/v1/chat/completions", edge.url());
-    let served = |text: &str, name: &str| {
-        metric_sum(
-            text,
-            &format!(
-                "tokenway_ttft_seconds_count{{route=\"/v1/chat/completions\",backend=\"{name}\""
-            ),
-        )
-    };
+    let served = served_by;
     for i in 0..4 {
         let r = post(&url, &chat(&format!("before {i}"), true, 4), None).await;
         assert_eq!(r.status, 200, "{}", r.body);
@@ -669,27 +682,9 @@ async fn a_gateway_stopped_with_sigterm_finishes_the_edges_streams_and_the_next_
         tunnel_gateway(&backends[0], "", ""),
         tunnel_gateway(&backends[1], "", ""),
     ];
-    let names = ["gw-a", "gw-b"];
-    let mut toml = format!(
-        "token = \"{TOKEN}\"\n[trust]\npin_sha256 = [\"{}\", \"{}\"]\n",
-        fingerprint(&gws[0]),
-        fingerprint(&gws[1])
-    );
-    for (gw, name) in gws.iter().zip(names) {
-        toml.push_str(&format!(
-            "[[gateways]]\nname = \"{name}\"\nquic = \"{}\"\n",
-            tunnel_addr(gw)
-        ));
-    }
-    let edge = edge(&toml);
-    let served = |text: &str, name: &str| {
-        metric_sum(
-            text,
-            &format!(
-                "tokenway_ttft_seconds_count{{route=\"/v1/chat/completions\",backend=\"{name}\""
-            ),
-        )
-    };
+    let names = GATEWAY_NAMES;
+    let edge = edge_for_two(&gws, "");
+    let served = served_by;
     let mut body = open_stream(&edge.url(), "under way", 30).await;
     let mut text = String::new();
     read_events(&mut body, &mut text, 2).await;
