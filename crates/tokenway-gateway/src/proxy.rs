@@ -364,6 +364,9 @@ where
 {
     tokio::pin!(primary);
     tokio::select! {
+        // The primary first: when its answer and the delay are ready in the same poll, the
+        // answer wins and no hedge spends the budget.
+        biased;
         t = &mut primary => t,
         _ = tokio::time::sleep(delay) => {
             match hedge() {

@@ -110,16 +110,8 @@ async fn a_client_that_never_reads_is_cut_off_and_others_are_served_meanwhile() 
         assert_eq!(r.status, 200);
     }
     // The stalled stream is closed, releasing its backend slot.
-    let metrics = format!("{}/metrics", gw.url());
-    let released = eventually(Duration::from_secs(15), || async {
-        metric_sum(
-            &get(&metrics).await.body,
-            "tokenway_backend_inflight{backend=\"b0\"",
-        ) == 0.0
-    })
-    .await;
     assert!(
-        released,
+        b0_released(&gw, Duration::from_secs(15)).await,
         "the never-reading client still holds a backend slot"
     );
     drop(s);

@@ -468,16 +468,8 @@ async fn an_http3_client_that_never_reads_is_cut_off_and_its_backend_slot_releas
     let req = chat_request(chat("flood me", true, 400_000));
     let unread = client.send_request(req).await.expect("response head");
     assert_eq!(unread.status(), 200);
-    let metrics = format!("{}/metrics", gw.url());
-    let released = eventually(Duration::from_secs(15), || async {
-        metric_sum(
-            &get(&metrics).await.body,
-            "tokenway_backend_inflight{backend=\"b0\"",
-        ) == 0.0
-    })
-    .await;
     assert!(
-        released,
+        b0_released(&gw, Duration::from_secs(15)).await,
         "the never-reading HTTP/3 client still holds a backend slot"
     );
     // Only that stream was cut: the connection serves a request that is read.

@@ -321,6 +321,19 @@ pub fn metric_sum(text: &str, prefix: &str) -> f64 {
         .sum()
 }
 
+/// Whether `gw`'s backend `b0` has no request in flight within `within` (its
+/// `tokenway_backend_inflight` gauge at 0).
+pub async fn b0_released(gw: &Proc, within: Duration) -> bool {
+    let metrics = format!("{}/metrics", gw.url());
+    eventually(within, || async {
+        metric_sum(
+            &get(&metrics).await.body,
+            "tokenway_backend_inflight{backend=\"b0\"",
+        ) == 0.0
+    })
+    .await
+}
+
 /// Polls `check` every 50 ms until it holds or `within` passes.
 pub async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
 where
