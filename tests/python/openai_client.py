@@ -1,5 +1,5 @@
 """Checks the gateway with the official `openai` package: streaming and non-streaming chat,
-completions, the model list, usage chunks and error mapping, compared with the backend itself.
+completions, the model list and one model, usage chunks and error mapping, compared with the backend itself.
 
 Run by the Rust end-to-end tests; exits non-zero with a message on the first difference.
 """
@@ -67,6 +67,13 @@ def main():
 
     ids = [m.id for m in gw.models.list()]
     assert "sim-model" in ids, ids
+    m = gw.models.retrieve("sim-model")
+    assert m.id == "sim-model" and m.object == "model", m
+    try:
+        gw.models.retrieve("no-such-model")
+        raise AssertionError("retrieving an unknown model succeeded")
+    except openai.NotFoundError as e:
+        assert e.body and e.body.get("code") == "model_not_found", e.body
 
     bad = OpenAI(base_url=a.gateway, api_key="wrong", max_retries=0, timeout=20)
     try:

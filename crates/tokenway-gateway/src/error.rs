@@ -42,6 +42,8 @@ pub struct ApiError {
     pub message: String,
     /// Seconds for a `Retry-After` header.
     pub retry_after: Option<u32>,
+    /// OpenAI error `param`: the request field at fault, if one is.
+    pub param: Option<&'static str>,
 }
 
 impl ApiError {
@@ -58,6 +60,7 @@ impl ApiError {
             code,
             message: message.into(),
             retry_after: None,
+            param: None,
         }
     }
 
@@ -97,7 +100,7 @@ impl ApiError {
             "error": {
                 "message": self.message,
                 "type": self.kind,
-                "param": null,
+                "param": self.param,
                 "code": self.code,
             }
         });
@@ -119,6 +122,11 @@ impl ApiError {
         if self.status == StatusCode::UNAUTHORIZED {
             h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        // The gateway waited its whole first-byte timeout (and retried what it could): a
+        // client's own retries (the openai package makes two on a 504) would wait it again.
+        if self.status == StatusCode::GATEWAY_TIMEOUT {
+            h.insert("x-should-retry", HeaderValue::from_static("false"));
+        }
         resp
     }
 }
@@ -128,4 +136,43 @@ pub fn full(bytes: impl Into<Bytes>) -> ResponseBody {
     Full::new(bytes.into())
         .map_err(|never| match never {})
         .boxed()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timeout_tells_clients_not_to_retry_and_param_is_reported() {
+        let r = ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_error",
+            "upstream_timeout",
+            "slow",
+        )
+        .into_response();
+        assert_eq!(r.headers()["x-should-retry"], "false");
+        let r = ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "upstream_unavailable",
+            "down",
+        )
+        .into_response();
+        assert!(!r.headers().contains_key("x-should-retry"));
+        let e = ApiError {
+            param: Some("model"),
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                "no",
+            )
+        };
+        let v: serde_json::Value = serde_json::from_slice(&e.json()).expect("JSON");
+        assert_eq!(v["error"]["param"], "model");
+        let v: serde_json::Value =
+            serde_json::from_slice(&ApiError::bad_request("x").json()).expect("JSON");
+        assert!(v["error"]["param"].is_null());
+    }
 }

@@ -135,11 +135,12 @@ where
     let transport = transport.as_str();
     let path = req.uri().path();
     let route = PROXIED.iter().copied().find(|r| *r == path);
-    let (response, route_label, backend) = match (req.method(), path, route) {
-        (&Method::GET | &Method::HEAD, "/health", _) => {
-            (text(StatusCode::OK, "ok\n"), "/health", None)
-        }
-        (&Method::GET, "/metrics", _) => {
+    let method = req.method().clone();
+    // Reads answer HEAD as GET; the body is dropped below, its length kept.
+    let read = method == Method::GET || method == Method::HEAD;
+    let (mut response, route_label, backend) = match (read, &method, path, route) {
+        (true, _, "/health", _) => (text(StatusCode::OK, "ok\n"), "/health", None),
+        (true, _, "/metrics", _) => {
             let mut r = Response::new(full(tokenway_telemetry::render(&shared.registry)));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -147,16 +148,23 @@ where
             );
             (r, "/metrics", None)
         }
-        (&Method::GET, "/admin/backends", _) => (status::backends_json(&shared), "/admin", None),
-        (&Method::GET, "/status", _) => (status::page(&shared), "/status", None),
-        (&Method::GET, "/v1/models", _) => {
+        (true, _, "/admin/backends", _) => (status::backends_json(&shared), "/admin", None),
+        (true, _, "/status", _) => (status::page(&shared), "/status", None),
+        (true, _, "/v1/models", _) => {
             let r = match authenticate(&shared, req.headers()) {
                 Ok(()) => models(&shared),
                 Err(e) => e.into_response(),
             };
             (r, "/v1/models", None)
         }
-        (&Method::POST, _, Some(route)) => {
+        (true, _, _, _) if path.starts_with(MODEL_PREFIX) => {
+            let r = match authenticate(&shared, req.headers()) {
+                Ok(()) => model(&shared, &path[MODEL_PREFIX.len()..]),
+                Err(e) => e.into_response(),
+            };
+            (r, "/v1/models", None)
+        }
+        (_, &Method::POST, _, Some(route)) => {
             match proxy_route(&shared, req, route, transport, start, peer).await {
                 // A 200 from a backend was counted with a counter looked up while the backend
                 // worked, so the count is not in the way of the answer's first byte.
@@ -165,29 +173,28 @@ where
                 Err(e) => (e.into_response(), route, None),
             }
         }
-        (_, "/health" | "/metrics" | "/v1/models", _) | (_, _, Some(_)) => (
-            ApiError::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "invalid_request_error",
-                "method_not_allowed",
-                format!("{} is not allowed on {path}", req.method()),
-            )
-            .into_response(),
-            "other",
-            None,
-        ),
-        _ => (
-            ApiError::new(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                "unknown_url",
-                format!("unknown route {} {path}", req.method()),
-            )
-            .into_response(),
-            "other",
-            None,
-        ),
+        _ => {
+            let allowed = match (path, route) {
+                (_, Some(_)) => Some("POST"),
+                ("/health" | "/metrics" | "/admin/backends" | "/status" | "/v1/models", _) => {
+                    Some("GET, HEAD")
+                }
+                _ if path.starts_with(MODEL_PREFIX) => Some("GET, HEAD"),
+                _ => None,
+            };
+            (not_routed(&method, path, allowed), "other", None)
+        }
     };
+    if method == Method::HEAD {
+        let length = response.body().size_hint().exact();
+        if let Some(n) = length.filter(|_| !response.headers().contains_key(header::CONTENT_LENGTH))
+        {
+            response
+                .headers_mut()
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+        }
+        *response.body_mut() = full(Bytes::new());
+    }
     shared.count_request(route_label, backend, response.status().as_u16());
     response
 }
@@ -529,8 +536,66 @@ fn queue_refused(shared: &Shared, model: &str, refused: Refused) -> ApiError {
     }
 }
 
+/// Where one model's entry is read (`GET /v1/models/{id}`, OpenAI's "retrieve model").
+const MODEL_PREFIX: &str = "/v1/models/";
+
+/// A request no route takes: 405 with the methods the path allows (RFC 9110 section 15.5.6),
+/// or 404 for an unknown path.
+fn not_routed(
+    method: &Method,
+    path: &str,
+    allowed: Option<&'static str>,
+) -> Response<ResponseBody> {
+    let Some(allowed) = allowed else {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "unknown_url",
+            format!("unknown route {method} {path}"),
+        )
+        .into_response();
+    };
+    let mut r = ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method_not_allowed",
+        format!("{method} is not allowed on {path}; use {allowed}"),
+    )
+    .into_response();
+    r.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allowed));
+    r
+}
+
+/// `GET /v1/models/{id}`: the entry `/v1/models` lists for `id` (percent-decoded; ids such as
+/// `meta-llama/Llama-3.1-8B` may come with their slash raw or as `%2F`), or OpenAI's 404.
+fn model(shared: &Shared, raw_id: &str) -> Response<ResponseBody> {
+    let id = percent_encoding::percent_decode_str(raw_id).decode_utf8_lossy();
+    let entry = model_entries(shared)
+        .into_iter()
+        .find(|e| e.get("id").and_then(|v| v.as_str()) == Some(&*id));
+    match entry {
+        Some(e) => json(e.to_string()),
+        None => ApiError {
+            param: Some("model"),
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                format!("the model `{id}` does not exist or is not served here"),
+            )
+        }
+        .into_response(),
+    }
+}
+
 /// `/v1/models`: the union of what the backends serve, first entry per id wins.
 fn models(shared: &Shared) -> Response<ResponseBody> {
+    let data = model_entries(shared);
+    json(serde_json::json!({"object": "list", "data": data}).to_string())
+}
+
+fn model_entries(shared: &Shared) -> Vec<serde_json::Value> {
     let mut seen = std::collections::HashSet::new();
     let mut data = Vec::new();
     for (_, u) in shared.live_upstreams() {
@@ -550,7 +615,10 @@ fn models(shared: &Shared) -> Response<ResponseBody> {
             }
         }
     }
-    let body = serde_json::json!({"object": "list", "data": data}).to_string();
+    data
+}
+
+fn json(body: String) -> Response<ResponseBody> {
     let mut r = Response::new(full(body));
     r.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -75,6 +75,13 @@ async fn bad_requests_get_openai_errors_and_the_gateway_keeps_serving() {
 
     let r = get(&chat_url).await;
     assert_eq!(r.status, 405);
+    assert_eq!(r.headers["allow"], "POST");
+    let r = post(&format!("{}/v1/models", gw.url()), "{}", key).await;
+    assert_eq!(
+        (r.status, error_code(&r.body).as_str()),
+        (405, "method_not_allowed")
+    );
+    assert_eq!(r.headers["allow"], "GET, HEAD");
 
     // Raw garbage on the socket: an HTTP error or a closed connection, never a crash.
     let mut s = TcpStream::connect(gw.addr).await.expect("connect");

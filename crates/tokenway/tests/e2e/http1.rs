@@ -130,3 +130,46 @@ async fn a_client_that_leaves_releases_its_backend_slot_at_once() {
         .expect("answered");
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+#[tokio::test]
+async fn head_and_one_model_are_answered_as_the_openai_api_does() {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(&[&backend], "", "");
+    let listed = get(&format!("{}/v1/models", gw.url())).await;
+    assert!(listed.body.contains("sim-model"), "{}", listed.body);
+    // The id raw or percent-encoded (an id with a slash, `org/model`, may come either way).
+    for path in ["/v1/models/sim-model", "/v1/models/sim%2Dmodel"] {
+        let r = get(&format!("{}{path}", gw.url())).await;
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+        let v: serde_json::Value = serde_json::from_str(&r.body).expect("JSON");
+        assert_eq!(
+            (v["id"].as_str(), v["object"].as_str()),
+            (Some("sim-model"), Some("model"))
+        );
+    }
+    let r = get(&format!("{}/v1/models/gpt-9", gw.url())).await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("JSON");
+    assert_eq!(
+        (v["error"]["code"].as_str(), v["error"]["param"].as_str()),
+        (Some("model_not_found"), Some("model"))
+    );
+
+    // HEAD: the GET's head and length, no body; the next answer follows right after it.
+    let wire = "HEAD /v1/models HTTP/1.1\r\nhost: x\r\n\r\nGET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n";
+    let mut s = TcpStream::connect(gw.addr).await.expect("connect");
+    s.write_all(wire.as_bytes()).await.expect("write");
+    let text = read_until_closed(&mut s).await;
+    let (head, rest) = text.split_once("\r\n\r\n").expect("a head");
+    assert!(head.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(head.contains("application/json"), "{head}");
+    assert!(
+        head.contains(&format!("content-length: {}\r\n", listed.body.len()))
+            || head.ends_with(&format!("content-length: {}", listed.body.len())),
+        "{head}"
+    );
+    assert!(
+        rest.starts_with("HTTP/1.1 200"),
+        "no body after HEAD: {rest}"
+    );
+}
