@@ -1,5 +1,5 @@
 """Checks the gateway with the official `openai` package: streaming and non-streaming chat,
-completions, the model list and one model, usage chunks and error mapping, compared with the backend itself.
+completions, `n` choices, embeddings, the model list and one model, usage chunks and error mapping, compared with the backend itself.
 
 Run by the Rust end-to-end tests; exits non-zero with a message on the first difference.
 """
@@ -64,6 +64,24 @@ def main():
 
     c = gw.completions.create(model="sim-model", prompt="Once upon", max_tokens=5)
     assert c.choices[0].text, "empty completion"
+
+    r = gw.chat.completions.create(
+        model="sim-model", n=2, max_tokens=4, messages=[{"role": "user", "content": "two"}]
+    )
+    assert [ch.index for ch in r.choices] == [0, 1], r.choices
+    assert r.choices[0].message.content != r.choices[1].message.content
+
+    # The package asks for base64 unless told otherwise and decodes it itself.
+    inputs = ["an embedding", "another one"]
+    e = gw.embeddings.create(model="sim-model", input=inputs)
+    d = direct.embeddings.create(model="sim-model", input=inputs)
+    assert [x.embedding for x in e.data] == [x.embedding for x in d.data], "embeddings differ"
+    assert len(e.data) == 2 and len(e.data[0].embedding) > 0, e
+    norm = sum(x * x for x in e.data[0].embedding)
+    assert abs(norm - 1.0) < 1e-4, norm
+    f = gw.embeddings.create(model="sim-model", input="an embedding", encoding_format="float")
+    assert all(abs(a - b) < 1e-6 for a, b in zip(f.data[0].embedding, e.data[0].embedding))
+    assert e.usage.prompt_tokens > 0, e.usage
 
     ids = [m.id for m in gw.models.list()]
     assert "sim-model" in ids, ids

@@ -39,6 +39,9 @@ pub struct SimConfig {
     pub prefix_cache_tokens: usize,
     /// Tokens per prefix-cache block (vLLM's block size). Default 16.
     pub block_tokens: usize,
+    /// Size of the vectors `POST /v1/embeddings` answers (a request's `dimensions` may ask for
+    /// fewer). Default 384.
+    pub embedding_dimensions: usize,
     /// Prompt bytes per token: prompt tokens = ceil(prompt bytes / bytes_per_token). 4 is the
     /// usual ~4 characters per token of English text under BPE tokenizers. Default 4.
     pub bytes_per_token: usize,
@@ -84,6 +87,7 @@ impl Default for SimConfig {
             prefix_cache_tokens: 100_000,
             block_tokens: 16,
             bytes_per_token: 4,
+            embedding_dimensions: 384,
             network_rtt_ms: 0.0,
             faults: Faults::default(),
         }
@@ -93,6 +97,10 @@ impl Default for SimConfig {
 /// Upper bound of `max_concurrency` (tokio's semaphore holds at most `usize::MAX >> 3` permits;
 /// a million slots is far beyond any real server).
 const MAX_CONCURRENCY: usize = 1_000_000;
+
+/// Largest embedding vector (real models stop at a few thousand; a request of 2048 inputs then
+/// answers at most ~200 MB of JSON).
+const MAX_EMBEDDING_DIMENSIONS: usize = 8192;
 
 /// Longest time any setting may ask for: a day.
 const MAX_MS: f64 = 86_400_000.0;
@@ -166,6 +174,13 @@ impl SimConfig {
         }
         if self.bytes_per_token == 0 {
             return Err(SimError::invalid("sim.bytes_per_token", ">= 1", 0));
+        }
+        if !(1..=MAX_EMBEDDING_DIMENSIONS).contains(&self.embedding_dimensions) {
+            return Err(SimError::invalid(
+                "sim.embedding_dimensions",
+                "in 1..=8192",
+                self.embedding_dimensions,
+            ));
         }
         self.faults.validate()
     }

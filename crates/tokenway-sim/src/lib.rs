@@ -1,8 +1,9 @@
 //! A simulated OpenAI-compatible inference server, standing in for vLLM or SGLang in tests,
 //! demos and benchmarks.
 //!
-//! It serves `POST /v1/chat/completions` and `POST /v1/completions` (streaming and not) in the
-//! exact OpenAI/vLLM wire format, with timing that makes routing matter: a FIFO queue in front of
+//! It serves `POST /v1/chat/completions` and `POST /v1/completions` (streaming and not, `n`
+//! choices, batches of prompts, token-id prompts) and `POST /v1/embeddings` in the exact
+//! OpenAI/vLLM wire format, with timing that makes routing matter: a FIFO queue in front of
 //! a fixed number of slots, a prefill time that a prefix cache shortens, and a decode rate that
 //! slows as more requests run at once. Faults (errors, stalls, hangs, slow starts, refused
 //! connections) can be configured and replaced at run time (`POST /admin/faults`). It also
@@ -15,6 +16,7 @@
 mod body;
 mod config;
 pub mod cost;
+mod embeddings;
 mod error;
 mod openai;
 mod server;

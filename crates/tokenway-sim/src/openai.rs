@@ -34,10 +34,16 @@ struct StreamOptions {
     include_usage: Option<bool>,
 }
 
+/// Most choices one request may ask for (`n` × prompts), like an engine's bound on sequences in
+/// a batch: each costs a token event per step.
+pub const MAX_CHOICES: u32 = 128;
+
 #[derive(Deserialize)]
 struct ChatRequest {
     model: String,
     messages: Vec<Message>,
+    #[serde(default)]
+    n: Option<u32>,
     #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
@@ -73,6 +79,8 @@ struct CompletionRequest {
     model: String,
     prompt: Prompt,
     #[serde(default)]
+    n: Option<u32>,
+    #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
@@ -80,11 +88,45 @@ struct CompletionRequest {
     max_tokens: Option<u32>,
 }
 
+/// A completion prompt or embedding input as the OpenAI API takes it: text, a batch of texts,
+/// token ids, or a batch of token-id lists.
 #[derive(Deserialize)]
 #[serde(untagged)]
-enum Prompt {
+pub(crate) enum Prompt {
     One(String),
     Many(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+impl Prompt {
+    /// Each prompt of the batch as the cost model's bytes: text as it is; token ids as
+    /// `bytes_per_token` bytes each (derived from the id), so a list of k ids is exactly k
+    /// tokens and lists sharing a prefix of ids share a prefix of bytes (and of cache blocks).
+    pub(crate) fn into_batch(
+        self,
+        param: &'static str,
+        bytes_per_token: usize,
+    ) -> Result<Vec<Vec<u8>>, ApiError> {
+        let ids = |ids: Vec<u32>| -> Vec<u8> {
+            ids.iter()
+                .flat_map(|id| id.to_le_bytes().into_iter().cycle().take(bytes_per_token))
+                .collect()
+        };
+        let batch: Vec<Vec<u8>> = match self {
+            Self::One(p) => vec![p.into_bytes()],
+            Self::Many(ps) => ps.into_iter().map(String::into_bytes).collect(),
+            Self::Ids(list) => vec![ids(list)],
+            Self::IdLists(lists) => lists.into_iter().map(ids).collect(),
+        };
+        if batch.is_empty() {
+            return Err(
+                ApiError::invalid_request(format!("{param} must not be an empty list."))
+                    .with_param(param),
+            );
+        }
+        Ok(batch)
+    }
 }
 
 /// What the simulator needs from a completion request.
@@ -92,8 +134,11 @@ enum Prompt {
 pub(crate) struct Job {
     pub(crate) api: Api,
     pub(crate) model: String,
-    /// Chat: every message's role followed by its text; completions: the prompt(s) joined.
-    pub(crate) prompt: String,
+    /// The prompts of the batch, as the cost model's bytes (a chat request has one: every
+    /// message's role followed by its text; a completion request one per prompt of a batch).
+    pub(crate) prompts: Vec<Vec<u8>>,
+    /// Choices per prompt (`n`).
+    pub(crate) n: u32,
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,
     /// Output tokens asked for, if the request set a limit.
@@ -101,8 +146,13 @@ pub(crate) struct Job {
 }
 
 impl Job {
-    /// Parses a request body of `api`.
-    pub(crate) fn parse(api: Api, body: &[u8]) -> Result<Self, ApiError> {
+    /// The choices of the answer: `n` for each prompt, prompt-major (vLLM's order).
+    pub(crate) fn choices(&self) -> u32 {
+        self.n * self.prompts.len() as u32
+    }
+
+    /// Parses a request body of `api`; token-id prompts become `bytes_per_token` bytes per id.
+    pub(crate) fn parse(api: Api, body: &[u8], bytes_per_token: usize) -> Result<Self, ApiError> {
         let bad =
             |e: serde_json::Error| ApiError::invalid_request(format!("invalid JSON body: {e}"));
         let mut limit_param = "max_tokens";
@@ -128,7 +178,8 @@ impl Job {
                 Job {
                     api,
                     model: r.model,
-                    prompt,
+                    prompts: vec![prompt.into_bytes()],
+                    n: r.n.unwrap_or(1),
                     stream: r.stream.unwrap_or(false),
                     include_usage: include_usage(r.stream_options),
                     max_tokens: r.max_completion_tokens.or(r.max_tokens),
@@ -136,20 +187,31 @@ impl Job {
             }
             Api::Completions => {
                 let r: CompletionRequest = serde_json::from_slice(body).map_err(bad)?;
-                let prompt = match r.prompt {
-                    Prompt::One(p) => p,
-                    Prompt::Many(ps) => ps.concat(),
-                };
                 Job {
                     api,
                     model: r.model,
-                    prompt,
+                    prompts: r.prompt.into_batch("prompt", bytes_per_token)?,
+                    n: r.n.unwrap_or(1),
                     stream: r.stream.unwrap_or(false),
                     include_usage: include_usage(r.stream_options),
                     max_tokens: r.max_tokens,
                 }
             }
         };
+        if job.n == 0 {
+            return Err(
+                ApiError::invalid_request("n must be at least 1, got 0.".to_owned())
+                    .with_param("n"),
+            );
+        }
+        if u64::from(job.n) * job.prompts.len() as u64 > u64::from(MAX_CHOICES) {
+            return Err(ApiError::invalid_request(format!(
+                "n × prompts must be at most {MAX_CHOICES}, got {} × {}.",
+                job.n,
+                job.prompts.len()
+            ))
+            .with_param("n"));
+        }
         if job.max_tokens == Some(0) {
             return Err(ApiError::invalid_request(
                 "max_tokens must be at least 1, got 0.".to_owned(),
@@ -180,7 +242,7 @@ pub(crate) struct ApiError {
     pub(crate) status: StatusCode,
     message: String,
     kind: &'static str,
-    param: Option<&'static str>,
+    pub(crate) param: Option<&'static str>,
     code: Option<&'static str>,
 }
 
@@ -379,11 +441,17 @@ impl Encoder {
         Bytes::copy_from_slice(&self.buf)
     }
 
-    fn delta(&mut self, role: Option<&str>, content: Option<&str>, finish: Option<&str>) -> Bytes {
+    fn delta(
+        &mut self,
+        index: u32,
+        role: Option<&str>,
+        content: Option<&str>,
+        finish: Option<&str>,
+    ) -> Bytes {
         match self.api {
             Api::Chat => self.event(
                 &[ChatChunkChoice {
-                    index: 0,
+                    index,
                     delta: Delta { role, content },
                     logprobs: None,
                     finish_reason: finish,
@@ -392,7 +460,7 @@ impl Encoder {
             ),
             Api::Completions => self.event(
                 &[TextChoice {
-                    index: 0,
+                    index,
                     text: content.unwrap_or(""),
                     logprobs: None,
                     finish_reason: finish,
@@ -402,21 +470,23 @@ impl Encoder {
         }
     }
 
-    /// The first chat event, `delta: {"role":"assistant","content":""}`; none for completions.
-    pub(crate) fn role(&mut self) -> Option<Bytes> {
-        (self.api == Api::Chat).then(|| self.delta(Some("assistant"), Some(""), None))
+    /// A chat choice's first event, `delta: {"role":"assistant","content":""}`; none for
+    /// completions.
+    pub(crate) fn role(&mut self, index: u32) -> Option<Bytes> {
+        (self.api == Api::Chat).then(|| self.delta(index, Some("assistant"), Some(""), None))
     }
 
-    /// One token event.
-    pub(crate) fn token(&mut self, text: &str) -> Bytes {
-        self.delta(None, Some(text), None)
+    /// One token event of choice `index`.
+    pub(crate) fn token(&mut self, index: u32, text: &str) -> Bytes {
+        self.delta(index, None, Some(text), None)
     }
 
-    /// The event carrying `finish_reason` (empty delta for chat, empty text for completions).
-    pub(crate) fn finish(&mut self, reason: &str) -> Bytes {
+    /// The event carrying choice `index`'s `finish_reason` (empty delta for chat, empty text
+    /// for completions).
+    pub(crate) fn finish(&mut self, index: u32, reason: &str) -> Bytes {
         match self.api {
-            Api::Chat => self.delta(None, None, Some(reason)),
-            Api::Completions => self.delta(None, Some(""), Some(reason)),
+            Api::Chat => self.delta(index, None, None, Some(reason)),
+            Api::Completions => self.delta(index, None, Some(""), Some(reason)),
         }
     }
 
@@ -425,8 +495,8 @@ impl Encoder {
         self.event::<TextChoice<'_>>(&[], Some(usage))
     }
 
-    /// The non-streaming response object.
-    pub(crate) fn full(&self, text: &str, finish: &str, usage: &Usage) -> Bytes {
+    /// The non-streaming response object, one choice per text.
+    pub(crate) fn full(&self, texts: &[String], finish: &str, usage: &Usage) -> Bytes {
         let out = match self.api {
             Api::Chat => serde_json::to_vec(&Full {
                 id: &self.id,
@@ -434,15 +504,18 @@ impl Encoder {
                 created: self.created,
                 model: &self.model,
                 system_fingerprint: None,
-                choices: &[ChatChoice {
-                    index: 0,
-                    message: ChatMessage {
-                        role: "assistant",
-                        content: text,
-                    },
-                    logprobs: None,
-                    finish_reason: finish,
-                }],
+                choices: &(0..)
+                    .zip(texts)
+                    .map(|(index, text)| ChatChoice {
+                        index,
+                        message: ChatMessage {
+                            role: "assistant",
+                            content: text,
+                        },
+                        logprobs: None,
+                        finish_reason: finish,
+                    })
+                    .collect::<Vec<_>>(),
                 usage,
             }),
             Api::Completions => serde_json::to_vec(&Full {
@@ -451,12 +524,15 @@ impl Encoder {
                 created: self.created,
                 model: &self.model,
                 system_fingerprint: None,
-                choices: &[TextChoice {
-                    index: 0,
-                    text,
-                    logprobs: None,
-                    finish_reason: Some(finish),
-                }],
+                choices: &(0..)
+                    .zip(texts)
+                    .map(|(index, text)| TextChoice {
+                        index,
+                        text,
+                        logprobs: None,
+                        finish_reason: Some(finish),
+                    })
+                    .collect::<Vec<_>>(),
                 usage,
             }),
         };
@@ -469,7 +545,7 @@ mod tests {
     use super::*;
 
     fn job(api: Api, body: &str) -> Job {
-        Job::parse(api, body.as_bytes()).unwrap()
+        Job::parse(api, body.as_bytes(), 4).unwrap()
     }
 
     #[test]
@@ -480,19 +556,57 @@ mod tests {
                {"role":"user","content":[{"type":"text","text":"hi "},{"type":"text","text":"there"}]}],
                "max_completion_tokens":3,"max_tokens":9}"#,
         );
-        assert_eq!(j.prompt, "systembe briefuserhi there");
+        assert_eq!(j.prompts, [b"systembe briefuserhi there".to_vec()]);
         assert_eq!(j.max_tokens, Some(3));
         assert!(!j.stream);
     }
 
     #[test]
-    fn completion_prompt_arrays_are_joined() {
+    fn completion_prompt_arrays_are_a_batch_with_n_choices_each() {
         let j = job(
             Api::Completions,
-            r#"{"model":"m","prompt":["ab","cd"],"stream":true,"stream_options":{"include_usage":true}}"#,
+            r#"{"model":"m","prompt":["ab","cd"],"n":3,"stream":true,"stream_options":{"include_usage":true}}"#,
         );
-        assert_eq!(j.prompt, "abcd");
+        assert_eq!(j.prompts, [b"ab".to_vec(), b"cd".to_vec()]);
+        assert_eq!(j.choices(), 6);
         assert!(j.stream && j.include_usage);
+    }
+
+    #[test]
+    fn token_id_prompts_are_one_token_per_id_and_keep_their_prefixes() {
+        let one = job(Api::Completions, r#"{"model":"m","prompt":[1,2,300]}"#);
+        assert_eq!(one.prompts.len(), 1);
+        assert_eq!(one.prompts[0].len(), 3 * 4);
+        let batch = job(
+            Api::Completions,
+            r#"{"model":"m","prompt":[[1,2,300,4],[7]]}"#,
+        );
+        assert_eq!(batch.prompts.len(), 2);
+        assert!(batch.prompts[0].starts_with(&one.prompts[0]));
+        let narrow = Job::parse(Api::Completions, br#"{"model":"m","prompt":[1,2]}"#, 1).unwrap();
+        assert_eq!(narrow.prompts[0].len(), 2);
+    }
+
+    #[test]
+    fn empty_batches_zero_n_and_too_many_choices_are_400s_naming_the_field() {
+        for (body, param) in [
+            (r#"{"model":"m","prompt":[]}"#, "prompt"),
+            (r#"{"model":"m","prompt":"x","n":0}"#, "n"),
+            (r#"{"model":"m","prompt":["a","b"],"n":100}"#, "n"),
+            (r#"{"model":"m","messages":[],"n":129}"#, "n"),
+        ] {
+            let api = if body.contains("messages") {
+                Api::Chat
+            } else {
+                Api::Completions
+            };
+            let e = Job::parse(api, body.as_bytes(), 4).unwrap_err();
+            assert_eq!(
+                (e.status, e.param),
+                (StatusCode::BAD_REQUEST, Some(param)),
+                "{body}"
+            );
+        }
     }
 
     #[test]
@@ -500,7 +614,7 @@ mod tests {
         let mut j = job(Api::Chat, r#"{"model":"m","messages":[]}"#);
         j.include_usage = true;
         let mut e = Encoder::new(&j, 7);
-        let role = e.role().unwrap();
+        let role = e.role(0).unwrap();
         let text = std::str::from_utf8(&role).unwrap();
         let v: serde_json::Value =
             serde_json::from_str(text.strip_prefix("data: ").unwrap().trim_end()).unwrap();
@@ -508,20 +622,21 @@ mod tests {
         assert_eq!(v["choices"][0]["delta"]["role"], "assistant");
         assert_eq!(v["choices"][0]["delta"]["content"], "");
         assert!(v["usage"].is_null() && v.as_object().unwrap().contains_key("usage"));
-        let fin = e.finish("length");
+        let fin = e.finish(1, "length");
         let v: serde_json::Value = serde_json::from_slice(&fin[6..fin.len() - 2]).unwrap();
         assert_eq!(v["choices"][0]["delta"], serde_json::json!({}));
         assert_eq!(v["choices"][0]["finish_reason"], "length");
+        assert_eq!(v["choices"][0]["index"], 1);
     }
 
     #[test]
     fn usage_field_is_omitted_without_include_usage() {
         let j = job(Api::Completions, r#"{"model":"m","prompt":"x"}"#);
         let mut e = Encoder::new(&j, 7);
-        let t = e.token(" a");
+        let t = e.token(0, " a");
         let v: serde_json::Value = serde_json::from_slice(&t[6..t.len() - 2]).unwrap();
         assert!(!v.as_object().unwrap().contains_key("usage"));
         assert_eq!(v["choices"][0]["text"], " a");
-        assert!(e.role().is_none());
+        assert!(e.role(0).is_none());
     }
 }

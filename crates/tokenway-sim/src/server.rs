@@ -35,6 +35,7 @@ use tokio::time::{sleep_until, Instant};
 
 use crate::body::{SimBody, STREAM_CHANNEL_EVENTS};
 use crate::cost::{self, PrefixCache};
+use crate::embeddings::EmbedJob;
 use crate::openai::{self, Api, ApiError, Encoder, Job, Usage};
 use crate::text::TokenSource;
 use crate::{Faults, SimConfig, SimError};
@@ -369,6 +370,7 @@ async fn handle(
     let route: &'static str = match req.uri().path() {
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/completions" => "/v1/completions",
+        "/v1/embeddings" => "/v1/embeddings",
         "/v1/models" => "/v1/models",
         "/health" => "/health",
         "/metrics" => "/metrics",
@@ -378,6 +380,7 @@ async fn handle(
     let resp = match (req.method(), route) {
         (&Method::POST, "/v1/chat/completions") => completion(&shared, Api::Chat, req).await,
         (&Method::POST, "/v1/completions") => completion(&shared, Api::Completions, req).await,
+        (&Method::POST, "/v1/embeddings") => embeddings(&shared, req).await,
         (&Method::GET, "/v1/models") => models(&shared),
         (&Method::GET, "/health") => text_response(StatusCode::OK, "text/plain", "ok".into()),
         (&Method::GET, "/metrics") => {
@@ -489,51 +492,13 @@ async fn completion(shared: &Arc<Shared>, api: Api, req: Request<Incoming>) -> R
         Ok(b) => b,
         Err(e) => return error_response(&e),
     };
-    let job = match Job::parse(api, &body) {
+    let job = match Job::parse(api, &body, shared.config.bytes_per_token) {
         Ok(j) => j,
         Err(e) => return error_response(&e),
     };
-    if !shared.config.model_names.contains(&job.model) {
-        return error_response(
-            &ApiError::new(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                format!("The model `{}` does not exist.", job.model),
-            )
-            .with_param("model")
-            .with_code("model_not_found"),
-        );
-    }
-    let faults = lock(&shared.faults).clone();
-    if faults.hang {
-        // Never answer; end only when the server shuts down.
-        let mut stop = shared.shutdown.clone();
-        let _ = stop.wait_for(|s| *s).await;
-        return error_response(&ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "The server is shutting down.".into(),
-        ));
-    }
-    if faults.error_rate > 0.0 && lock(&shared.rng).random::<f64>() < faults.error_rate {
-        return error_response(&ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            "Injected fault: internal server error.".into(),
-        ));
-    }
-    let Some(admission) = shared.admit() else {
-        return error_response(
-            &ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "requests",
-                format!(
-                    "Too many requests: {} running and {} waiting.",
-                    shared.config.max_concurrency, shared.config.max_queue
-                ),
-            )
-            .with_code("rate_limit_exceeded"),
-        );
+    let (faults, admission) = match gate(shared, &job.model).await {
+        Ok(g) => g,
+        Err(resp) => return resp,
     };
     let gen = Generator {
         shared: shared.clone(),
@@ -568,6 +533,109 @@ async fn completion(shared: &Arc<Shared>, api: Api, req: Request<Incoming>) -> R
     }
 }
 
+/// `POST /v1/embeddings`: a prefill-only request. It takes a slot like a completion, waits
+/// `base_latency_ms` plus its tokens at the prefill rate (embedding models cache no prefixes),
+/// holds their KV meanwhile, and answers the vectors whole.
+async fn embeddings(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<SimBody> {
+    let start = Instant::now();
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&e),
+    };
+    let c = &shared.config;
+    let job = match EmbedJob::parse(&body, c.bytes_per_token, c.embedding_dimensions) {
+        Ok(j) => j,
+        Err(e) => return error_response(&e),
+    };
+    let (faults, admission) = match gate(shared, &job.model).await {
+        Ok(g) => g,
+        Err(resp) => return resp,
+    };
+    // If the client goes away, hyper drops this future and with it the slot.
+    let Some(_permit) = admission.slot().await else {
+        return error_response(&ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "The server is shutting down.".into(),
+        ));
+    };
+    let tokens: usize = job
+        .inputs
+        .iter()
+        .map(|i| cost::prompt_tokens(i.len(), c.bytes_per_token))
+        .sum();
+    let _kv = KvHold::new(shared.clone(), tokens);
+    wait_until(
+        Instant::now()
+            + cost::ms(c.base_latency_ms)
+            + cost::prefill_time(tokens, c.prefill_tokens_per_second)
+            + cost::ms(faults.slow_start_ms),
+    )
+    .await;
+    let resp = json_response(
+        StatusCode::OK,
+        job.answer(c.seed, c.embedding_dimensions, tokens, unix_now()),
+    );
+    let labels = StreamLabels {
+        route: "/v1/embeddings".to_owned(),
+        backend: "self".to_owned(),
+        transport: "h1".to_owned(),
+        client_region: "local".to_owned(),
+        backend_region: "local".to_owned(),
+    };
+    observe(&shared.metrics.duration, &labels, start.elapsed());
+    resp
+}
+
+/// What every model request passes before it may run: the model exists, the injected faults
+/// (hang, error rate) let it through, and the queue has room. The answer is the request's
+/// faults and its admission, or the response that ends it.
+async fn gate(shared: &Arc<Shared>, model: &str) -> Result<(Faults, Admission), Response<SimBody>> {
+    if !shared.config.model_names.iter().any(|m| m == model) {
+        return Err(error_response(
+            &ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("The model `{model}` does not exist."),
+            )
+            .with_param("model")
+            .with_code("model_not_found"),
+        ));
+    }
+    let faults = lock(&shared.faults).clone();
+    if faults.hang {
+        // Never answer; end only when the server shuts down.
+        let mut stop = shared.shutdown.clone();
+        let _ = stop.wait_for(|s| *s).await;
+        return Err(error_response(&ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "The server is shutting down.".into(),
+        )));
+    }
+    if faults.error_rate > 0.0 && lock(&shared.rng).random::<f64>() < faults.error_rate {
+        return Err(error_response(&ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "Injected fault: internal server error.".into(),
+        )));
+    }
+    let Some(admission) = shared.admit() else {
+        return Err(error_response(
+            &ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "requests",
+                format!(
+                    "Too many requests: {} running and {} waiting.",
+                    shared.config.max_concurrency, shared.config.max_queue
+                ),
+            )
+            .with_code("rate_limit_exceeded"),
+        ));
+    };
+    Ok((faults, admission))
+}
+
 /// Records `d` in the histogram of `labels` (generic over the family's constructor type).
 fn observe<C: MetricConstructor<Histogram>>(
     family: &Family<StreamLabels, Histogram, C>,
@@ -594,28 +662,50 @@ struct Plan {
     max_tokens: u32,
     /// `length` when the request's own limit ends it, else `stop` (the "model" chose to stop).
     finish_reason: &'static str,
-    tokens: TokenSource,
+    /// One token source per choice: `n` for each prompt, prompt-major.
+    tokens: Vec<TokenSource>,
+}
+
+impl Plan {
+    fn usage(&self) -> Usage {
+        let choices = self.tokens.len() as u32;
+        Usage::new(
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.max_tokens.saturating_mul(choices),
+        )
+    }
 }
 
 impl Generator {
-    /// Waits for the prefill deadline (measured from admission) and records the prompt's blocks
-    /// in the prefix cache.
+    /// Waits for the prefill deadline (measured from admission) and records the prompts' blocks
+    /// in the prefix cache. The prompts of a batch are prefilled together: their uncached tokens
+    /// add up.
     async fn prefill(&self) -> Plan {
         let admitted = Instant::now();
         let c = &self.shared.config;
-        let prompt = self.job.prompt.as_bytes();
-        let prompt_tokens = cost::prompt_tokens(prompt.len(), c.bytes_per_token);
-        let blocks = cost::block_hashes(prompt, c.block_tokens, c.bytes_per_token);
-        let cached_tokens = lock(&self.shared.cache)
-            .cached_tokens(&blocks)
-            .min(prompt_tokens);
+        let (mut prompt_tokens, mut cached_tokens) = (0, 0);
+        let mut blocks = Vec::with_capacity(self.job.prompts.len());
+        let mut tokens = Vec::with_capacity(self.job.choices() as usize);
+        for prompt in &self.job.prompts {
+            let total = cost::prompt_tokens(prompt.len(), c.bytes_per_token);
+            let hashes = cost::block_hashes(prompt, c.block_tokens, c.bytes_per_token);
+            cached_tokens += lock(&self.shared.cache).cached_tokens(&hashes).min(total);
+            prompt_tokens += total;
+            blocks.push(hashes);
+            tokens.extend((0..self.job.n).map(|i| TokenSource::choice(c.seed, prompt, i)));
+        }
         let first_token_at = admitted
             + cost::ms(c.base_latency_ms)
             + cost::prefill_time(prompt_tokens - cached_tokens, c.prefill_tokens_per_second)
             + cost::ms(self.faults.slow_start_ms);
         wait_until(first_token_at).await;
         // The KV blocks exist once prefill is done; a concurrent identical prompt hits them.
-        lock(&self.shared.cache).insert(&blocks);
+        let mut cache = lock(&self.shared.cache);
+        for hashes in &blocks {
+            cache.insert(hashes);
+        }
+        drop(cache);
         Plan {
             prompt_tokens,
             cached_tokens,
@@ -625,7 +715,7 @@ impl Generator {
             } else {
                 "stop"
             },
-            tokens: TokenSource::new(c.seed, prompt),
+            tokens,
         }
     }
 
@@ -683,28 +773,31 @@ impl Generator {
                 }
                 return;
             }
-            if i == 0 {
-                if let Some(role) = self.encoder.role() {
-                    if tx.send(role).await.is_err() {
-                        return;
+            for (choice, source) in (0..).zip(&plan.tokens) {
+                if i == 0 {
+                    if let Some(role) = self.encoder.role(choice) {
+                        if tx.send(role).await.is_err() {
+                            return;
+                        }
                     }
                 }
+                let event = self.encoder.token(choice, source.token(i));
+                if tx.send(event).await.is_err() {
+                    return;
+                }
+                kv.grow();
             }
-            let event = self.encoder.token(plan.tokens.token(i));
-            if tx.send(event).await.is_err() {
-                return;
-            }
-            kv.grow();
             let now = Instant::now();
             self.observe_token(i, now, last);
             last = now;
         }
         drop(kv);
         drop(permit);
-        let usage = Usage::new(plan.prompt_tokens, plan.cached_tokens, plan.max_tokens);
-        let mut tail = vec![self.encoder.finish(plan.finish_reason)];
+        let mut tail: Vec<Bytes> = (0..plan.tokens.len() as u32)
+            .map(|choice| self.encoder.finish(choice, plan.finish_reason))
+            .collect();
         if self.job.include_usage {
-            tail.push(self.encoder.usage(&usage));
+            tail.push(self.encoder.usage(&plan.usage()));
         }
         tail.push(Bytes::from_static(openai::DONE));
         for event in tail {
@@ -726,7 +819,7 @@ impl Generator {
         };
         let plan = self.prefill().await;
         let mut kv = KvHold::new(self.shared.clone(), plan.prompt_tokens);
-        let mut text = String::new();
+        let mut texts = vec![String::new(); plan.tokens.len()];
         let mut deadline = Instant::now();
         let mut last = deadline;
         for i in 0..plan.max_tokens {
@@ -743,18 +836,19 @@ impl Generator {
                     "The server is shutting down.".into(),
                 ));
             }
-            text.push_str(plan.tokens.token(i));
-            kv.grow();
+            for (text, source) in texts.iter_mut().zip(&plan.tokens) {
+                text.push_str(source.token(i));
+                kv.grow();
+            }
             let now = Instant::now();
             self.observe_token(i, now, last);
             last = now;
         }
         drop(kv);
         drop(permit);
-        let usage = Usage::new(plan.prompt_tokens, plan.cached_tokens, plan.max_tokens);
         let resp = json_response(
             StatusCode::OK,
-            self.encoder.full(&text, plan.finish_reason, &usage),
+            self.encoder.full(&texts, plan.finish_reason, &plan.usage()),
         );
         self.observe_end();
         resp

@@ -20,12 +20,16 @@ pub(crate) struct TokenSource {
 }
 
 impl TokenSource {
-    /// Tokens for `prompt` under `seed`. `DefaultHasher::new()` has fixed keys, so this is stable
-    /// across processes of one build.
-    pub(crate) fn new(seed: u64, prompt: &[u8]) -> Self {
+    /// Tokens of choice `choice` (of a request's `n`) for `prompt` under `seed`; choices differ
+    /// from each other. `DefaultHasher::new()` has fixed keys, so this is stable across processes
+    /// of one build.
+    pub(crate) fn choice(seed: u64, prompt: &[u8], choice: u32) -> Self {
         let mut h = DefaultHasher::new();
         seed.hash(&mut h);
         prompt.hash(&mut h);
+        if choice > 0 {
+            choice.hash(&mut h);
+        }
         Self { base: h.finish() }
     }
 
@@ -45,16 +49,20 @@ mod tests {
     #[test]
     fn same_seed_and_prompt_give_the_same_tokens_and_seed_changes_them() {
         let a: Vec<_> = (0..32)
-            .map(|i| TokenSource::new(1, b"hi").token(i))
+            .map(|i| TokenSource::choice(1, b"hi", 0).token(i))
             .collect();
         let b: Vec<_> = (0..32)
-            .map(|i| TokenSource::new(1, b"hi").token(i))
+            .map(|i| TokenSource::choice(1, b"hi", 0).token(i))
             .collect();
         let c: Vec<_> = (0..32)
-            .map(|i| TokenSource::new(2, b"hi").token(i))
+            .map(|i| TokenSource::choice(2, b"hi", 0).token(i))
+            .collect();
+        let d: Vec<_> = (0..32)
+            .map(|i| TokenSource::choice(1, b"hi", 1).token(i))
             .collect();
         assert_eq!(a, b);
         assert_ne!(a, c);
+        assert_ne!(a, d);
         assert!(a.iter().all(|t| t.starts_with(' ')));
     }
 }

@@ -227,6 +227,133 @@ async fn max_tokens_is_respected_and_same_seed_and_prompt_give_same_text() {
 }
 
 #[tokio::test]
+async fn n_choices_batches_and_token_id_prompts_are_answered_per_choice() {
+    let sim = start(fast_config()).await;
+    // Streamed chat with n = 2: each choice has its role chunk, its tokens and its finish.
+    let (events, _) = sim
+        .stream(
+            "/v1/chat/completions",
+            chat(
+                "two answers",
+                json!({"stream": true, "n": 2, "max_tokens": 3,
+                                       "stream_options": {"include_usage": true}}),
+            ),
+        )
+        .await;
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let mut texts = [String::new(), String::new()];
+    let mut finished = [false, false];
+    for c in &chunks[..chunks.len() - 1] {
+        let choice = &c["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        texts[i].push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+        finished[i] |= choice["finish_reason"] == "length";
+    }
+    assert_eq!(finished, [true, true]);
+    assert_ne!(texts[0], texts[1]);
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 6);
+
+    // Choice 0 of n is the text n = 1 gives.
+    let (_, one) = sim
+        .post_json(
+            "/v1/chat/completions",
+            chat("two answers", json!({"max_tokens": 3})),
+        )
+        .await;
+    assert_eq!(one["choices"][0]["message"]["content"], texts[0].as_str());
+
+    // A batch of two prompts with two choices each: four choices, prompt-major.
+    let (status, v) = sim
+        .post_json(
+            "/v1/completions",
+            json!({"model": "sim-model", "prompt": ["first", "second"], "n": 2, "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    let (_, second) = sim
+        .post_json(
+            "/v1/completions",
+            json!({"model": "sim-model", "prompt": "second", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(choices[2]["text"], second["choices"][0]["text"]);
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+
+    // Token ids: one token each.
+    let (status, v) = sim
+        .post_json(
+            "/v1/completions",
+            json!({"model": "sim-model", "prompt": [101, 2023, 2003, 102], "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 4);
+}
+
+#[tokio::test]
+async fn embeddings_are_unit_vectors_as_floats_or_base64() {
+    let sim = start(SimConfig {
+        embedding_dimensions: 16,
+        ..fast_config()
+    })
+    .await;
+    let (status, v) = sim
+        .post_json(
+            "/v1/embeddings",
+            json!({"model": "sim-model", "input": ["a cat", "a dog"]}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["model"], "sim-model");
+    assert_eq!(v["usage"]["prompt_tokens"], 4);
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    let first: Vec<f64> = data[0]["embedding"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert_eq!(first.len(), 16);
+    assert!((first.iter().map(|x| x * x).sum::<f64>() - 1.0).abs() < 1e-5);
+
+    let (_, b64) = sim
+        .post_json(
+            "/v1/embeddings",
+            json!({"model": "sim-model", "input": "a cat", "encoding_format": "base64"}),
+        )
+        .await;
+    assert_eq!(
+        b64["data"][0]["embedding"].as_str().unwrap().len(),
+        (16 * 4usize).div_ceil(3) * 4
+    );
+
+    let (status, v) = sim
+        .post_json(
+            "/v1/embeddings",
+            json!({"model": "sim-model", "input": "x", "dimensions": 17}),
+        )
+        .await;
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (StatusCode::BAD_REQUEST, &json!("dimensions"))
+    );
+    let (status, v) = sim
+        .post_json("/v1/embeddings", json!({"model": "nope", "input": "x"}))
+        .await;
+    assert_eq!(
+        (status, &v["error"]["code"]),
+        (StatusCode::NOT_FOUND, &json!("model_not_found"))
+    );
+}
+
+#[tokio::test]
 async fn repeated_long_prompt_has_lower_ttft_thanks_to_the_prefix_cache() {
     let sim = start(SimConfig {
         prefill_tokens_per_second: 100_000.0,
