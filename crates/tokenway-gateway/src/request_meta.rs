@@ -17,7 +17,7 @@ pub struct RequestMeta<'a> {
     pub model: Option<std::borrow::Cow<'a, str>>,
     /// Whether the client asked for a stream. Read as the Python servers read it (pydantic's
     /// lax booleans: `true`, `1`, `"yes"`, ...); anything else is a 400.
-    #[serde(default, deserialize_with = "lax_bool")]
+    #[serde(default, deserialize_with = "tokenway_wire::openai_fields::lax_bool")]
     pub stream: Option<bool>,
     /// OpenAI `user` field, a session key for affinity.
     #[serde(borrow, default)]
@@ -30,60 +30,11 @@ pub struct RequestMeta<'a> {
     pub prompt: Option<&'a RawValue>,
     /// Output limit (`max_tokens`), a routing hint only: a value the gateway cannot read as a
     /// count (`-1`, `"many"`) is left for the backend to accept or refuse.
-    #[serde(default, deserialize_with = "count_hint")]
+    #[serde(default, deserialize_with = "tokenway_wire::openai_fields::count_hint")]
     pub max_tokens: Option<u64>,
     /// Output limit of newer chat clients (`max_completion_tokens`), a hint like `max_tokens`.
-    #[serde(default, deserialize_with = "count_hint")]
+    #[serde(default, deserialize_with = "tokenway_wire::openai_fields::count_hint")]
     pub max_completion_tokens: Option<u64>,
-}
-
-/// A JSON scalar as the lax readers below see it; any other value is skipped unread.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Scalar<'a> {
-    Bool(bool),
-    Unsigned(u64),
-    Signed(i64),
-    Float(f64),
-    Text(#[serde(borrow)] std::borrow::Cow<'a, str>),
-    Other(serde::de::IgnoredAny),
-}
-
-/// `stream` as pydantic's lax mode (vLLM, SGLang) reads a boolean: JSON booleans, the numbers 0
-/// and 1, and the strings it names; `null` is absent.
-fn lax_bool<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
-    let value = match Option::<Scalar<'de>>::deserialize(d)? {
-        None => return Ok(None),
-        Some(v) => v,
-    };
-    let read = match &value {
-        Scalar::Bool(b) => Some(*b),
-        Scalar::Unsigned(0) | Scalar::Signed(0) => Some(false),
-        Scalar::Unsigned(1) | Scalar::Signed(1) => Some(true),
-        Scalar::Float(f) if *f == 0.0 => Some(false),
-        Scalar::Float(f) if *f == 1.0 => Some(true),
-        Scalar::Text(s) => match s.to_ascii_lowercase().as_str() {
-            "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
-            "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
-            _ => None,
-        },
-        _ => None,
-    };
-    read.map(Some)
-        .ok_or_else(|| serde::de::Error::custom("`stream` must be a boolean"))
-}
-
-/// A token count as pydantic's lax mode reads an integer (whole floats, digit strings); a value
-/// it cannot read, or a negative one, is no hint.
-fn count_hint<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    Ok(match Option::<Scalar<'de>>::deserialize(d)? {
-        Some(Scalar::Unsigned(n)) => Some(n),
-        Some(Scalar::Float(f)) if f >= 0.0 && f.fract() == 0.0 && f < u64::MAX as f64 => {
-            Some(f as u64)
-        }
-        Some(Scalar::Text(s)) => s.trim().parse().ok(),
-        _ => None,
-    })
 }
 
 impl<'a> RequestMeta<'a> {
@@ -201,7 +152,7 @@ mod tests {
         ] {
             let e = RequestMeta::parse(body.as_bytes()).unwrap_err();
             assert!(
-                e.message.contains("`stream` must be a boolean"),
+                e.message.contains("expected a boolean"),
                 "{body}: {}",
                 e.message
             );

@@ -31,9 +31,14 @@ pub struct SimConfig {
     pub max_concurrency: usize,
     /// Requests that may wait for a slot; beyond this the server answers 429. Default 1024.
     pub max_queue: usize,
-    /// Output tokens when the request gives no `max_tokens` / `max_completion_tokens`.
-    /// Default 64.
+    /// Output tokens when the request gives no `max_tokens` / `max_completion_tokens` (at
+    /// most what the context leaves). Default 64.
     pub default_max_tokens: u32,
+    /// Context length in tokens, as vLLM's `max_model_len`: a prompt this long, or a prompt
+    /// plus its `max_tokens` longer, is a 400; `/v1/models` reports it. Default 2 097 152
+    /// (2^21), far past real models so that floods may ask for long outputs; set a model's
+    /// (e.g. 32768) to test context-length errors.
+    pub max_model_len: u32,
     /// Capacity of the prefix cache, tokens (rounded down to whole blocks; 0 disables it).
     /// Default 100000.
     pub prefix_cache_tokens: usize,
@@ -84,6 +89,7 @@ impl Default for SimConfig {
             max_concurrency: 16,
             max_queue: 1024,
             default_max_tokens: 64,
+            max_model_len: MAX_MODEL_LEN,
             prefix_cache_tokens: 100_000,
             block_tokens: 16,
             bytes_per_token: 4,
@@ -101,6 +107,16 @@ const MAX_CONCURRENCY: usize = 1_000_000;
 /// Largest embedding vector (real models stop at a few thousand; a request of 2048 inputs then
 /// answers at most ~200 MB of JSON).
 const MAX_EMBEDDING_DIMENSIONS: usize = 8192;
+
+/// Largest `max_model_len`: a non-streaming answer of this many tokens is ~12 MB of text.
+pub const MAX_MODEL_LEN: u32 = 1 << 21;
+
+/// Largest `batch_penalty`: a thousand times slower per extra running request (a token interval
+/// must stay a representable duration).
+const MAX_BATCH_PENALTY: f64 = 1000.0;
+
+/// Slowest prefill: a token per thousand seconds.
+const MIN_PREFILL_RATE: f64 = 0.001;
 
 /// Longest time any setting may ask for: a day.
 const MAX_MS: f64 = 86_400_000.0;
@@ -148,16 +164,23 @@ impl SimConfig {
             self.time_per_output_token_ms,
         )?;
         let pps = self.prefill_tokens_per_second;
-        if !(pps.is_finite() && pps > 0.0) {
+        if !(pps.is_finite() && pps >= MIN_PREFILL_RATE) {
             return Err(SimError::invalid(
                 "sim.prefill_tokens_per_second",
-                "> 0",
+                "a finite number >= 0.001",
                 pps,
             ));
         }
         let bp = self.batch_penalty;
-        if !(bp.is_finite() && bp >= 0.0) {
-            return Err(SimError::invalid("sim.batch_penalty", ">= 0", bp));
+        if !(bp.is_finite() && (0.0..=MAX_BATCH_PENALTY).contains(&bp)) {
+            return Err(SimError::invalid("sim.batch_penalty", "in [0, 1000]", bp));
+        }
+        if !(2..=MAX_MODEL_LEN).contains(&self.max_model_len) {
+            return Err(SimError::invalid(
+                "sim.max_model_len",
+                "in 2..=2097152",
+                self.max_model_len,
+            ));
         }
         if !(1..=MAX_CONCURRENCY).contains(&self.max_concurrency) {
             return Err(SimError::invalid(
@@ -166,8 +189,12 @@ impl SimConfig {
                 self.max_concurrency,
             ));
         }
-        if self.default_max_tokens == 0 {
-            return Err(SimError::invalid("sim.default_max_tokens", ">= 1", 0));
+        if !(1..self.max_model_len).contains(&self.default_max_tokens) {
+            return Err(SimError::invalid(
+                "sim.default_max_tokens",
+                "in 1..max_model_len",
+                self.default_max_tokens,
+            ));
         }
         if self.block_tokens == 0 {
             return Err(SimError::invalid("sim.block_tokens", ">= 1", 0));
@@ -211,7 +238,7 @@ mod tests {
         let err = SimConfig::from_toml_str("prefill_tokens_per_second = 0").unwrap_err();
         assert_eq!(
             err.to_string(),
-            "sim.prefill_tokens_per_second must be > 0 (got 0)"
+            "sim.prefill_tokens_per_second must be a finite number >= 0.001 (got 0)"
         );
     }
 
@@ -224,6 +251,23 @@ mod tests {
         );
         let err = SimConfig::from_toml_str("[faults]\nerror = 1").unwrap_err();
         assert!(err.to_string().contains("error"), "{err}");
+    }
+
+    #[test]
+    fn values_that_would_overflow_a_duration_or_the_output_bound_are_rejected() {
+        for (toml, key) in [
+            ("batch_penalty = 1e300", "sim.batch_penalty"),
+            (
+                "prefill_tokens_per_second = 1e-20",
+                "sim.prefill_tokens_per_second",
+            ),
+            ("default_max_tokens = 4000000", "sim.default_max_tokens"),
+            ("max_model_len = 1", "sim.max_model_len"),
+            ("max_model_len = 3000000", "sim.max_model_len"),
+        ] {
+            let err = SimConfig::from_toml_str(toml).unwrap_err().to_string();
+            assert!(err.starts_with(key), "{toml}: {err}");
+        }
     }
 
     #[test]

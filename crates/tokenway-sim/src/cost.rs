@@ -24,12 +24,20 @@ pub fn prompt_tokens(prompt_bytes: usize, bytes_per_token: usize) -> usize {
     prompt_bytes.div_ceil(bytes_per_token.max(1))
 }
 
-/// Time to prefill `uncached_tokens` at `tokens_per_second`.
+/// Longest duration the model computes: a day (the config bounds every input so that real
+/// settings stay far below; this only keeps arithmetic from panicking).
+const MAX_DURATION: Duration = Duration::from_secs(86_400);
+
+fn seconds(secs: f64) -> Duration {
+    Duration::try_from_secs_f64(secs).map_or(MAX_DURATION, |d| d.min(MAX_DURATION))
+}
+
+/// Time to prefill `uncached_tokens` at `tokens_per_second` (at most a day).
 pub fn prefill_time(uncached_tokens: usize, tokens_per_second: f64) -> Duration {
     if uncached_tokens == 0 {
         return Duration::ZERO;
     }
-    Duration::from_secs_f64(uncached_tokens as f64 / tokens_per_second)
+    seconds(uncached_tokens as f64 / tokens_per_second)
 }
 
 /// Interval before the next output token when `active` requests hold slots (the one asking
@@ -40,7 +48,7 @@ pub fn decode_interval(
     active: usize,
 ) -> Duration {
     let others = active.saturating_sub(1) as f64;
-    time_per_output_token.mul_f64(1.0 + batch_penalty * others)
+    seconds(time_per_output_token.as_secs_f64() * (1.0 + batch_penalty * others))
 }
 
 /// Converts milliseconds (validated by the config: finite, 0 to a day) into a duration; any
@@ -185,6 +193,9 @@ mod tests {
         assert_eq!(decode_interval(tpot, 0.05, 0), tpot);
         assert_eq!(decode_interval(tpot, 0.05, 11), Duration::from_millis(30));
         assert_eq!(decode_interval(tpot, 0.0, 100), tpot);
+        // Past a day, the model saturates instead of panicking.
+        assert_eq!(decode_interval(tpot, 1e300, 3), MAX_DURATION);
+        assert_eq!(prefill_time(usize::MAX, 1e-20), MAX_DURATION);
     }
 
     #[test]

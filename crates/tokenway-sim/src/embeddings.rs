@@ -22,7 +22,8 @@ pub const MAX_INPUTS: usize = 2048;
 
 #[derive(Deserialize)]
 struct Request {
-    model: String,
+    #[serde(default)]
+    model: Option<String>,
     input: Prompt,
     #[serde(default)]
     encoding_format: Option<String>,
@@ -40,7 +41,8 @@ enum Encoding {
 /// What the simulator needs from an embeddings request.
 #[derive(Debug)]
 pub(crate) struct EmbedJob {
-    pub(crate) model: String,
+    /// The model asked for; `None` is the first served model.
+    pub(crate) model: Option<String>,
     /// The inputs, as the cost model's bytes (token-id inputs as in completions).
     pub(crate) inputs: Vec<Vec<u8>>,
     encoding: Encoding,
@@ -54,6 +56,11 @@ impl EmbedJob {
         bytes_per_token: usize,
         max_dimensions: usize,
     ) -> Result<Self, ApiError> {
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(ApiError::invalid_request(
+                "invalid JSON body: expected a JSON object".to_owned(),
+            ));
+        }
         let r: Request = serde_json::from_slice(body)
             .map_err(|e| ApiError::invalid_request(format!("invalid JSON body: {e}")))?;
         let encoding = match r.encoding_format.as_deref() {
@@ -92,6 +99,29 @@ impl EmbedJob {
         })
     }
 
+    /// vLLM's context-length check for each input.
+    pub(crate) fn check_context(
+        &self,
+        max_model_len: u32,
+        bytes_per_token: usize,
+    ) -> Result<(), ApiError> {
+        let longest = self
+            .inputs
+            .iter()
+            .map(|i| crate::cost::prompt_tokens(i.len(), bytes_per_token))
+            .max()
+            .unwrap_or(0);
+        if longest > max_model_len as usize {
+            return Err(ApiError::invalid_request(format!(
+                "This model's maximum context length is {max_model_len} tokens. However, you \
+                 requested {longest} tokens in the input for embedding generation. Please reduce \
+                 the length of the input."
+            ))
+            .with_param("input"));
+        }
+        Ok(())
+    }
+
     /// The response body: one vector per input, in order.
     pub(crate) fn answer(
         &self,
@@ -118,7 +148,7 @@ impl EmbedJob {
             id: format!("embd-{:032x}", rand::random::<u128>()),
             object: "list",
             created,
-            model: &self.model,
+            model: self.model.as_deref().unwrap_or_default(),
             data,
             usage: Usage {
                 prompt_tokens,
@@ -270,5 +300,9 @@ mod tests {
         let many = serde_json::json!({"model": "m", "input": vec!["x"; MAX_INPUTS + 1]});
         assert_eq!(parse(&many.to_string()).unwrap_err().param, Some("input"));
         assert!(parse(r#"{"model":"m"}"#).is_err());
+        assert!(parse(r#"["m", "x"]"#).is_err());
+        let long = parse(r#"{"input":["abcdefghi"]}"#).unwrap();
+        assert!(long.check_context(3, 4).is_ok());
+        assert_eq!(long.check_context(2, 4).unwrap_err().param, Some("input"));
     }
 }

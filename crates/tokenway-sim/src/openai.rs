@@ -5,10 +5,7 @@
 use bytes::Bytes;
 use http::StatusCode;
 use serde::{Deserialize, Serialize};
-
-/// Most output tokens one request may ask for, like an engine's context length: 1 Mi (the
-/// e2e tests' floods ask for 400 000).
-pub const MAX_OUTPUT_TOKENS: u32 = 1 << 20;
+use tokenway_wire::openai_fields::{lax_bool, lax_count};
 
 /// Which completion API a request came in on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,7 +27,7 @@ impl Api {
 
 #[derive(Deserialize)]
 struct StreamOptions {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax_bool")]
     include_usage: Option<bool>,
 }
 
@@ -40,18 +37,19 @@ pub const MAX_CHOICES: u32 = 128;
 
 #[derive(Deserialize)]
 struct ChatRequest {
-    model: String,
+    #[serde(default)]
+    model: Option<String>,
     messages: Vec<Message>,
-    #[serde(default)]
-    n: Option<u32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax_count")]
+    n: Option<u64>,
+    #[serde(default, deserialize_with = "lax_bool")]
     stream: Option<bool>,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
-    #[serde(default)]
-    max_tokens: Option<u32>,
-    #[serde(default)]
-    max_completion_tokens: Option<u32>,
+    #[serde(default, deserialize_with = "lax_count")]
+    max_tokens: Option<u64>,
+    #[serde(default, deserialize_with = "lax_count")]
+    max_completion_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -76,16 +74,17 @@ struct Part {
 
 #[derive(Deserialize)]
 struct CompletionRequest {
-    model: String,
+    #[serde(default)]
+    model: Option<String>,
     prompt: Prompt,
-    #[serde(default)]
-    n: Option<u32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax_count")]
+    n: Option<u64>,
+    #[serde(default, deserialize_with = "lax_bool")]
     stream: Option<bool>,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
-    #[serde(default)]
-    max_tokens: Option<u32>,
+    #[serde(default, deserialize_with = "lax_count")]
+    max_tokens: Option<u64>,
 }
 
 /// A completion prompt or embedding input as the OpenAI API takes it: text, a batch of texts,
@@ -133,7 +132,8 @@ impl Prompt {
 #[derive(Debug)]
 pub(crate) struct Job {
     pub(crate) api: Api,
-    pub(crate) model: String,
+    /// The model asked for; `None` (vLLM allows leaving it out) is the first served model.
+    pub(crate) model: Option<String>,
     /// The prompts of the batch, as the cost model's bytes (a chat request has one: every
     /// message's role followed by its text; a completion request one per prompt of a batch).
     pub(crate) prompts: Vec<Vec<u8>>,
@@ -142,7 +142,9 @@ pub(crate) struct Job {
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,
     /// Output tokens asked for, if the request set a limit.
-    pub(crate) max_tokens: Option<u32>,
+    pub(crate) max_tokens: Option<u64>,
+    /// The field that set it (`max_tokens` or `max_completion_tokens`).
+    limit_param: &'static str,
 }
 
 impl Job {
@@ -151,10 +153,66 @@ impl Job {
         self.n * self.prompts.len() as u32
     }
 
+    /// The output limit as a count of tokens ([`Job::check_context`] bounded it by the
+    /// context length).
+    pub(crate) fn output_limit(&self) -> Option<u32> {
+        self.max_tokens
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    /// vLLM's context-length check: every prompt shorter than `max_model_len` tokens, and with
+    /// the requested output no longer than it. Without this bound a non-streaming request for
+    /// 2^32 tokens at no time per token would build gigabytes of text in a loop nobody can
+    /// cancel.
+    pub(crate) fn check_context(
+        &self,
+        max_model_len: u32,
+        bytes_per_token: usize,
+    ) -> Result<(), ApiError> {
+        let longest = self.longest_prompt(bytes_per_token);
+        let limit = u64::from(max_model_len);
+        let input = match self.api {
+            Api::Chat => "messages",
+            Api::Completions => "prompt",
+        };
+        if longest >= limit {
+            return Err(ApiError::invalid_request(format!(
+                "This model's maximum context length is {limit} tokens. However, your request has \
+                 {longest} input tokens. Please reduce the length of the input {input}."
+            ))
+            .with_param(input));
+        }
+        if let Some(k) = self.max_tokens.filter(|k| longest + k > limit) {
+            return Err(ApiError::invalid_request(format!(
+                "This model's maximum context length is {limit} tokens. However, you requested \
+                 {} tokens ({longest} in the {input}, {k} in the completion). Please reduce the \
+                 length of the {input} or completion.",
+                longest + k
+            ))
+            .with_param(self.limit_param));
+        }
+        Ok(())
+    }
+
+    /// Tokens of the batch's longest prompt.
+    pub(crate) fn longest_prompt(&self, bytes_per_token: usize) -> u64 {
+        self.prompts
+            .iter()
+            .map(|p| crate::cost::prompt_tokens(p.len(), bytes_per_token) as u64)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Parses a request body of `api`; token-id prompts become `bytes_per_token` bytes per id.
     pub(crate) fn parse(api: Api, body: &[u8], bytes_per_token: usize) -> Result<Self, ApiError> {
         let bad =
             |e: serde_json::Error| ApiError::invalid_request(format!("invalid JSON body: {e}"));
+        // serde would also read the struct from a JSON array, field by field.
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(ApiError::invalid_request(
+                "invalid JSON body: expected a JSON object".to_owned(),
+            ));
+        }
         let mut limit_param = "max_tokens";
         let job = match api {
             Api::Chat => {
@@ -175,26 +233,30 @@ impl Job {
                         None => {}
                     }
                 }
+                let stream = stream_flags(r.stream, r.stream_options)?;
                 Job {
                     api,
                     model: r.model,
                     prompts: vec![prompt.into_bytes()],
-                    n: r.n.unwrap_or(1),
-                    stream: r.stream.unwrap_or(false),
-                    include_usage: include_usage(r.stream_options),
+                    n: choices_per_prompt(r.n)?,
+                    stream: stream.0,
+                    include_usage: stream.1,
                     max_tokens: r.max_completion_tokens.or(r.max_tokens),
+                    limit_param,
                 }
             }
             Api::Completions => {
                 let r: CompletionRequest = serde_json::from_slice(body).map_err(bad)?;
+                let stream = stream_flags(r.stream, r.stream_options)?;
                 Job {
                     api,
                     model: r.model,
                     prompts: r.prompt.into_batch("prompt", bytes_per_token)?,
-                    n: r.n.unwrap_or(1),
-                    stream: r.stream.unwrap_or(false),
-                    include_usage: include_usage(r.stream_options),
+                    n: choices_per_prompt(r.n)?,
+                    stream: stream.0,
+                    include_usage: stream.1,
                     max_tokens: r.max_tokens,
+                    limit_param,
                 }
             }
         };
@@ -218,21 +280,36 @@ impl Job {
             )
             .with_param(limit_param));
         }
-        // Like an engine's context length (vLLM answers 400 past `max_model_len`): without a
-        // bound, a non-streaming request for 2^32 tokens at no time per token would build
-        // gigabytes of text in a loop nobody can cancel.
-        if let Some(n) = job.max_tokens.filter(|n| *n > MAX_OUTPUT_TOKENS) {
-            return Err(ApiError::invalid_request(format!(
-                "max_tokens must be at most {MAX_OUTPUT_TOKENS} (the sim's context length), got {n}."
-            ))
-            .with_param(limit_param));
-        }
         Ok(job)
     }
 }
 
-fn include_usage(o: Option<StreamOptions>) -> bool {
-    o.and_then(|o| o.include_usage).unwrap_or(false)
+/// `stream` and `include_usage` as vLLM settles them: `stream_options` only with a stream
+/// (else 400), and there `include_usage` defaults to true.
+fn stream_flags(
+    stream: Option<bool>,
+    options: Option<StreamOptions>,
+) -> Result<(bool, bool), ApiError> {
+    let stream = stream.unwrap_or(false);
+    match options {
+        None => Ok((stream, false)),
+        Some(_) if !stream => Err(ApiError::invalid_request(
+            "Stream options can only be defined when `stream=True`.".to_owned(),
+        )
+        .with_param("stream_options")),
+        Some(o) => Ok((true, o.include_usage.unwrap_or(true))),
+    }
+}
+
+/// `n`, at least 1 (absent is 1).
+fn choices_per_prompt(n: Option<u64>) -> Result<u32, ApiError> {
+    match n {
+        None => Ok(1),
+        Some(0) => Err(
+            ApiError::invalid_request("n must be at least 1, got 0.".to_owned()).with_param("n"),
+        ),
+        Some(n) => Ok(u32::try_from(n).unwrap_or(u32::MAX)),
+    }
 }
 
 /// An error answered in OpenAI's shape:
@@ -413,7 +490,7 @@ impl Encoder {
             api: job.api,
             id: format!("{prefix}{:032x}", rand::random::<u128>()),
             created,
-            model: job.model.clone(),
+            model: job.model.clone().unwrap_or_default(),
             include_usage: job.include_usage,
             buf: Vec::with_capacity(512),
         }
@@ -585,6 +662,53 @@ mod tests {
         assert!(batch.prompts[0].starts_with(&one.prompts[0]));
         let narrow = Job::parse(Api::Completions, br#"{"model":"m","prompt":[1,2]}"#, 1).unwrap();
         assert_eq!(narrow.prompts[0].len(), 2);
+    }
+
+    #[test]
+    fn prompts_and_limits_past_the_context_length_are_400s_naming_the_field() {
+        let ok = job(
+            Api::Chat,
+            r#"{"messages":[{"role":"user","content":"abcdefgh"}],"max_tokens":6}"#,
+        );
+        // "user" + 8 bytes = 3 tokens; 3 + 6 = 9.
+        assert!(ok.check_context(10, 4).is_ok());
+        let e = ok.check_context(8, 4).unwrap_err();
+        assert_eq!(e.param, Some("max_tokens"));
+        assert!(
+            e.message.contains("maximum context length is 8 tokens"),
+            "{}",
+            e.message
+        );
+        let e = ok.check_context(3, 4).unwrap_err();
+        assert_eq!(e.param, Some("messages"));
+        let batch = job(
+            Api::Completions,
+            r#"{"prompt":["a","abcdefghijkl"],"max_completion_tokens":1}"#,
+        );
+        assert_eq!(batch.longest_prompt(4), 3);
+        assert_eq!(batch.check_context(3, 4).unwrap_err().param, Some("prompt"));
+    }
+
+    #[test]
+    fn lax_scalars_and_stream_options_follow_vllm() {
+        let j = job(
+            Api::Completions,
+            r#"{"prompt":"x","stream":"true","max_tokens":8.0,"n":"2","stream_options":{}}"#,
+        );
+        assert!(j.model.is_none());
+        assert_eq!(
+            (j.stream, j.include_usage, j.output_limit(), j.n),
+            (true, true, Some(8), 2)
+        );
+        let e = Job::parse(
+            Api::Completions,
+            br#"{"prompt":"x","stream_options":{"include_usage":true}}"#,
+            4,
+        )
+        .unwrap_err();
+        assert_eq!(e.param, Some("stream_options"));
+        let e = Job::parse(Api::Chat, br#"["m", []]"#, 4).unwrap_err();
+        assert!(e.message.contains("JSON object"), "{}", e.message);
     }
 
     #[test]

@@ -408,7 +408,9 @@ fn models(shared: &Shared) -> Response<SimBody> {
         .model_names
         .iter()
         .map(|id| {
-            serde_json::json!({"id": id, "object": "model", "created": created, "owned_by": "tokenway-sim"})
+            serde_json::json!({"id": id, "object": "model", "created": created,
+                "owned_by": "tokenway-sim", "root": id, "parent": null,
+                "max_model_len": shared.config.max_model_len})
         })
         .collect();
     let body = serde_json::json!({"object": "list", "data": data});
@@ -492,11 +494,20 @@ async fn completion(shared: &Arc<Shared>, api: Api, req: Request<Incoming>) -> R
         Ok(b) => b,
         Err(e) => return error_response(&e),
     };
-    let job = match Job::parse(api, &body, shared.config.bytes_per_token) {
+    let mut job = match Job::parse(api, &body, shared.config.bytes_per_token) {
         Ok(j) => j,
         Err(e) => return error_response(&e),
     };
-    let (faults, admission) = match gate(shared, &job.model).await {
+    // The raw body is not needed any more: a queued or hung request holds only its prompts.
+    drop(body);
+    let c = &shared.config;
+    if let Err(e) = job.check_context(c.max_model_len, c.bytes_per_token) {
+        return error_response(&e);
+    }
+    let model = job
+        .model
+        .get_or_insert_with(|| shared.config.model_names[0].clone());
+    let (faults, admission) = match gate(shared, model).await {
         Ok(g) => g,
         Err(resp) => return resp,
     };
@@ -543,11 +554,16 @@ async fn embeddings(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Si
         Err(e) => return error_response(&e),
     };
     let c = &shared.config;
-    let job = match EmbedJob::parse(&body, c.bytes_per_token, c.embedding_dimensions) {
+    let mut job = match EmbedJob::parse(&body, c.bytes_per_token, c.embedding_dimensions) {
         Ok(j) => j,
         Err(e) => return error_response(&e),
     };
-    let (faults, admission) = match gate(shared, &job.model).await {
+    drop(body);
+    if let Err(e) = job.check_context(c.max_model_len, c.bytes_per_token) {
+        return error_response(&e);
+    }
+    let model = job.model.get_or_insert_with(|| c.model_names[0].clone());
+    let (faults, admission) = match gate(shared, model).await {
         Ok(g) => g,
         Err(resp) => return resp,
     };
@@ -709,7 +725,13 @@ impl Generator {
         Plan {
             prompt_tokens,
             cached_tokens,
-            max_tokens: self.job.max_tokens.unwrap_or(c.default_max_tokens),
+            max_tokens: self.job.output_limit().unwrap_or_else(|| {
+                // What the context leaves after the longest prompt (check_context: at least 1).
+                let left = u64::from(c.max_model_len)
+                    .saturating_sub(self.job.longest_prompt(c.bytes_per_token));
+                c.default_max_tokens
+                    .min(u32::try_from(left).unwrap_or(u32::MAX))
+            }),
             finish_reason: if self.job.max_tokens.is_some() {
                 "length"
             } else {
