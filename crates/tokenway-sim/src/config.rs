@@ -67,6 +67,12 @@ pub struct Faults {
     /// After this many output tokens a stream stops sending but stays open (until the client
     /// leaves). Default none.
     pub stall_after_tokens: Option<u32>,
+    /// After this many output tokens the engine "fails" as vLLM reports it: a stream gets a
+    /// final `data: {"error": ...}` event and `data: [DONE]`, a whole answer a 500. Default none.
+    pub error_after_tokens: Option<u32>,
+    /// `GET /health` answers 503 (a dead engine core), while requests are still served.
+    /// Default false.
+    pub unhealthy: bool,
     /// Read completion requests but never answer them, while `GET /health` stays 200.
     /// Default false.
     pub hang: bool,

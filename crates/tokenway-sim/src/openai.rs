@@ -470,6 +470,15 @@ struct Full<'a, C> {
 /// The terminating SSE event.
 pub(crate) const DONE: &[u8] = b"data: [DONE]\n\n";
 
+/// An error as vLLM reports one inside a stream that already answered 200:
+/// `data: {"error": {...}}`.
+pub(crate) fn error_event(err: &ApiError) -> Bytes {
+    let mut event = b"data: ".to_vec();
+    event.extend_from_slice(&err.body());
+    event.extend_from_slice(b"\n\n");
+    Bytes::from(event)
+}
+
 /// Writes the response objects of one request.
 pub(crate) struct Encoder {
     api: Api,

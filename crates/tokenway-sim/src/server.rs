@@ -25,8 +25,8 @@ use prometheus_client::metrics::family::MetricConstructor;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokenway_telemetry::{
-    new_registry, render, Family, Gauge, Histogram, Registry, RequestLabels, RequestMetrics,
-    StreamLabels, CONTENT_TYPE,
+    new_registry, render, Counter, Family, Gauge, Histogram, Registry, RequestLabels,
+    RequestMetrics, StreamLabels, CONTENT_TYPE,
 };
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
@@ -48,13 +48,18 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 type Labels = Vec<(String, String)>;
 
-/// vLLM's load gauges, without the `tokenway` prefix, labelled `model_name` like vLLM.
+/// vLLM's load gauges and token counters, without the `tokenway` prefix, labelled `model_name`
+/// like vLLM.
 struct VllmGauges {
     registry: Registry,
     labels: Labels,
     running: Family<Labels, Gauge>,
     waiting: Family<Labels, Gauge>,
     cache_usage: Family<Labels, Gauge<f64, AtomicU64>>,
+    prompt_tokens: Family<Labels, Counter>,
+    generation_tokens: Family<Labels, Counter>,
+    prefix_queries: Family<Labels, Counter>,
+    prefix_hits: Family<Labels, Counter>,
 }
 
 impl VllmGauges {
@@ -66,6 +71,10 @@ impl VllmGauges {
             running: Family::default(),
             waiting: Family::default(),
             cache_usage: Family::default(),
+            prompt_tokens: Family::default(),
+            generation_tokens: Family::default(),
+            prefix_queries: Family::default(),
+            prefix_hits: Family::default(),
         };
         registry.register(
             "vllm:num_requests_running",
@@ -77,12 +86,45 @@ impl VllmGauges {
             "Number of requests waiting for a slot",
             g.waiting.clone(),
         );
-        registry.register(
-            "vllm:gpu_cache_usage_perc",
-            "Fraction of the KV cache held by running requests, 0 to 1",
-            g.cache_usage.clone(),
-        );
+        // vLLM V1 renamed it; both names are served, as vLLM did while the old one was
+        // deprecated.
+        for name in ["vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"] {
+            registry.register(
+                name,
+                "Fraction of the KV cache held by running requests, 0 to 1",
+                g.cache_usage.clone(),
+            );
+        }
+        let counters = [
+            (
+                "vllm:prompt_tokens",
+                "Prefilled prompt tokens",
+                &g.prompt_tokens,
+            ),
+            (
+                "vllm:generation_tokens",
+                "Generated tokens",
+                &g.generation_tokens,
+            ),
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                &g.prefix_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+                &g.prefix_hits,
+            ),
+        ];
+        for (name, help, family) in counters {
+            registry.register(name, help, family.clone());
+        }
         Self { registry, ..g }
+    }
+
+    fn add(&self, family: &Family<Labels, Counter>, n: u64) {
+        family.get_or_create(&self.labels).inc_by(n);
     }
 }
 
@@ -382,6 +424,11 @@ async fn handle(
         (&Method::POST, "/v1/completions") => completion(&shared, Api::Completions, req).await,
         (&Method::POST, "/v1/embeddings") => embeddings(&shared, req).await,
         (&Method::GET, "/v1/models") => models(&shared),
+        (&Method::GET, "/health") if lock(&shared.faults).unhealthy => text_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain",
+            "engine unhealthy (injected fault)".into(),
+        ),
         (&Method::GET, "/health") => text_response(StatusCode::OK, "text/plain", "ok".into()),
         (&Method::GET, "/metrics") => {
             text_response(StatusCode::OK, CONTENT_TYPE, shared.metrics_text())
@@ -544,6 +591,15 @@ async fn completion(shared: &Arc<Shared>, api: Api, req: Request<Incoming>) -> R
     }
 }
 
+/// The `error_after_tokens` fault's error.
+fn engine_failure() -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        "Injected fault: the engine failed while generating.".into(),
+    )
+}
+
 /// `POST /v1/embeddings`: a prefill-only request. It takes a slot like a completion, waits
 /// `base_latency_ms` plus its tokens at the prefill rate (embedding models cache no prefixes),
 /// holds their KV meanwhile, and answers the vectors whole.
@@ -581,6 +637,7 @@ async fn embeddings(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Si
         .map(|i| cost::prompt_tokens(i.len(), c.bytes_per_token))
         .sum();
     let _kv = KvHold::new(shared.clone(), tokens);
+    shared.vllm.add(&shared.vllm.prompt_tokens, tokens as u64);
     wait_until(
         Instant::now()
             + cost::ms(c.base_latency_ms)
@@ -722,6 +779,10 @@ impl Generator {
             cache.insert(hashes);
         }
         drop(cache);
+        let v = &self.shared.vllm;
+        v.add(&v.prompt_tokens, prompt_tokens as u64);
+        v.add(&v.prefix_queries, prompt_tokens as u64);
+        v.add(&v.prefix_hits, cached_tokens as u64);
         Plan {
             prompt_tokens,
             cached_tokens,
@@ -751,7 +812,10 @@ impl Generator {
         )
     }
 
-    fn observe_token(&self, index: u32, now: Instant, last: Instant) {
+    /// One step's tokens (one per choice) are out at `now`.
+    fn observe_token(&self, index: u32, now: Instant, last: Instant, choices: usize) {
+        let v = &self.shared.vllm;
+        v.add(&v.generation_tokens, choices as u64);
         let m = &self.shared.metrics;
         if index == 0 {
             observe(&m.ttft, &self.labels, now - self.start);
@@ -795,6 +859,16 @@ impl Generator {
                 }
                 return;
             }
+            if self.faults.error_after_tokens == Some(i) {
+                // vLLM's in-stream error: an error event, then the stream's usual end.
+                let event = openai::error_event(&engine_failure());
+                for e in [event, Bytes::from_static(openai::DONE)] {
+                    if tx.send(e).await.is_err() {
+                        return;
+                    }
+                }
+                return;
+            }
             for (choice, source) in (0..).zip(&plan.tokens) {
                 if i == 0 {
                     if let Some(role) = self.encoder.role(choice) {
@@ -810,7 +884,7 @@ impl Generator {
                 kv.grow();
             }
             let now = Instant::now();
-            self.observe_token(i, now, last);
+            self.observe_token(i, now, last, plan.tokens.len());
             last = now;
         }
         drop(kv);
@@ -849,6 +923,9 @@ impl Generator {
                 deadline = self.next_deadline(deadline);
                 wait_until(deadline).await;
             }
+            if self.faults.error_after_tokens == Some(i) {
+                return error_response(&engine_failure());
+            }
             if self.faults.stall_after_tokens == Some(i) {
                 let mut stop = self.shared.shutdown.clone();
                 let _ = stop.wait_for(|s| *s).await;
@@ -863,7 +940,7 @@ impl Generator {
                 kv.grow();
             }
             let now = Instant::now();
-            self.observe_token(i, now, last);
+            self.observe_token(i, now, last, plan.tokens.len());
             last = now;
         }
         drop(kv);

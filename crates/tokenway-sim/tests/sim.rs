@@ -459,7 +459,59 @@ async fn models_health_and_metrics_endpoints() {
         text.contains("vllm:gpu_cache_usage_perc{model_name=\"a\"}"),
         "{text}"
     );
+    assert!(
+        text.contains("vllm:kv_cache_usage_perc{model_name=\"a\"}"),
+        "{text}"
+    );
+    // "x" is 1 prompt token (no whole block cached); 2 tokens generated.
+    for line in [
+        "vllm:prompt_tokens_total{model_name=\"a\"} 1",
+        "vllm:generation_tokens_total{model_name=\"a\"} 2",
+        "vllm:prefix_cache_queries_total{model_name=\"a\"} 1",
+        "vllm:prefix_cache_hits_total{model_name=\"a\"} 0",
+    ] {
+        assert!(text.contains(line), "{line}: {text}");
+    }
+    assert_eq!(v["data"][0]["max_model_len"], 2_097_152);
     assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+
+    // The unhealthy fault fails /health only.
+    sim.set_faults(json!({"unhealthy": true})).await;
+    assert_eq!(sim.get("/health").await.0, StatusCode::SERVICE_UNAVAILABLE);
+    let (status, _) = sim
+        .post_json(
+            "/v1/completions",
+            json!({"model": "a", "prompt": "x", "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn error_after_tokens_ends_a_stream_with_vllms_error_event() {
+    let sim = start(fast_config()).await;
+    sim.set_faults(json!({"error_after_tokens": 2})).await;
+    let (events, _) = sim
+        .stream(
+            "/v1/chat/completions",
+            chat("fail soon", json!({"stream": true, "max_tokens": 5})),
+        )
+        .await;
+    // role chunk, two tokens, the error, [DONE]
+    assert_eq!(events.len(), 5, "{events:?}");
+    let err: Value = serde_json::from_str(&events[3]).unwrap();
+    assert_eq!(err["error"]["type"], "server_error");
+    assert_eq!(events[4], "[DONE]");
+    let (status, v) = sim
+        .post_json(
+            "/v1/chat/completions",
+            chat("fail soon", json!({"max_tokens": 5})),
+        )
+        .await;
+    assert_eq!(
+        (status, &v["error"]["type"]),
+        (StatusCode::INTERNAL_SERVER_ERROR, &json!("server_error"))
+    );
 }
 
 #[tokio::test]
