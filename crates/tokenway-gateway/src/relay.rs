@@ -74,6 +74,9 @@ pub struct RelayBody {
     /// that an upstream failure's error event never lands inside it (the client would read
     /// the two as one event of broken JSON, not as an error).
     partial: Option<Bytes>,
+    /// The backend sent an error event (`data: {"error": ...}`, how vLLM and SGLang report a
+    /// generation that failed after the 200): relayed as it is, but the answer is a failure.
+    backend_error: bool,
 }
 
 /// What one poll of the relay's body gives.
@@ -105,7 +108,19 @@ impl RelayBody {
             unobserved: None,
             end_unreported: false,
             partial: None,
+            backend_error: false,
         }
+    }
+
+    /// How the upstream's clean end counts: a failure if the backend reported one in-stream.
+    fn end_outcome(&mut self) -> Outcome {
+        if !self.backend_error {
+            return Outcome::Success;
+        }
+        let backend = self.attempt.backend_name();
+        tracing::warn!(%backend, "the backend reported an error inside its event stream");
+        self.attempt.count_stream_error("backend_error_event");
+        Outcome::ServerError
     }
 
     /// Does the bookkeeping of the frame handed out last (see the module docs); before the
@@ -116,10 +131,14 @@ impl RelayBody {
         }
         self.attempt.settle();
         if let Some((data, at)) = self.unobserved.take() {
+            if self.clock.sse() && !self.backend_error {
+                self.backend_error = tokenway_wire::sse::has_error_event(&data);
+            }
             self.clock.observe_at(&data, at);
         }
         if std::mem::take(&mut self.end_unreported) {
-            self.attempt.finish(Outcome::Success);
+            let outcome = self.end_outcome();
+            self.attempt.finish(outcome);
             self.clock.finish();
         }
     }
@@ -145,6 +164,11 @@ impl RelayBody {
         if stalled {
             self.attempt.stalled();
         }
+        self.attempt.count_stream_error(if stalled {
+            "upstream_stalled"
+        } else {
+            "upstream_failed"
+        });
         self.attempt.finish(outcome);
         self.clock.finish();
         if self.clock.sse() {
@@ -162,7 +186,8 @@ impl RelayBody {
             return self.pass(rest);
         }
         self.tail = Tail::Closed;
-        self.attempt.finish(Outcome::Success);
+        let outcome = self.end_outcome();
+        self.attempt.finish(outcome);
         self.clock.finish();
         Poll::Ready(None)
     }

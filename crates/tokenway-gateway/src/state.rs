@@ -580,6 +580,20 @@ impl Attempt {
         self.shared.upstream(self.id).name.clone()
     }
 
+    /// Counts an answer that failed after its first byte (`tokenway_stream_errors_total`).
+    pub fn count_stream_error(&self, cause: &'static str) {
+        let u = self.shared.upstream(self.id);
+        self.shared
+            .backend_metrics
+            .stream_errors
+            .get_or_create(&tokenway_telemetry::StreamErrorLabels {
+                backend: u.labels.backend.clone(),
+                region: u.labels.region.clone(),
+                cause,
+            })
+            .inc();
+    }
+
     /// Notes the first token (the first body frame) `ttft` after the request was sent. The
     /// router hears of it at [`Attempt::settle`] or at the next report, whichever comes first:
     /// the relay settles once that frame is on its way to the client, so the router's

@@ -58,6 +58,19 @@ pub struct BackendLabels {
     pub region: String,
 }
 
+/// Labels of `tokenway_stream_errors_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StreamErrorLabels {
+    /// Backend name.
+    pub backend: String,
+    /// Backend region.
+    pub region: String,
+    /// What broke the stream: `backend_error_event` (the backend sent an error event, as vLLM
+    /// and SGLang do when generation fails after the 200), `upstream_failed` (its connection
+    /// failed) or `upstream_stalled` (it went silent).
+    pub cause: &'static str,
+}
+
 /// Request counters and latency histograms (every role that serves or proxies requests).
 #[derive(Clone)]
 pub struct RequestMetrics {
@@ -111,6 +124,9 @@ pub struct BackendMetrics {
     pub inflight: Family<BackendLabels, Gauge>,
     /// `tokenway_backend_healthy{backend,region}`: 1 healthy, 0 ejected.
     pub healthy: Family<BackendLabels, Gauge>,
+    /// `tokenway_stream_errors_total{backend,region,cause}`: answers that failed after their
+    /// first byte had gone to the client (their status was already sent as 200).
+    pub stream_errors: Family<StreamErrorLabels, Counter>,
 }
 
 impl BackendMetrics {
@@ -126,6 +142,11 @@ impl BackendMetrics {
             "backend_healthy",
             "Whether a backend is admitted (1) or ejected (0)",
             m.healthy.clone(),
+        );
+        registry.register(
+            "stream_errors",
+            "Answers that failed after their first byte reached the client",
+            m.stream_errors.clone(),
         );
         m
     }

@@ -14,7 +14,7 @@ mod tracing_setup;
 
 pub use families::{
     latency_buckets, BackendLabels, BackendMetrics, LatencyHistogram, RequestLabels,
-    RequestMetrics, StreamLabels,
+    RequestMetrics, StreamErrorLabels, StreamLabels,
 };
 pub use prometheus_client::metrics::{
     counter::Counter, family::Family, gauge::Gauge, histogram::Histogram,

@@ -321,6 +321,22 @@ impl SseScanner {
     }
 }
 
+/// Whether `data` (whole events of a stream) holds an error event as the OpenAI-compatible
+/// servers send one after their 200: a data line whose JSON value starts with `{"error"`
+/// (`data: {"error": {...}}`, vLLM and SGLang). Token text cannot look like that: inside a
+/// JSON string its quotes are escaped.
+pub fn has_error_event(data: &[u8]) -> bool {
+    static ERROR: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"{\"error\""));
+    ERROR.find_iter(data).any(|at| {
+        let before = &data[..at];
+        let before = before.strip_suffix(b" ").unwrap_or(before);
+        before.strip_suffix(b"data:").is_some_and(|line_start| {
+            line_start.is_empty() || line_start.ends_with(b"\n") || line_start.ends_with(b"\r")
+        })
+    })
+}
+
 /// How many leading bytes of `data` (a piece of an event stream that starts at an event
 /// boundary) are whole events: up to and including the last blank line (`\n\n`, `\r\n\r\n` or
 /// `\r\r`). The rest is an event still arriving. `data.len()` when it ends at a boundary.
@@ -383,6 +399,25 @@ fn push_json_string(out: &mut Vec<u8>, s: &str) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn error_events_are_found_and_token_text_is_not_one() {
+        use super::has_error_event;
+        assert!(has_error_event(
+            b"data: {\"error\": {\"message\": \"x\"}}\n\n"
+        ));
+        assert!(has_error_event(
+            b"data: {\"a\":1}\n\ndata:{\"error\":{}}\n\n"
+        ));
+        assert!(has_error_event(
+            b"data: {\"a\":1}\r\n\r\ndata: {\"error\":{}}\r\n\r\n"
+        ));
+        assert!(!has_error_event(
+            b"data: {\"choices\":[{\"text\":\"{\\\"error\\\"\"}]}\n\n"
+        ));
+        assert!(!has_error_event(b"data: {\"id\":\"x\",\"error\":null}\n\n"));
+        assert!(!has_error_event(b"xdata: {\"error\":1}\n\n"));
+        assert!(!has_error_event(b"data: [DONE]\n\n"));
+    }
 
     #[test]
     fn complete_events_end_at_the_last_blank_line() {

@@ -85,6 +85,32 @@ async fn a_stream_cut_after_its_first_byte_ends_with_an_error_event_not_a_hang()
     let v: serde_json::Value = serde_json::from_str(last).expect("the last event is JSON");
     assert_eq!(v["error"]["type"], "upstream_error", "{seen}");
     assert!(!seen.contains("[DONE]"));
+    metric_is(
+        &gw,
+        "tokenway_stream_errors_total{backend=\"b0\",region=\"local\",cause=\"upstream_failed\"}",
+        1.0,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_backends_own_error_event_is_relayed_and_counted_as_its_failure() {
+    let backend = sim(&format!("{FAST_SIM}[faults]\nerror_after_tokens = 2\n"));
+    let gw = gateway(&[&backend], "", "");
+    let r = post(
+        &format!("{}/v1/chat/completions", gw.url()),
+        &chat("fail after two", true, 8),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let events = data_events(&r.body);
+    // The role chunk, two tokens, vLLM's error event and [DONE], as the backend sent them.
+    assert_eq!(events.len(), 5, "{}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&events[3]).expect("JSON");
+    assert_eq!(v["error"]["type"], "server_error", "{}", r.body);
+    assert_eq!(events[4], "[DONE]");
+    metric_is(&gw, "tokenway_stream_errors_total{backend=\"b0\",region=\"local\",cause=\"backend_error_event\"}", 1.0).await;
 }
 
 #[tokio::test]
