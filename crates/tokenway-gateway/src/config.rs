@@ -361,7 +361,9 @@ pub struct BackendConfig {
     /// Region label.
     #[serde(default = "default_region")]
     pub region: String,
-    /// Models served; empty means learn them from the backend's `GET /v1/models`.
+    /// Models served; empty means learn them from the backend's `GET /v1/models`. `"*"` (alone:
+    /// the rest is learned, or with names) also takes every model no backend names: for
+    /// servers that ignore the name (llama.cpp, TGI).
     #[serde(default)]
     pub models: Vec<String>,
     /// Most requests in flight to this backend at once.
@@ -722,7 +724,8 @@ pub struct DnsBackends {
     /// Region label.
     #[serde(default = "default_region")]
     pub region: String,
-    /// Models served; empty means learn them from each backend's `GET /v1/models`.
+    /// Models served; empty means learn them from each backend's `GET /v1/models`; `"*"` as
+    /// for a listed backend.
     #[serde(default)]
     pub models: Vec<String>,
     /// Most requests in flight to each backend at once.

@@ -214,11 +214,14 @@ async fn learn_models(shared: &Shared, id: BackendId) {
                 return;
             }
         };
-    let ids: Vec<String> = entries
+    let mut ids: Vec<String> = entries
         .iter()
         .filter_map(|e| e.get("id").and_then(|v| v.as_str()).map(str::to_string))
         .collect();
     tracing::info!(backend = %u.name, models = ?ids, "learned models");
+    if u.wildcard {
+        ids.push(crate::state::WILDCARD_MODEL.to_owned());
+    }
     shared.router().set_models(id, ids);
     *u.model_entries.lock().unwrap_or_else(|p| p.into_inner()) = entries;
     u.models_known.store(true, Ordering::Relaxed);

@@ -17,6 +17,7 @@ use crate::admission::Refused;
 use crate::error::{full, ApiError, ResponseBody};
 use crate::proxy::{self, Forwarded, ProxyRequest};
 use crate::request_meta::RequestMeta;
+use crate::state::WILDCARD_MODEL;
 use crate::state::{Reservation, Shared};
 use crate::status;
 use crate::tunnel::AUTH_HEADER;
@@ -216,9 +217,17 @@ where
     let (parts, body) = req.into_parts();
     let body = read_body(shared, &parts.headers, body).await?;
     let meta = RequestMeta::parse(&body)?;
-    let request = Arc::new(route_request(shared, &parts, &meta, peer)?);
+    let mut request = Arc::new(route_request(shared, &parts, &meta, peer)?);
     let overflow = crate::overflow::eligible(shared, &parts);
     let (mut routed, mut reservation) = route_reserving(shared, &request);
+    if matches!(routed, Err(RouteError::UnknownModel { .. })) {
+        if let Some(alias) = model_alias(shared, &request.model) {
+            let mut aliased = (*request).clone();
+            aliased.model = alias;
+            request = Arc::new(aliased);
+            (routed, reservation) = route_reserving(shared, &request);
+        }
+    }
     let held_since = Instant::now();
     let mut queued = false;
     loop {
@@ -314,7 +323,7 @@ fn route_request(
 ) -> Result<RouteRequest, ApiError> {
     let settings = &shared.config.routing;
     let prompt = meta.prompt_text();
-    let mut r = RouteRequest::new(meta.require_model()?)
+    let mut r = RouteRequest::new(routed_model(shared, meta)?)
         .with_blocks(prompt_blocks(prompt, settings.block_bytes))
         .with_prompt_tokens(u32::try_from(prompt.len() / 4).unwrap_or(u32::MAX))
         .with_whole_answer(meta.stream != Some(true));
@@ -338,6 +347,38 @@ fn route_request(
     }
     let region = header(region_header).unwrap_or(&shared.config.region);
     Ok(r.with_client_region(region))
+}
+
+/// The model a request is routed by: the one it names, or, when it names none (vLLM then
+/// serves its only model), the one model the backends serve, else the wildcard backends'.
+fn routed_model(shared: &Shared, meta: &RequestMeta<'_>) -> Result<String, ApiError> {
+    if let Some(named) = meta.model.as_deref().filter(|m| !m.is_empty()) {
+        return Ok(named.to_owned());
+    }
+    let served = model_entries(shared);
+    if let [only] = served.as_slice() {
+        if let Some(id) = only.get("id").and_then(|v| v.as_str()) {
+            return Ok(id.to_owned());
+        }
+    }
+    if shared.live_upstreams().iter().any(|(_, u)| u.wildcard) {
+        return Ok(WILDCARD_MODEL.to_owned());
+    }
+    meta.require_model().map(str::to_owned)
+}
+
+/// Another name the router may know a model by, tried when no backend names the one asked
+/// for: Ollama's `name:latest` for a `name` without a tag (Ollama fills the tag in itself),
+/// then the backends that take any model (`"*"`). The body goes to the backend unchanged.
+fn model_alias(shared: &Shared, model: &str) -> Option<String> {
+    let router = shared.router();
+    if !model.contains(':') {
+        let tagged = format!("{model}:latest");
+        if router.serves(&tagged) {
+            return Some(tagged);
+        }
+    }
+    (model != WILDCARD_MODEL && router.serves(WILDCARD_MODEL)).then(|| WILDCARD_MODEL.to_owned())
 }
 
 /// What can be decided from a request's head alone, before the HTTP/1.1 front reads its body:

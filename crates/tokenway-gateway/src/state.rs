@@ -62,8 +62,12 @@ pub struct Upstream {
     pub models_known: AtomicBool,
     /// When it was added (at start, or by discovery).
     pub added: Instant,
-    /// Whether models come from the config (then never re-learned).
+    /// Whether models come from the config (then never re-learned): it names one other than
+    /// the wildcard.
     pub models_configured: bool,
+    /// Whether the config lists the wildcard `"*"`: the backend also takes every model no
+    /// backend names (it ignores the name, as llama.cpp and TGI do).
+    pub wildcard: bool,
     /// Whether the learned list should be fetched again at the next good probe: the backend
     /// was re-admitted (it may have restarted with other models) or answered 404.
     pub models_stale: AtomicBool,
@@ -142,9 +146,11 @@ impl Upstream {
             })?),
             None => None,
         };
+        let named = b.models.iter().any(|m| m != WILDCARD_MODEL);
         let entries = b
             .models
             .iter()
+            .filter(|m| *m != WILDCARD_MODEL)
             .map(
                 |m| serde_json::json!({"id": m, "object": "model", "created": 0, "owned_by": name}),
             )
@@ -162,9 +168,10 @@ impl Upstream {
             base,
             authorization,
             model_entries: Mutex::new(entries),
-            models_known: AtomicBool::new(!b.models.is_empty()),
+            models_known: AtomicBool::new(named),
             added: Instant::now(),
-            models_configured: !b.models.is_empty(),
+            models_configured: named,
+            wildcard: b.models.iter().any(|m| m == WILDCARD_MODEL),
             models_stale: AtomicBool::new(false),
             url: b.url.clone(),
             config: b.clone(),
@@ -512,6 +519,9 @@ impl Shared {
         })
     }
 }
+
+/// The model name a backend lists to take every model no backend names.
+pub const WILDCARD_MODEL: &str = "*";
 
 /// How long a backend without a configured model list may take to report it before an
 /// unknown model is a 404 rather than a 503 (see [`Shared::models_being_discovered`]).

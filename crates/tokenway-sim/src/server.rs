@@ -664,7 +664,11 @@ async fn embeddings(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Si
 /// (hang, error rate) let it through, and the queue has room. The answer is the request's
 /// faults and its admission, or the response that ends it.
 async fn gate(shared: &Arc<Shared>, model: &str) -> Result<(Faults, Admission), Response<SimBody>> {
-    if !shared.config.model_names.iter().any(|m| m == model) {
+    // Ollama's rule too: a name without a tag is the served `name:latest`.
+    let served = |m: &String| {
+        m == model || m.strip_suffix(":latest") == Some(model).filter(|m| !m.contains(':'))
+    };
+    if !shared.config.model_names.iter().any(served) {
         return Err(error_response(
             &ApiError::new(
                 StatusCode::NOT_FOUND,

@@ -313,3 +313,103 @@ async fn a_trial_answered_with_a_server_error_keeps_the_backend_ejected() {
     assert_ne!(b["state"], "healthy", "{b}");
     assert_eq!(b["eject_reason"], "trial_failed", "{b}");
 }
+
+#[tokio::test]
+async fn model_names_are_matched_as_the_backends_behind_would_match_them() {
+    // An Ollama-style tagged name learned from the backend, and a backend that takes any name.
+    let ollama = sim(&format!("{FAST_SIM}model_names = [\"llama3.2:latest\"]\n"));
+    let anything = sim(&format!("{FAST_SIM}model_names = [\"tgi\", \"gpt-4o\"]\n"));
+    let gw = start_args_with_config(
+        "gateway",
+        &format!(
+            "listen = \"127.0.0.1:0\"\n\
+             [[backends]]\nname = \"ollama\"\nurl = \"{}\"\n\
+             [[backends]]\nname = \"any\"\nurl = \"{}\"\nmodels = [\"tgi\", \"*\"]\n",
+            ollama.url(),
+            anything.url()
+        ),
+    );
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let learned = eventually(Duration::from_secs(10), || async {
+        get(&format!("{}/v1/models", gw.url()))
+            .await
+            .body
+            .contains("llama3.2:latest")
+    })
+    .await;
+    assert!(learned, "the gateway never learned the tagged name");
+    // `llama3.2` is Ollama's `llama3.2:latest`; the body goes on unchanged.
+    let r = post(
+        &url,
+        &chat("hi", false, 2).replace("sim-model", "llama3.2"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (r.status, backend_of(&r).as_str()),
+        (200, "ollama"),
+        "{}",
+        r.body
+    );
+    // A name nobody lists goes to the backend that takes any (the sim answers it as "gpt-4o").
+    let r = post(
+        &url,
+        &chat("hi", false, 2).replace("sim-model", "gpt-4o"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (r.status, backend_of(&r).as_str()),
+        (200, "any"),
+        "{}",
+        r.body
+    );
+    // The wildcard is no listed model.
+    let listed = get(&format!("{}/v1/models", gw.url())).await.body;
+    assert!(!listed.contains("\"*\""), "{listed}");
+    // No name: the backend that takes any (llama.cpp and TGI serve such requests).
+    let r = post(
+        &url,
+        r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        None,
+    )
+    .await;
+    assert_eq!(
+        (r.status, backend_of(&r).as_str()),
+        (200, "any"),
+        "{}",
+        r.body
+    );
+}
+
+#[tokio::test]
+async fn a_request_without_a_model_goes_to_the_only_model_served() {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(&[&backend], "", "");
+    let r = post(
+        &format!("{}/v1/chat/completions", gw.url()),
+        r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":2}"#,
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // Several models and no name: the 400 OpenAI answers.
+    let two = start_args_with_config(
+        "gateway",
+        &format!(
+            "listen = \"127.0.0.1:0\"\n\
+             [[backends]]\nname = \"a\"\nurl = \"{0}\"\nmodels = [\"sim-model\"]\n\
+             [[backends]]\nname = \"b\"\nurl = \"{0}\"\nmodels = [\"other-model\"]\n",
+            backend.url()
+        ),
+    );
+    let r = post(
+        &format!("{}/v1/chat/completions", two.url()),
+        r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("missing_model"), "{}", r.body);
+}
