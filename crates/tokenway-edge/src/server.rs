@@ -29,10 +29,11 @@ use tokenway_telemetry::stream_clock::StreamClock;
 pub type LocalBody = UnsyncBoxBody<Bytes, BoxError>;
 
 /// Routes with their own label; anything else is `other`.
-const ROUTES: [&str; 5] = [
+const ROUTES: [&str; 6] = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/embeddings",
+    "/v1/responses",
     "/v1/models",
     "/health",
 ];

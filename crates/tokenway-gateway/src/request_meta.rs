@@ -28,6 +28,9 @@ pub struct RequestMeta<'a> {
     /// Completion prompt, unparsed.
     #[serde(borrow, default)]
     pub prompt: Option<&'a RawValue>,
+    /// The Responses API's (and embeddings') input, unparsed.
+    #[serde(borrow, default)]
+    pub input: Option<&'a RawValue>,
     /// Output limit (`max_tokens`), a routing hint only: a value the gateway cannot read as a
     /// count (`-1`, `"many"`) is left for the backend to accept or refuse.
     #[serde(default, deserialize_with = "tokenway_wire::openai_fields::count_hint")]
@@ -35,6 +38,9 @@ pub struct RequestMeta<'a> {
     /// Output limit of newer chat clients (`max_completion_tokens`), a hint like `max_tokens`.
     #[serde(default, deserialize_with = "tokenway_wire::openai_fields::count_hint")]
     pub max_completion_tokens: Option<u64>,
+    /// The Responses API's output limit (`max_output_tokens`), a hint like `max_tokens`.
+    #[serde(default, deserialize_with = "tokenway_wire::openai_fields::count_hint")]
+    pub max_output_tokens: Option<u64>,
 }
 
 impl<'a> RequestMeta<'a> {
@@ -65,12 +71,14 @@ impl<'a> RequestMeta<'a> {
     pub fn prompt_text(&self) -> &'a [u8] {
         self.messages
             .or(self.prompt)
+            .or(self.input)
             .map_or(&[][..], |raw| raw.get().as_bytes())
     }
 
     /// The requested output limit, if any.
     pub fn output_limit(&self) -> Option<u32> {
         self.max_completion_tokens
+            .or(self.max_output_tokens)
             .or(self.max_tokens)
             .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
     }

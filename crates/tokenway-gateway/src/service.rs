@@ -22,8 +22,57 @@ use crate::state::{Reservation, Shared};
 use crate::status;
 use crate::tunnel::AUTH_HEADER;
 
-/// The routes the gateway proxies.
-pub(crate) const PROXIED: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
+/// The routes the gateway proxies by the `model` of their JSON body, each its own metric label:
+/// the OpenAI API's (the first [`HOT_ROUTES`] carry nearly all traffic) and what vLLM, SGLang
+/// and llama.cpp serve beside it. Any other `POST /v1/...` is proxied too, labelled
+/// [`OTHER_V1`].
+pub(crate) const PROXIED: [&str; 14] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/rerank",
+    "/v1/score",
+    "/v2/rerank",
+    "/rerank",
+    "/score",
+    "/pooling",
+    "/classify",
+    "/tokenize",
+    "/detokenize",
+];
+
+/// How many of [`PROXIED`]'s first routes have cached per-backend counters.
+pub(crate) const HOT_ROUTES: usize = 3;
+
+/// The metric label of a proxied `POST /v1/...` not in [`PROXIED`].
+pub(crate) const OTHER_V1: &str = "/v1/*";
+
+/// The proxied route `path` is, as its metric label.
+pub(crate) fn proxied(path: &str) -> Option<&'static str> {
+    PROXIED.iter().copied().find(|r| *r == path).or_else(|| {
+        (path.starts_with("/v1/") && !path.starts_with("/v1/models")).then_some(OTHER_V1)
+    })
+}
+
+/// `path` with repeated slashes collapsed and a trailing one dropped (`/v1//chat/completions/`
+/// is `/v1/chat/completions`, as the Python servers read it after their redirect), or `None`
+/// when it is already so.
+fn normalized(path: &str) -> Option<String> {
+    if !(path.contains("//") || (path.len() > 1 && path.ends_with('/'))) {
+        return None;
+    }
+    let mut out = String::with_capacity(path.len());
+    for segment in path.split('/').filter(|s| !s.is_empty()) {
+        out.push('/');
+        out.push_str(segment);
+    }
+    if out.is_empty() {
+        out.push('/');
+    }
+    Some(out)
+}
 
 /// The client-side transport a request came in on, for metric labels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,8 +183,23 @@ where
 {
     let start = Instant::now();
     let transport = transport.as_str();
+    let mut req = req;
+    if let Some(path) = normalized(req.uri().path()) {
+        let mut uri = req.uri().clone().into_parts();
+        let query = uri
+            .path_and_query
+            .as_ref()
+            .and_then(|pq| pq.query())
+            .map_or(String::new(), |q| format!("?{q}"));
+        if let Ok(pq) = format!("{path}{query}").parse() {
+            uri.path_and_query = Some(pq);
+            if let Ok(uri) = http::Uri::from_parts(uri) {
+                *req.uri_mut() = uri;
+            }
+        }
+    }
     let path = req.uri().path();
-    let route = PROXIED.iter().copied().find(|r| *r == path);
+    let route = proxied(path);
     let method = req.method().clone();
     // Reads answer HEAD as GET; the body is dropped below, its length kept.
     let read = method == Method::GET || method == Method::HEAD;
@@ -395,7 +459,11 @@ pub fn before_body(shared: &Shared, parts: &http::request::Parts, front: TcpFron
         }
     }
     let path = parts.uri.path();
-    let Some(route) = PROXIED.iter().copied().find(|r| *r == path) else {
+    let route = match normalized(path) {
+        Some(path) => proxied(&path),
+        None => proxied(path),
+    };
+    let Some(route) = route else {
         return BeforeBody::Read;
     };
     if parts.method != Method::POST {

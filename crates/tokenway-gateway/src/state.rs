@@ -92,7 +92,7 @@ pub struct Upstream {
     /// Its `tokenway_requests_total{status="200"}` counters per proxied route (in the order of
     /// [`crate::service::PROXIED`]), resolved at the first use: the counter of every answered
     /// request, looked up without hashing or copying the name.
-    ok_counters: [std::sync::OnceLock<Counter>; 3],
+    ok_counters: [std::sync::OnceLock<Counter>; crate::service::HOT_ROUTES],
 }
 
 /// Where a backend was configured.
@@ -501,7 +501,8 @@ impl Shared {
 
     /// The `tokenway_requests_total` counter of 200 answers from `upstream` on `route`.
     pub fn ok_counter(&self, upstream: &Upstream, route: &'static str) -> Counter {
-        match crate::service::PROXIED.iter().position(|r| *r == route) {
+        let hot = &crate::service::PROXIED[..crate::service::HOT_ROUTES];
+        match hot.iter().position(|r| *r == route) {
             Some(i) => upstream.ok_counters[i]
                 .get_or_init(|| self.request_counter(route, Some(upstream.name.clone()), 200))
                 .clone(),

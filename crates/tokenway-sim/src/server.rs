@@ -413,6 +413,7 @@ async fn handle(
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/completions" => "/v1/completions",
         "/v1/embeddings" => "/v1/embeddings",
+        "/tokenize" => "/tokenize",
         "/v1/models" => "/v1/models",
         "/health" => "/health",
         "/metrics" => "/metrics",
@@ -423,6 +424,7 @@ async fn handle(
         (&Method::POST, "/v1/chat/completions") => completion(&shared, Api::Chat, req).await,
         (&Method::POST, "/v1/completions") => completion(&shared, Api::Completions, req).await,
         (&Method::POST, "/v1/embeddings") => embeddings(&shared, req).await,
+        (&Method::POST, "/tokenize") => tokenize(&shared, req).await,
         (&Method::GET, "/v1/models") => models(&shared),
         (&Method::GET, "/health") if lock(&shared.faults).unhealthy => text_response(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -589,6 +591,40 @@ async fn completion(shared: &Arc<Shared>, api: Api, req: Request<Incoming>) -> R
     } else {
         gen.full(admission).await
     }
+}
+
+/// vLLM's `POST /tokenize`: the prompt (`prompt`, or chat `messages`) as the sim counts it,
+/// `{"count", "max_model_len", "tokens"}`; a token id is a hash of its bytes.
+async fn tokenize(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<SimBody> {
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&e),
+    };
+    let c = &shared.config;
+    // A tokenize request is a chat or completion request's input part.
+    let job = match Job::parse(Api::Chat, &body, c.bytes_per_token)
+        .or_else(|_| Job::parse(Api::Completions, &body, c.bytes_per_token))
+    {
+        Ok(j) => j,
+        Err(e) => return error_response(&e),
+    };
+    let tokens: Vec<u64> = job
+        .prompts
+        .iter()
+        .flat_map(|p| p.chunks(c.bytes_per_token))
+        .map(|t| {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::hash::DefaultHasher::new();
+            t.hash(&mut h);
+            h.finish() % 100_000
+        })
+        .collect();
+    let answer = serde_json::json!({
+        "count": tokens.len(),
+        "max_model_len": c.max_model_len,
+        "tokens": tokens,
+    });
+    json_response(StatusCode::OK, Bytes::from(answer.to_string()))
 }
 
 /// The `error_after_tokens` fault's error.

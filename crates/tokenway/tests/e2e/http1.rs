@@ -173,3 +173,45 @@ async fn head_and_one_model_are_answered_as_the_openai_api_does() {
         "no body after HEAD: {rest}"
     );
 }
+
+#[tokio::test]
+async fn the_servers_other_routes_and_sloppy_paths_are_proxied() {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(&[&backend], "", "");
+    // vLLM's /tokenize, outside the OpenAI API.
+    let r = post(
+        &format!("{}/tokenize", gw.url()),
+        r#"{"model":"sim-model","prompt":"eight by"}"#,
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("JSON");
+    assert_eq!(v["count"], 2, "{v}");
+    // A trailing slash or a doubled one reaches the route, with the query kept.
+    for path in ["/v1/chat/completions/", "//v1//chat/completions?x=1"] {
+        let r = post(
+            &format!("{}{path}", gw.url()),
+            &chat("slash", false, 2),
+            None,
+        )
+        .await;
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+    }
+    // Any other POST /v1/... goes to the backend, whose answer comes back.
+    let r = post(
+        &format!("{}/v1/audio/nothing", gw.url()),
+        r#"{"model":"sim-model"}"#,
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert!(
+        r.body.contains("Unknown route"),
+        "the backend's own 404: {}",
+        r.body
+    );
+    let metrics = get(&format!("{}/metrics", gw.url())).await.body;
+    assert!(metrics.contains("route=\"/tokenize\""), "{metrics}");
+    assert!(metrics.contains("route=\"/v1/*\""), "{metrics}");
+}
