@@ -31,6 +31,9 @@ pub struct GatewayConfig {
     pub quic: QuicSettings,
     /// Accepted Bearer API keys; empty means no authentication.
     pub api_keys: Vec<String>,
+    /// Origins whose browser apps may call the API (CORS): `"*"` or `scheme://host[:port]`
+    /// entries; empty (the default) answers no preflight and marks no answer.
+    pub cors_allow_origins: Vec<String>,
     /// Largest accepted request body in bytes (413 beyond).
     pub max_body_bytes: usize,
     /// Largest number of concurrently open client connections; further ones wait in the
@@ -82,6 +85,7 @@ impl Default for GatewayConfig {
             tunnel: None,
             quic: QuicSettings::default(),
             api_keys: Vec::new(),
+            cors_allow_origins: Vec::new(),
             max_body_bytes: 32 * 1024 * 1024,
             max_connections: 10_000,
             queue_max: 1_024,
@@ -646,6 +650,9 @@ impl GatewayConfig {
             if !(1..=1000).contains(&v) {
                 return Err(bad(key, "in 1..=1000", v));
             }
+        }
+        for o in &self.cors_allow_origins {
+            crate::cors::validate_origin(o).map_err(GatewayError::Config)?;
         }
         if self.api_keys.iter().any(|k| k.is_empty()) {
             return Err(GatewayError::Config(

@@ -13,6 +13,7 @@
 
 pub mod admission;
 pub mod config;
+pub mod cors;
 pub mod cpu_affinity;
 pub mod cpu_placement;
 pub mod discovery;

@@ -14,6 +14,7 @@ use subtle::ConstantTimeEq;
 use tokenway_router::{prompt_blocks, Route, RouteError, RouteRequest, SessionKind};
 
 use crate::admission::Refused;
+use crate::cors::Cors;
 use crate::error::{full, ApiError, ResponseBody};
 use crate::proxy::{self, Forwarded, ProxyRequest};
 use crate::request_meta::RequestMeta;
@@ -169,8 +170,34 @@ where
 }
 
 /// Handles one request from any front, which passes the client's address (`peer`): the one
-/// request-handling core.
+/// request-handling core. With `cors_allow_origins` set, a browser's preflight from an allowed
+/// origin is answered here, before authentication (it carries no key), and every answer to
+/// such an origin is marked readable.
 pub async fn handle_request<B>(
+    shared: Arc<Shared>,
+    req: Request<B>,
+    transport: Transport,
+    peer: SocketAddr,
+) -> Response<ResponseBody>
+where
+    B: Body + Send,
+    B::Data: Send,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
+    let Some(allow) = shared.cors.as_ref().and_then(|c| c.allow(req.headers())) else {
+        return answer(shared, req, transport, peer).await;
+    };
+    if Cors::is_preflight(req.method(), req.headers()) {
+        shared.count_request("other", None, StatusCode::NO_CONTENT.as_u16());
+        return Cors::preflight(allow, req.headers());
+    }
+    let mut response = answer(shared, req, transport, peer).await;
+    Cors::mark(&mut response, allow);
+    response
+}
+
+/// [`handle_request`] past CORS.
+async fn answer<B>(
     shared: Arc<Shared>,
     req: Request<B>,
     transport: Transport,
@@ -467,6 +494,14 @@ pub fn before_body(shared: &Shared, parts: &http::request::Parts, front: TcpFron
         return BeforeBody::Read;
     };
     if parts.method != Method::POST {
+        return BeforeBody::Read;
+    }
+    // A browser's request: its 401 must carry the CORS marks, which the full path adds.
+    if shared
+        .cors
+        .as_ref()
+        .is_some_and(|c| c.allow(&parts.headers).is_some())
+    {
         return BeforeBody::Read;
     }
     match authenticate(shared, &parts.headers) {

@@ -232,6 +232,8 @@ pub struct Shared {
     /// `routing.session_header` and `routing.client_region_header`, parsed once: a lookup by
     /// a string name parses it on every request.
     pub routing_headers: [HeaderName; 2],
+    /// `cors_allow_origins`, when set.
+    pub cors: Option<crate::cors::Cors>,
     /// The tunnel port's gatekeeping, when the tunnel is configured.
     pub tunnel: Option<TunnelState>,
     /// `Alt-Svc` value advertising the HTTP/3 front on TCP responses.
@@ -311,6 +313,7 @@ impl Shared {
         ];
         Ok(Arc::new(Self {
             routing_headers,
+            cors: crate::cors::Cors::new(&config.cors_allow_origins),
             h1,
             tunnel,
             config,

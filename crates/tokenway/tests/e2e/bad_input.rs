@@ -168,3 +168,71 @@ async fn a_client_that_sends_its_request_too_slowly_is_timed_out() {
     .await;
     assert_eq!(r.status, 200);
 }
+
+#[tokio::test]
+async fn a_browser_app_from_an_allowed_origin_passes_cors_and_others_do_not() {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(
+        &[&backend],
+        "api_keys = [\"sk-web\"]\ncors_allow_origins = [\"https://chat.example.com\"]",
+        "",
+    );
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let send = |origin: &'static str, method: http::Method, key: Option<&'static str>| {
+        let url = url.clone();
+        async move {
+            let mut req = http::Request::builder()
+                .method(method)
+                .uri(&url)
+                .header("origin", origin)
+                .header("content-type", "application/json")
+                .header("access-control-request-method", "POST")
+                .header(
+                    "access-control-request-headers",
+                    "authorization, content-type",
+                );
+            if let Some(k) = key {
+                req = req.header("authorization", format!("Bearer {k}"));
+            }
+            let req = req
+                .body(http_body_util::Full::new(bytes::Bytes::from(chat(
+                    "cors", false, 2,
+                ))))
+                .expect("request");
+            client().request(req).await.expect("answer")
+        }
+    };
+    // The preflight carries no key and is answered by the gateway.
+    let pre = send("https://chat.example.com", http::Method::OPTIONS, None).await;
+    assert_eq!(pre.status(), 204);
+    assert_eq!(
+        pre.headers()["access-control-allow-origin"],
+        "https://chat.example.com"
+    );
+    assert!(pre.headers()["access-control-allow-headers"]
+        .to_str()
+        .unwrap()
+        .contains("authorization"));
+    // The gateway's own 401 and a proxied 200 are both readable by the page.
+    let denied = send("https://chat.example.com", http::Method::POST, None).await;
+    assert_eq!(denied.status(), 401);
+    assert_eq!(
+        denied.headers()["access-control-allow-origin"],
+        "https://chat.example.com"
+    );
+    let ok = send(
+        "https://chat.example.com",
+        http::Method::POST,
+        Some("sk-web"),
+    )
+    .await;
+    assert_eq!(ok.status(), 200);
+    assert_eq!(
+        ok.headers()["access-control-allow-origin"],
+        "https://chat.example.com"
+    );
+    // Another origin gets no CORS answer: its preflight is the route's 405.
+    let other = send("https://evil.example", http::Method::OPTIONS, None).await;
+    assert_eq!(other.status(), 405);
+    assert!(!other.headers().contains_key("access-control-allow-origin"));
+}
