@@ -291,10 +291,12 @@ where
         }
     }
 
-    /// Reads the request's body whole, under `max_body_bytes` and the client read timeout.
+    /// Reads the request's body whole, under `max_body_bytes`; the client read timeout bounds
+    /// each silence, not the whole upload (nginx's `client_body_timeout`): a large body on a
+    /// slow link that keeps coming is read to its end.
     async fn read_body(&mut self, head: &Head) -> Result<Bytes, End> {
         let limit = self.shared.config.max_body_bytes;
-        let deadline = Instant::now() + self.shared.config.timeouts.client_read();
+        let silence = self.shared.config.timeouts.client_read();
         match head.body {
             RequestBody::Empty => Ok(Bytes::new()),
             RequestBody::Length(n) => {
@@ -306,7 +308,8 @@ where
                     self.continue_().await?;
                 }
                 while self.buf.len() < n {
-                    self.body_read(deadline, n - self.buf.len()).await?;
+                    self.body_read(Instant::now() + silence, n - self.buf.len())
+                        .await?;
                 }
                 Ok(self.buf.split_to(n).freeze())
             }
@@ -318,7 +321,7 @@ where
                 loop {
                     match chunked.decode(&mut self.buf, limit) {
                         Ok(true) => return Ok(chunked.body.freeze()),
-                        Ok(false) => self.body_read(deadline, READ_BYTES).await?,
+                        Ok(false) => self.body_read(Instant::now() + silence, READ_BYTES).await?,
                         Err(ChunkError::TooLarge) => {
                             return Err(End::Reject(ApiError::body_too_large(limit)))
                         }

@@ -573,18 +573,34 @@ where
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    let collected = tokio::time::timeout(
-        shared.config.timeouts.client_read(),
-        Limited::new(body, limit).collect(),
-    )
-    .await;
-    match collected {
-        Err(_) => Err(ApiError::request_timeout()),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Ok(Err(e)) => Err(ApiError::bad_request(format!(
-            "cannot read the request body: {e}"
-        ))),
-        Ok(Ok(c)) => Ok(c.to_bytes()),
+    // The client read timeout bounds each silence, not the whole upload (as on HTTP/1.1).
+    let silence = shared.config.timeouts.client_read();
+    let mut body = std::pin::pin!(Limited::new(body, limit));
+    // Room for what was declared, up to 64 KiB: a declaration alone reserves no more.
+    let mut read = bytes::BytesMut::with_capacity(declared.map_or(0, |n| n as usize).min(1 << 16));
+    loop {
+        match tokio::time::timeout(silence, body.frame()).await {
+            Err(_) => return Err(ApiError::request_timeout()),
+            Ok(None) => return Ok(read.freeze()),
+            Ok(Some(Err(e))) if e.is::<http_body_util::LengthLimitError>() => {
+                return Err(too_large())
+            }
+            Ok(Some(Err(e))) => {
+                return Err(ApiError::bad_request(format!(
+                    "cannot read the request body: {e}"
+                )))
+            }
+            Ok(Some(Ok(frame))) => {
+                if let Ok(mut data) = frame.into_data() {
+                    use bytes::{Buf, BufMut};
+                    if read.is_empty() && body.is_end_stream() {
+                        // The whole body in one frame: no copy.
+                        return Ok(data.copy_to_bytes(data.remaining()));
+                    }
+                    read.put(data);
+                }
+            }
+        }
     }
 }
 

@@ -167,6 +167,29 @@ async fn a_client_that_sends_its_request_too_slowly_is_timed_out() {
     )
     .await;
     assert_eq!(r.status, 200);
+
+    // A body that keeps coming, slower in all than the timeout but never silent for long (a
+    // large upload on a slow link), is read to its end.
+    let body = chat(&"slow uplink ".repeat(40), false, 2);
+    let mut s = TcpStream::connect(gw.addr).await.expect("connect");
+    s.write_all(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .expect("write");
+    for piece in body.as_bytes().chunks(body.len() / 6 + 1) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        s.write_all(piece).await.expect("write");
+    }
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await;
+    let text = String::from_utf8_lossy(&buf);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
 }
 
 #[tokio::test]
