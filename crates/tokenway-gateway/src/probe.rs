@@ -85,7 +85,7 @@ async fn get(
 ) -> Option<http::Response<hyper::body::Incoming>> {
     let u = shared.upstream(id);
     let mut parts = u.base.clone().into_parts();
-    parts.path_and_query = path.parse().ok();
+    parts.path_and_query = format!("{}{path}", u.path_prefix).parse().ok();
     let uri = Uri::from_parts(parts).ok()?;
     let mut req = Request::get(uri).body(Full::new(Bytes::new())).ok()?;
     if let Some(auth) = &u.authorization {

@@ -83,6 +83,7 @@ async fn try_backend(
     let deadline = tokio::time::Instant::now() + wait;
     let head = encode_head(
         &upstream.host,
+        &upstream.path_prefix,
         req.parts,
         upstream_headers(&upstream, req.parts),
         req.body.len(),

@@ -47,6 +47,10 @@ pub struct Upstream {
     pub name: String,
     /// `scheme://authority` of the backend.
     pub base: Uri,
+    /// The path of the backend's URL, without a trailing `/` or `/v1` (`http://host/llm/v1` is
+    /// `/llm`): prepended to every path sent to it, for servers behind a path-routing proxy.
+    /// Empty for a URL at the root.
+    pub path_prefix: Box<str>,
     /// The `host:port` to connect to (`base`'s authority, with port 80 when it names none),
     /// shared with the connections to it (no copy per request); also their pool's key.
     pub authority: Arc<str>,
@@ -146,6 +150,8 @@ impl Upstream {
             })?),
             None => None,
         };
+        let path = uri.path().trim_end_matches('/');
+        let path_prefix = path.strip_suffix("/v1").unwrap_or(path).into();
         let named = b.models.iter().any(|m| m != WILDCARD_MODEL);
         let entries = b
             .models
@@ -166,6 +172,7 @@ impl Upstream {
             authority: connect_authority(&base),
             host: Arc::from(base.authority().map_or("", |a| a.as_str())),
             base,
+            path_prefix,
             authorization,
             model_entries: Mutex::new(entries),
             models_known: AtomicBool::new(named),
@@ -728,6 +735,44 @@ mod tests {
         for (url, want) in cases {
             let base: Uri = url.parse().expect("URL");
             assert_eq!(&*connect_authority(&base), want, "{url}");
+        }
+    }
+
+    #[test]
+    fn a_backend_url_path_is_prefixed_to_every_path_sent_and_v1_is_not_doubled() {
+        let cases = [
+            ("http://h:8000", ""),
+            ("http://h:8000/", ""),
+            ("http://h:8000/v1", ""),
+            ("http://h:8000/v1/", ""),
+            ("http://h/llm", "/llm"),
+            ("http://h/llm/v1", "/llm"),
+            ("http://h/a/b/", "/a/b"),
+        ];
+        for (url, want) in cases {
+            let c = crate::config::GatewayConfig::from_toml_str(&format!(
+                "[[backends]]\nurl = \"{url}\"\nmodels = [\"m\"]\n"
+            ))
+            .expect("config");
+            let u = Upstream::from_config(&c.backends[0], Source::Static).expect("upstream");
+            assert_eq!(&*u.path_prefix, want, "{url}");
+            let parts = http::Request::post("/v1/chat/completions?x=1")
+                .body(())
+                .expect("request")
+                .into_parts()
+                .0;
+            let head =
+                crate::upstream_h1::encode_head("h", &u.path_prefix, &parts, std::iter::empty(), 0);
+            let line = String::from_utf8_lossy(&head)
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            assert_eq!(
+                line,
+                format!("POST {want}/v1/chat/completions?x=1 HTTP/1.1"),
+                "{url}"
+            );
         }
     }
 }

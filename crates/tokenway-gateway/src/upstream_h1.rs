@@ -415,6 +415,7 @@ enum Exchange {
 /// given headers, and the body's length.
 pub fn encode_head<'h>(
     host: &str,
+    path_prefix: &str,
     parts: &Parts,
     headers: impl Iterator<Item = (&'h HeaderName, &'h HeaderValue)>,
     body_len: usize,
@@ -423,6 +424,7 @@ pub fn encode_head<'h>(
     let mut out = Vec::with_capacity(256 + parts.headers.len() * 48);
     out.extend_from_slice(parts.method.as_str().as_bytes());
     out.push(b' ');
+    out.extend_from_slice(path_prefix.as_bytes());
     out.extend_from_slice(path.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(host.as_bytes());
@@ -1073,7 +1075,7 @@ mod tests {
             .into_parts()
             .0;
         let body = Bytes::from_static(b"{}");
-        let head = encode_head(authority, &parts, std::iter::empty(), body.len());
+        let head = encode_head(authority, "", &parts, std::iter::empty(), body.len());
         let sent = pool
             .send(authority, &parts, &head, &body)
             .await
@@ -1266,7 +1268,7 @@ mod tests {
             .into_parts()
             .0;
         let body = Bytes::from_static(b"{}");
-        let head = encode_head(&authority, &parts, std::iter::empty(), body.len());
+        let head = encode_head(&authority, "", &parts, std::iter::empty(), body.len());
         let sent = pool
             .send(&authority, &parts, &head, &body)
             .await
