@@ -62,15 +62,16 @@ enum Tried {
 
 /// Sends `req` to one backend and waits for its first body frame. A 5xx, 429 (busy) or 404
 /// (no such model: the backend may have restarted with another one) answer is tried on the
-/// next backend, unless `last` (the last candidate: its own answer goes to the client). `held`
-/// is the backend's slot, reserved for this attempt.
+/// next backend, unless none of the `later` candidates has a free slot now: then this answer,
+/// with its body and `Retry-After`, goes to the client. `held` is the backend's slot, reserved
+/// for this attempt.
 async fn try_backend(
     shared: &Arc<Shared>,
     id: BackendId,
     held: Reservation,
     req: &ProxyRequest<'_>,
     routed: &Route,
-    last: bool,
+    later: &[BackendId],
 ) -> Tried {
     let upstream = shared.upstream(id);
     let sent_at = Instant::now();
@@ -121,7 +122,11 @@ async fn try_backend(
     let elsewhere = status.is_server_error()
         || status == StatusCode::TOO_MANY_REQUESTS
         || status == StatusCode::NOT_FOUND;
-    if elsewhere && !last {
+    let elsewhere = elsewhere && {
+        let router = shared.router();
+        later.iter().any(|&c| router.has_room(c))
+    };
+    if elsewhere {
         if status == StatusCode::NOT_FOUND {
             upstream.models_stale.store(true, Ordering::Relaxed);
         }
@@ -211,7 +216,7 @@ pub async fn forward(
                 None => continue,
             },
         };
-        let primary = try_backend(shared, id, held, &req, &routed, next == candidates.len());
+        let primary = try_backend(shared, id, held, &req, &routed, &candidates[next..]);
         // A whole answer is not hedged: its wait is the whole generation, not a late first
         // token, and a hedge would run it twice.
         let delay = if next < candidates.len() && !req.request.whole_answer {
@@ -237,10 +242,9 @@ pub async fn forward(
                         return None;
                     }
                     next += 1;
-                    let last = next == candidates.len();
                     Some((
                         hedge_id,
-                        try_backend(shared, hedge_id, held, &req, &routed, last),
+                        try_backend(shared, hedge_id, held, &req, &routed, &candidates[next..]),
                     ))
                 };
                 Box::pin(hedged(shared, id, primary, delay, hedge, &mut last_failure)).await

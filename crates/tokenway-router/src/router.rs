@@ -934,6 +934,14 @@ impl Router {
         }
     }
 
+    /// Whether backend `id` could take one more request now (not removed, below its
+    /// `max_inflight`), without reserving.
+    pub fn has_room(&self, id: BackendId) -> bool {
+        self.backends
+            .get(id.0)
+            .is_some_and(|b| !b.removed && b.has_headroom())
+    }
+
     /// Gives back a slot held by [`Router::reserve`] (the attempt started, or never will).
     pub fn unreserve(&mut self, id: BackendId) {
         if let Some(b) = self.backends.get_mut(id.0) {
