@@ -278,12 +278,16 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             );
             count(local, route, &answer.gateway, resp)
         }
-        Err(e) => count(
-            local,
-            route,
-            &Arc::from("none"),
-            error(StatusCode::BAD_GATEWAY, e.code, &e.message),
-        ),
+        Err(e) => {
+            let mut r = error(StatusCode::BAD_GATEWAY, e.code, &e.message);
+            // A refused token is the edge's configuration, not a passing fault: the OpenAI
+            // clients' retries (two, on any 502) would only be refused again.
+            if e.code == crate::tunnel::AUTH_FAILED {
+                r.headers_mut()
+                    .insert("x-should-retry", HeaderValue::from_static("false"));
+            }
+            count(local, route, &Arc::from("none"), r)
+        }
     }
 }
 

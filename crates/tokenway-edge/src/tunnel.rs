@@ -95,6 +95,9 @@ pub struct Outgoing {
     pub body: Bytes,
 }
 
+/// [`SendError::code`] of a token the gateway refused.
+pub const AUTH_FAILED: &str = "tunnel_auth_failed";
+
 /// Why a request got no answer from the tunnel.
 #[derive(Debug, thiserror::Error)]
 #[error("{message}")]
@@ -117,7 +120,7 @@ impl From<RequestError> for SendError {
 impl SendError {
     fn token_refused(gateway: &str) -> Self {
         Self {
-            code: "tunnel_auth_failed",
+            code: AUTH_FAILED,
             message: format!(
                 "gateway {gateway} refused the tunnel token (it answered with its masquerade \
                  site): `token` must be one of the gateway's [tunnel] tokens"

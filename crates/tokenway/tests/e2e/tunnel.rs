@@ -887,7 +887,13 @@ async fn an_edge_whose_token_the_gateway_refuses_says_so_instead_of_passing_the_
         .replace(TOKEN, "a-wrong-token-of-enough-length");
     let edge = edge(&config);
     let chat_url = format!("{}/v1/chat/completions", edge.url());
-    let refused = |r: &Reply| r.status == 502 && r.body.contains("\"tunnel_auth_failed\"");
+    let refused = |r: &Reply| {
+        r.status == 502
+            && r.body.contains("\"tunnel_auth_failed\"")
+            && r.headers
+                .get("x-should-retry")
+                .is_some_and(|v| v == "false")
+    };
     // The very first request already: it must not see the masquerade site either.
     let r = post(&chat_url, &chat("hello", true, 4), None).await;
     assert!(refused(&r), "{} {}", r.status, r.body);
