@@ -67,6 +67,9 @@ pub struct SimModel {
     pub base_latency_ms: f64,
     /// Prefill rate of uncached prompt tokens, tokens/s.
     pub prefill_tokens_per_second: f64,
+    /// Whether that rate is shared by the requests in prefill (the sim's `prefill_shared`).
+    /// Off here: the bench's load and its recorded results assume each request its own rate.
+    pub prefill_shared: bool,
     /// Time per output token alone, ms.
     pub time_per_output_token_ms: f64,
     /// Decode slow-down per other running request.
@@ -96,6 +99,7 @@ impl SimModel {
              seed = {seed}\n\
              base_latency_ms = {:?}\n\
              prefill_tokens_per_second = {:?}\n\
+             prefill_shared = {}\n\
              time_per_output_token_ms = {:?}\n\
              batch_penalty = {:?}\n\
              max_concurrency = {}\n\
@@ -106,6 +110,7 @@ impl SimModel {
              network_rtt_ms = {network_rtt_ms:?}\n",
             self.base_latency_ms,
             self.prefill_tokens_per_second,
+            self.prefill_shared,
             self.time_per_output_token_ms,
             self.batch_penalty,
             self.max_concurrency,
@@ -169,6 +174,7 @@ impl RoutingBenchOptions {
             sim: SimModel {
                 base_latency_ms: 20.0,
                 prefill_tokens_per_second: 5_000.0,
+                prefill_shared: false,
                 time_per_output_token_ms: 10.0,
                 batch_penalty: 0.05,
                 max_concurrency: 4,

@@ -22,6 +22,10 @@ pub struct SimConfig {
     /// Prefill speed for prompt tokens not found in the prefix cache, tokens per second.
     /// Default 20000.
     pub prefill_tokens_per_second: f64,
+    /// Whether `prefill_tokens_per_second` is the engine's whole prefill throughput, shared by
+    /// the requests in prefill (one after another, as chunked prefill shares a step's token
+    /// budget), rather than each request's own. Default true.
+    pub prefill_shared: bool,
     /// Time between output tokens when one request runs alone, milliseconds. Default 20.
     pub time_per_output_token_ms: f64,
     /// Slow-down of decoding per additional running request (dimensionless): the token interval
@@ -34,6 +38,11 @@ pub struct SimConfig {
     /// Output tokens when the request gives no `max_tokens` / `max_completion_tokens` (at
     /// most what the context leaves). Default 64.
     pub default_max_tokens: u32,
+    /// Mean output length before the "model" ends a choice with its end-of-sequence token
+    /// (`finish_reason` `stop`): lengths are geometric with this mean, a pure function of
+    /// (seed, prompt, choice). 0 (the default) draws none: the limit ends every choice, so
+    /// output lengths are known in advance.
+    pub eos_mean_tokens: f64,
     /// Context length in tokens, as vLLM's `max_model_len`: a prompt this long, or a prompt
     /// plus its `max_tokens` longer, is a 400; `/v1/models` reports it. Default 2 097 152
     /// (2^21), far past real models so that floods may ask for long outputs; set a model's
@@ -90,11 +99,13 @@ impl Default for SimConfig {
             seed: 0,
             base_latency_ms: 5.0,
             prefill_tokens_per_second: 20_000.0,
+            prefill_shared: true,
             time_per_output_token_ms: 20.0,
             batch_penalty: 0.05,
             max_concurrency: 16,
             max_queue: 1024,
             default_max_tokens: 64,
+            eos_mean_tokens: 0.0,
             max_model_len: MAX_MODEL_LEN,
             prefix_cache_tokens: 100_000,
             block_tokens: 16,
@@ -114,7 +125,8 @@ const MAX_CONCURRENCY: usize = 1_000_000;
 /// answers at most ~200 MB of JSON).
 const MAX_EMBEDDING_DIMENSIONS: usize = 8192;
 
-/// Largest `max_model_len`: a non-streaming answer of this many tokens is ~12 MB of text.
+/// Largest `max_model_len` (the output of all choices of a request together is bounded apart,
+/// by the sim's `MAX_TOTAL_OUTPUT`).
 pub const MAX_MODEL_LEN: u32 = 1 << 21;
 
 /// Largest `batch_penalty`: a thousand times slower per extra running request (a token interval
@@ -180,6 +192,14 @@ impl SimConfig {
         let bp = self.batch_penalty;
         if !(bp.is_finite() && (0.0..=MAX_BATCH_PENALTY).contains(&bp)) {
             return Err(SimError::invalid("sim.batch_penalty", "in [0, 1000]", bp));
+        }
+        let eos = self.eos_mean_tokens;
+        if !(eos.is_finite() && (eos == 0.0 || (1.0..=f64::from(MAX_MODEL_LEN)).contains(&eos))) {
+            return Err(SimError::invalid(
+                "sim.eos_mean_tokens",
+                "0 (off) or in [1, 2097152]",
+                eos,
+            ));
         }
         if !(2..=MAX_MODEL_LEN).contains(&self.max_model_len) {
             return Err(SimError::invalid(

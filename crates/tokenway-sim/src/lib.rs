@@ -14,6 +14,7 @@
 //! See `docs/sim.md` for every option.
 
 mod body;
+mod choice;
 mod config;
 pub mod cost;
 mod embeddings;

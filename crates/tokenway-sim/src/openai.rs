@@ -7,6 +7,8 @@ use http::StatusCode;
 use serde::{Deserialize, Serialize};
 use tokenway_wire::openai_fields::{lax_bool, lax_count};
 
+use crate::choice::Finish;
+
 /// Which completion API a request came in on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Api {
@@ -31,12 +33,22 @@ struct StreamOptions {
     include_usage: Option<bool>,
 }
 
+/// Most output tokens of all choices of one request together (a whole answer of this many is
+/// ~25 MB of text).
+pub const MAX_TOTAL_OUTPUT: u64 = 1 << 22;
+
 /// Most choices one request may ask for (`n` × prompts), like an engine's bound on sequences in
 /// a batch: each costs a token event per step.
 pub const MAX_CHOICES: u32 = 128;
 
 #[derive(Deserialize)]
 struct ChatRequest {
+    #[serde(default)]
+    stop: Option<Stop>,
+    #[serde(default, deserialize_with = "lax_bool")]
+    ignore_eos: Option<bool>,
+    #[serde(default, deserialize_with = "lax_count")]
+    min_tokens: Option<u64>,
     #[serde(default)]
     model: Option<String>,
     messages: Vec<Message>,
@@ -75,6 +87,12 @@ struct Part {
 #[derive(Deserialize)]
 struct CompletionRequest {
     #[serde(default)]
+    stop: Option<Stop>,
+    #[serde(default, deserialize_with = "lax_bool")]
+    ignore_eos: Option<bool>,
+    #[serde(default, deserialize_with = "lax_count")]
+    min_tokens: Option<u64>,
+    #[serde(default)]
     model: Option<String>,
     prompt: Prompt,
     #[serde(default, deserialize_with = "lax_count")]
@@ -85,6 +103,23 @@ struct CompletionRequest {
     stream_options: Option<StreamOptions>,
     #[serde(default, deserialize_with = "lax_count")]
     max_tokens: Option<u64>,
+}
+
+/// `stop`: one string or several.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            Self::One(s) => vec![s],
+            Self::Many(v) => v,
+        }
+    }
 }
 
 /// A completion prompt or embedding input as the OpenAI API takes it: text, a batch of texts,
@@ -145,6 +180,12 @@ pub(crate) struct Job {
     pub(crate) max_tokens: Option<u64>,
     /// The field that set it (`max_tokens` or `max_completion_tokens`).
     limit_param: &'static str,
+    /// Stop strings: a choice ends before the first one it generates.
+    pub(crate) stop: Vec<String>,
+    /// Whether the end-of-sequence token is ignored (the limit ends every choice).
+    pub(crate) ignore_eos: bool,
+    /// Tokens each choice generates before an end-of-sequence token may end it.
+    pub(crate) min_tokens: u32,
 }
 
 impl Job {
@@ -167,6 +208,7 @@ impl Job {
     pub(crate) fn check_context(
         &self,
         max_model_len: u32,
+        default_max_tokens: u32,
         bytes_per_token: usize,
     ) -> Result<(), ApiError> {
         let longest = self.longest_prompt(bytes_per_token);
@@ -182,14 +224,27 @@ impl Job {
             ))
             .with_param(input));
         }
-        if let Some(k) = self.max_tokens.filter(|k| longest + k > limit) {
+        if let Some(k) = self
+            .max_tokens
+            .filter(|k| longest.saturating_add(*k) > limit)
+        {
             return Err(ApiError::invalid_request(format!(
                 "This model's maximum context length is {limit} tokens. However, you requested \
                  {} tokens ({longest} in the {input}, {k} in the completion). Please reduce the \
                  length of the {input} or completion.",
-                longest + k
+                longest.saturating_add(k)
             ))
             .with_param(self.limit_param));
+        }
+        // All choices together: a whole answer holds every choice's text at once.
+        let each = self.max_tokens.unwrap_or(u64::from(default_max_tokens));
+        let total = each.saturating_mul(u64::from(self.choices()));
+        if total > MAX_TOTAL_OUTPUT {
+            return Err(ApiError::invalid_request(format!(
+                "n × the output limit must be at most {MAX_TOTAL_OUTPUT} tokens, got {} × {each}.",
+                self.choices()
+            ))
+            .with_param("n"));
         }
         Ok(())
     }
@@ -243,6 +298,9 @@ impl Job {
                     include_usage: stream.1,
                     max_tokens: r.max_completion_tokens.or(r.max_tokens),
                     limit_param,
+                    stop: r.stop.map(Stop::into_vec).unwrap_or_default(),
+                    ignore_eos: r.ignore_eos.unwrap_or(false),
+                    min_tokens: count_u32(r.min_tokens),
                 }
             }
             Api::Completions => {
@@ -257,6 +315,9 @@ impl Job {
                     include_usage: stream.1,
                     max_tokens: r.max_tokens,
                     limit_param,
+                    stop: r.stop.map(Stop::into_vec).unwrap_or_default(),
+                    ignore_eos: r.ignore_eos.unwrap_or(false),
+                    min_tokens: count_u32(r.min_tokens),
                 }
             }
         };
@@ -299,6 +360,10 @@ fn stream_flags(
         .with_param("stream_options")),
         Some(o) => Ok((true, o.include_usage.unwrap_or(true))),
     }
+}
+
+fn count_u32(n: Option<u64>) -> u32 {
+    n.map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
 }
 
 /// `n`, at least 1 (absent is 1).
@@ -424,6 +489,7 @@ struct ChatChunkChoice<'a> {
     delta: Delta<'a>,
     logprobs: Option<()>,
     finish_reason: Option<&'a str>,
+    stop_reason: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -440,6 +506,7 @@ struct TextChoice<'a> {
     text: &'a str,
     logprobs: Option<()>,
     finish_reason: Option<&'a str>,
+    stop_reason: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -448,6 +515,7 @@ struct ChatChoice<'a> {
     message: ChatMessage<'a>,
     logprobs: Option<()>,
     finish_reason: &'a str,
+    stop_reason: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -532,15 +600,18 @@ impl Encoder {
         index: u32,
         role: Option<&str>,
         content: Option<&str>,
-        finish: Option<&str>,
+        finish: Option<&Finish>,
     ) -> Bytes {
+        let finish_reason = finish.map(|f| f.reason);
+        let stop_reason = finish.and_then(|f| f.stop.as_deref());
         match self.api {
             Api::Chat => self.event(
                 &[ChatChunkChoice {
                     index,
                     delta: Delta { role, content },
                     logprobs: None,
-                    finish_reason: finish,
+                    finish_reason,
+                    stop_reason,
                 }],
                 None,
             ),
@@ -549,7 +620,8 @@ impl Encoder {
                     index,
                     text: content.unwrap_or(""),
                     logprobs: None,
-                    finish_reason: finish,
+                    finish_reason,
+                    stop_reason,
                 }],
                 None,
             ),
@@ -567,12 +639,12 @@ impl Encoder {
         self.delta(index, None, Some(text), None)
     }
 
-    /// The event carrying choice `index`'s `finish_reason` (empty delta for chat, empty text
-    /// for completions).
-    pub(crate) fn finish(&mut self, index: u32, reason: &str) -> Bytes {
+    /// The event carrying choice `index`'s `finish_reason` and `stop_reason` (empty delta for
+    /// chat, empty text for completions).
+    pub(crate) fn finish(&mut self, index: u32, finish: &Finish) -> Bytes {
         match self.api {
-            Api::Chat => self.delta(index, None, None, Some(reason)),
-            Api::Completions => self.delta(index, None, Some(""), Some(reason)),
+            Api::Chat => self.delta(index, None, None, Some(finish)),
+            Api::Completions => self.delta(index, None, Some(""), Some(finish)),
         }
     }
 
@@ -581,8 +653,8 @@ impl Encoder {
         self.event::<TextChoice<'_>>(&[], Some(usage))
     }
 
-    /// The non-streaming response object, one choice per text.
-    pub(crate) fn full(&self, texts: &[String], finish: &str, usage: &Usage) -> Bytes {
+    /// The non-streaming response object, one choice per text and its finish.
+    pub(crate) fn full(&self, texts: &[(String, Finish)], usage: &Usage) -> Bytes {
         let out = match self.api {
             Api::Chat => serde_json::to_vec(&Full {
                 id: &self.id,
@@ -592,14 +664,15 @@ impl Encoder {
                 system_fingerprint: None,
                 choices: &(0..)
                     .zip(texts)
-                    .map(|(index, text)| ChatChoice {
+                    .map(|(index, (text, finish))| ChatChoice {
                         index,
                         message: ChatMessage {
                             role: "assistant",
                             content: text,
                         },
                         logprobs: None,
-                        finish_reason: finish,
+                        finish_reason: finish.reason,
+                        stop_reason: finish.stop.as_deref(),
                     })
                     .collect::<Vec<_>>(),
                 usage,
@@ -612,11 +685,12 @@ impl Encoder {
                 system_fingerprint: None,
                 choices: &(0..)
                     .zip(texts)
-                    .map(|(index, text)| TextChoice {
+                    .map(|(index, (text, finish))| TextChoice {
                         index,
                         text,
                         logprobs: None,
-                        finish_reason: Some(finish),
+                        finish_reason: Some(finish.reason),
+                        stop_reason: finish.stop.as_deref(),
                     })
                     .collect::<Vec<_>>(),
                 usage,
@@ -680,22 +754,43 @@ mod tests {
             r#"{"messages":[{"role":"user","content":"abcdefgh"}],"max_tokens":6}"#,
         );
         // "user" + 8 bytes = 3 tokens; 3 + 6 = 9.
-        assert!(ok.check_context(10, 4).is_ok());
-        let e = ok.check_context(8, 4).unwrap_err();
+        assert!(ok.check_context(10, 64, 4).is_ok());
+        let e = ok.check_context(8, 64, 4).unwrap_err();
         assert_eq!(e.param, Some("max_tokens"));
         assert!(
             e.message.contains("maximum context length is 8 tokens"),
             "{}",
             e.message
         );
-        let e = ok.check_context(3, 4).unwrap_err();
+        let e = ok.check_context(3, 64, 4).unwrap_err();
         assert_eq!(e.param, Some("messages"));
         let batch = job(
             Api::Completions,
             r#"{"prompt":["a","abcdefghijkl"],"max_completion_tokens":1}"#,
         );
         assert_eq!(batch.longest_prompt(4), 3);
-        assert_eq!(batch.check_context(3, 4).unwrap_err().param, Some("prompt"));
+        assert_eq!(
+            batch.check_context(3, 64, 4).unwrap_err().param,
+            Some("prompt")
+        );
+        // A limit near u64::MAX does not wrap past the check.
+        let huge = job(
+            Api::Completions,
+            r#"{"prompt":"x","max_tokens":18446744073709551615}"#,
+        );
+        assert_eq!(
+            huge.check_context(1 << 21, 64, 4).unwrap_err().param,
+            Some("max_tokens")
+        );
+        // Every choice's output counts.
+        let many = job(
+            Api::Completions,
+            r#"{"prompt":"x","n":128,"max_tokens":2000000}"#,
+        );
+        assert_eq!(
+            many.check_context(1 << 21, 64, 4).unwrap_err().param,
+            Some("n")
+        );
     }
 
     #[test]
@@ -755,7 +850,13 @@ mod tests {
         assert_eq!(v["choices"][0]["delta"]["role"], "assistant");
         assert_eq!(v["choices"][0]["delta"]["content"], "");
         assert!(v["usage"].is_null() && v.as_object().unwrap().contains_key("usage"));
-        let fin = e.finish(1, "length");
+        let fin = e.finish(
+            1,
+            &Finish {
+                reason: "length",
+                stop: None,
+            },
+        );
         let v: serde_json::Value = serde_json::from_slice(&fin[6..fin.len() - 2]).unwrap();
         assert_eq!(v["choices"][0]["delta"], serde_json::json!({}));
         assert_eq!(v["choices"][0]["finish_reason"], "length");

@@ -34,10 +34,10 @@ use tokio::task::JoinSet;
 use tokio::time::{sleep_until, Instant};
 
 use crate::body::{SimBody, STREAM_CHANNEL_EVENTS};
+use crate::choice::{Choice, Ending, Finish};
 use crate::cost::{self, PrefixCache};
 use crate::embeddings::EmbedJob;
 use crate::openai::{self, Api, ApiError, Encoder, Job, Usage};
-use crate::text::TokenSource;
 use crate::{Faults, SimConfig, SimError};
 
 /// Largest request body accepted; larger bodies get 413.
@@ -164,6 +164,8 @@ struct Shared {
     waiting: AtomicUsize,
     /// KV-cache tokens held by running requests (prompt and tokens generated so far).
     kv_held_tokens: AtomicU64,
+    /// With `prefill_shared`, when the prefill work already scheduled is done.
+    prefill_free_at: Mutex<Instant>,
     cache: Mutex<PrefixCache>,
     rng: Mutex<SmallRng>,
     registry: Registry,
@@ -187,6 +189,21 @@ impl Shared {
         }
         let held = self.kv_held_tokens.load(Ordering::Relaxed) as f64;
         (held / capacity as f64).min(1.0)
+    }
+
+    /// When `tokens` uncached prompt tokens of a request admitted at `admitted` are prefilled:
+    /// at `prefill_tokens_per_second` from admission, or, with `prefill_shared`, after the
+    /// prefill work scheduled before it (one engine's prefill throughput, shared as chunked
+    /// prefill shares it; a request that leaves keeps its place in that schedule).
+    fn prefilled_at(&self, admitted: Instant, tokens: usize) -> Instant {
+        let work = cost::prefill_time(tokens, self.config.prefill_tokens_per_second);
+        if !self.config.prefill_shared || work.is_zero() {
+            return admitted + work;
+        }
+        let mut free = lock(&self.prefill_free_at);
+        let done = (*free).max(admitted) + work;
+        *free = done;
+        done
     }
 
     fn running(&self) -> usize {
@@ -275,6 +292,7 @@ pub async fn serve(
         slots: Arc::new(Semaphore::new(config.max_concurrency)),
         waiting: AtomicUsize::new(0),
         kv_held_tokens: AtomicU64::new(0),
+        prefill_free_at: Mutex::new(Instant::now()),
         cache: Mutex::new(PrefixCache::new(
             config.prefix_cache_tokens,
             config.block_tokens,
@@ -550,7 +568,7 @@ async fn completion(shared: &Arc<Shared>, api: Api, req: Request<Incoming>) -> R
     // The raw body is not needed any more: a queued or hung request holds only its prompts.
     drop(body);
     let c = &shared.config;
-    if let Err(e) = job.check_context(c.max_model_len, c.bytes_per_token) {
+    if let Err(e) = job.check_context(c.max_model_len, c.default_max_tokens, c.bytes_per_token) {
         return error_response(&e);
     }
     let model = job
@@ -675,9 +693,8 @@ async fn embeddings(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Si
     let _kv = KvHold::new(shared.clone(), tokens);
     shared.vllm.add(&shared.vllm.prompt_tokens, tokens as u64);
     wait_until(
-        Instant::now()
+        shared.prefilled_at(Instant::now(), tokens)
             + cost::ms(c.base_latency_ms)
-            + cost::prefill_time(tokens, c.prefill_tokens_per_second)
             + cost::ms(faults.slow_start_ms),
     )
     .await;
@@ -772,21 +789,14 @@ struct Generator {
 struct Plan {
     prompt_tokens: usize,
     cached_tokens: usize,
-    max_tokens: u32,
-    /// `length` when the request's own limit ends it, else `stop` (the "model" chose to stop).
-    finish_reason: &'static str,
-    /// One token source per choice: `n` for each prompt, prompt-major.
-    tokens: Vec<TokenSource>,
+    /// The choices: `n` for each prompt, prompt-major.
+    choices: Vec<Choice>,
 }
 
 impl Plan {
     fn usage(&self) -> Usage {
-        let choices = self.tokens.len() as u32;
-        Usage::new(
-            self.prompt_tokens,
-            self.cached_tokens,
-            self.max_tokens.saturating_mul(choices),
-        )
+        let generated = self.choices.iter().map(|c| c.generated()).sum();
+        Usage::new(self.prompt_tokens, self.cached_tokens, generated)
     }
 }
 
@@ -799,18 +809,33 @@ impl Generator {
         let c = &self.shared.config;
         let (mut prompt_tokens, mut cached_tokens) = (0, 0);
         let mut blocks = Vec::with_capacity(self.job.prompts.len());
-        let mut tokens = Vec::with_capacity(self.job.choices() as usize);
+        let mut choices = Vec::with_capacity(self.job.choices() as usize);
+        let ending = Ending {
+            seed: c.seed,
+            max_tokens: self.job.output_limit().unwrap_or_else(|| {
+                // What the context leaves after the longest prompt (check_context: at least 1).
+                let left = u64::from(c.max_model_len)
+                    .saturating_sub(self.job.longest_prompt(c.bytes_per_token));
+                c.default_max_tokens
+                    .min(u32::try_from(left).unwrap_or(u32::MAX))
+            }),
+            limit_requested: self.job.max_tokens.is_some(),
+            eos_mean_tokens: c.eos_mean_tokens,
+            ignore_eos: self.job.ignore_eos,
+            min_tokens: self.job.min_tokens,
+        };
         for prompt in &self.job.prompts {
             let total = cost::prompt_tokens(prompt.len(), c.bytes_per_token);
             let hashes = cost::block_hashes(prompt, c.block_tokens, c.bytes_per_token);
             cached_tokens += lock(&self.shared.cache).cached_tokens(&hashes).min(total);
             prompt_tokens += total;
             blocks.push(hashes);
-            tokens.extend((0..self.job.n).map(|i| TokenSource::choice(c.seed, prompt, i)));
+            choices.extend((0..self.job.n).map(|i| Choice::new(&ending, prompt, i)));
         }
-        let first_token_at = admitted
+        let first_token_at = self
+            .shared
+            .prefilled_at(admitted, prompt_tokens - cached_tokens)
             + cost::ms(c.base_latency_ms)
-            + cost::prefill_time(prompt_tokens - cached_tokens, c.prefill_tokens_per_second)
             + cost::ms(self.faults.slow_start_ms);
         wait_until(first_token_at).await;
         // The KV blocks exist once prefill is done; a concurrent identical prompt hits them.
@@ -826,19 +851,7 @@ impl Generator {
         Plan {
             prompt_tokens,
             cached_tokens,
-            max_tokens: self.job.output_limit().unwrap_or_else(|| {
-                // What the context leaves after the longest prompt (check_context: at least 1).
-                let left = u64::from(c.max_model_len)
-                    .saturating_sub(self.job.longest_prompt(c.bytes_per_token));
-                c.default_max_tokens
-                    .min(u32::try_from(left).unwrap_or(u32::MAX))
-            }),
-            finish_reason: if self.job.max_tokens.is_some() {
-                "length"
-            } else {
-                "stop"
-            },
-            tokens,
+            choices,
         }
     }
 
@@ -878,14 +891,14 @@ impl Generator {
             () = tx.closed() => None,
         };
         let Some(permit) = permit else { return };
-        let plan = tokio::select! {
+        let mut plan = tokio::select! {
             p = self.prefill() => p,
             () = tx.closed() => return,
         };
         let mut kv = KvHold::new(self.shared.clone(), plan.prompt_tokens);
         let mut deadline = Instant::now();
         let mut last = deadline;
-        for i in 0..plan.max_tokens {
+        for i in 0.. {
             if i > 0 {
                 deadline = self.next_deadline(deadline);
                 wait_until(deadline).await;
@@ -909,29 +922,40 @@ impl Generator {
                 }
                 return;
             }
-            for (choice, source) in (0..).zip(&plan.tokens) {
+            let mut produced = 0;
+            for (index, choice) in (0..).zip(plan.choices.iter_mut()) {
                 if i == 0 {
-                    if let Some(role) = self.encoder.role(choice) {
+                    if let Some(role) = self.encoder.role(index) {
                         if tx.send(role).await.is_err() {
                             return;
                         }
                     }
                 }
-                let event = self.encoder.token(choice, source.token(i));
-                if tx.send(event).await.is_err() {
+                let Some(text) = choice.next(&self.job.stop) else {
+                    continue;
+                };
+                produced += 1;
+                kv.grow();
+                if !text.is_empty() && tx.send(self.encoder.token(index, text)).await.is_err() {
                     return;
                 }
-                kv.grow();
+                // A choice's end goes out as it ends (each choice of `n` has its own).
+                if let Some(finish) = choice.finish() {
+                    if tx.send(self.encoder.finish(index, finish)).await.is_err() {
+                        return;
+                    }
+                }
             }
             let now = Instant::now();
-            self.observe_token(i, now, last, plan.tokens.len());
+            self.observe_token(i, now, last, produced);
             last = now;
+            if plan.choices.iter().all(|c| c.finish().is_some()) {
+                break;
+            }
         }
         drop(kv);
         drop(permit);
-        let mut tail: Vec<Bytes> = (0..plan.tokens.len() as u32)
-            .map(|choice| self.encoder.finish(choice, plan.finish_reason))
-            .collect();
+        let mut tail = Vec::with_capacity(2);
         if self.job.include_usage {
             tail.push(self.encoder.usage(&plan.usage()));
         }
@@ -953,12 +977,12 @@ impl Generator {
                 "The server is shutting down.".into(),
             ));
         };
-        let plan = self.prefill().await;
+        let mut plan = self.prefill().await;
         let mut kv = KvHold::new(self.shared.clone(), plan.prompt_tokens);
-        let mut texts = vec![String::new(); plan.tokens.len()];
+        let mut texts = vec![String::new(); plan.choices.len()];
         let mut deadline = Instant::now();
         let mut last = deadline;
-        for i in 0..plan.max_tokens {
+        for i in 0.. {
             if i > 0 {
                 deadline = self.next_deadline(deadline);
                 wait_until(deadline).await;
@@ -975,20 +999,38 @@ impl Generator {
                     "The server is shutting down.".into(),
                 ));
             }
-            for (text, source) in texts.iter_mut().zip(&plan.tokens) {
-                text.push_str(source.token(i));
+            let mut produced = 0;
+            for (text, choice) in texts.iter_mut().zip(plan.choices.iter_mut()) {
+                let Some(token) = choice.next(&self.job.stop) else {
+                    continue;
+                };
+                produced += 1;
                 kv.grow();
+                text.push_str(token);
+                // A stop string that began in earlier tokens: the text ends before it.
+                text.truncate(text.len() - choice.retracted().min(text.len()));
             }
             let now = Instant::now();
-            self.observe_token(i, now, last, plan.tokens.len());
+            self.observe_token(i, now, last, produced);
             last = now;
+            if plan.choices.iter().all(|c| c.finish().is_some()) {
+                break;
+            }
         }
         drop(kv);
         drop(permit);
-        let resp = json_response(
-            StatusCode::OK,
-            self.encoder.full(&texts, plan.finish_reason, &plan.usage()),
-        );
+        let answers: Vec<_> = texts
+            .into_iter()
+            .zip(&plan.choices)
+            .map(|(text, c)| {
+                let finish = c.finish().cloned().unwrap_or(Finish {
+                    reason: "length",
+                    stop: None,
+                });
+                (text, finish)
+            })
+            .collect();
+        let resp = json_response(StatusCode::OK, self.encoder.full(&answers, &plan.usage()));
         self.observe_end();
         resp
     }

@@ -296,6 +296,80 @@ async fn n_choices_batches_and_token_id_prompts_are_answered_per_choice() {
 }
 
 #[tokio::test]
+async fn outputs_end_at_a_stop_string_or_the_models_own_end_unless_eos_is_ignored() {
+    let sim = start(SimConfig {
+        eos_mean_tokens: 5.0,
+        ..fast_config()
+    })
+    .await;
+    // Natural ends: lengths vary, below the limit, with finish_reason "stop".
+    let mut lengths = Vec::new();
+    for i in 0..20 {
+        let (_, v) = sim
+            .post_json(
+                "/v1/completions",
+                json!({"model": "sim-model", "prompt": format!("p{i}"), "max_tokens": 200}),
+            )
+            .await;
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        assert!(v["choices"][0]["stop_reason"].is_null(), "{v}");
+        lengths.push(v["usage"]["completion_tokens"].as_u64().unwrap());
+    }
+    assert!(lengths.iter().any(|&n| n != lengths[0]), "{lengths:?}");
+    assert!(lengths.iter().all(|&n| n < 200), "{lengths:?}");
+    // ignore_eos: the limit ends it.
+    let (_, v) = sim
+        .post_json(
+            "/v1/completions",
+            json!({"model": "sim-model", "prompt": "p0", "max_tokens": 30, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(
+        (
+            v["usage"]["completion_tokens"].as_u64(),
+            v["choices"][0]["finish_reason"].as_str()
+        ),
+        (Some(30), Some("length"))
+    );
+    // A stop string: the text ends right before it, streamed or whole.
+    let (_, whole) = sim
+        .post_json(
+            "/v1/completions",
+            json!({"model": "sim-model", "prompt": "q", "max_tokens": 40, "ignore_eos": true}),
+        )
+        .await;
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_owned();
+    let stop = text.split_whitespace().nth(3).unwrap().to_owned();
+    let want = &text[..text.find(&stop).unwrap()];
+    let body = json!({"model": "sim-model", "prompt": "q", "max_tokens": 40, "ignore_eos": true, "stop": [stop.clone()]});
+    let (_, v) = sim.post_json("/v1/completions", body.clone()).await;
+    assert_eq!(v["choices"][0]["text"], want);
+    assert_eq!(
+        (
+            v["choices"][0]["finish_reason"].as_str(),
+            v["choices"][0]["stop_reason"].as_str()
+        ),
+        (Some("stop"), Some(stop.as_str()))
+    );
+    let mut stream_body = body;
+    stream_body["stream"] = json!(true);
+    let (events, _) = sim.stream("/v1/completions", stream_body).await;
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let streamed: String = chunks
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(streamed, want);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["stop_reason"],
+        stop.as_str()
+    );
+}
+
+#[tokio::test]
 async fn embeddings_are_unit_vectors_as_floats_or_base64() {
     let sim = start(SimConfig {
         embedding_dimensions: 16,
@@ -379,6 +453,38 @@ async fn repeated_long_prompt_has_lower_ttft_thanks_to_the_prefix_cache() {
         .unwrap();
     let prompt_tokens = full["usage"]["prompt_tokens"].as_u64().unwrap();
     assert!(prompt_tokens - cached < 16, "{full}");
+}
+
+#[tokio::test]
+async fn concurrent_prefills_share_the_engines_prefill_rate() {
+    let sim = std::sync::Arc::new(
+        start(SimConfig {
+            prefill_tokens_per_second: 100_000.0,
+            ..fast_config()
+        })
+        .await,
+    );
+    // Two different 20 000-token prompts at once: 200 ms of prefill each, one after the other.
+    let runs: Vec<_> = ["a", "b"]
+        .into_iter()
+        .map(|tag| {
+            let sim = sim.clone();
+            tokio::spawn(async move {
+                let prompt = format!("{tag} ").repeat(40_000);
+                let body = chat(&prompt, json!({"stream": true, "max_tokens": 1}));
+                sim.stream("/v1/chat/completions", body).await.1
+            })
+        })
+        .collect();
+    let mut ttfts = Vec::new();
+    for r in runs {
+        ttfts.push(r.await.unwrap());
+    }
+    let later = ttfts.iter().max().unwrap();
+    assert!(
+        *later >= Duration::from_millis(380),
+        "the second prefill did not wait for the first: {ttfts:?}"
+    );
 }
 
 #[tokio::test]

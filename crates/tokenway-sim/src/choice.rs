@@ -1,0 +1,255 @@
+//! One choice's output as it is generated: token after token until the "model" ends it (an
+//! end-of-sequence token after a drawn length, when `eos_mean_tokens` is set), the request's
+//! limit ends it, or a `stop` string appears.
+//!
+//! The drawn length is a pure function of (seed, prompt, choice), geometric with mean
+//! `eos_mean_tokens`, at least the request's `min_tokens`; `ignore_eos` turns it off, as on vLLM.
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+use crate::text::TokenSource;
+
+/// How a choice ended: `finish_reason`, and vLLM's `stop_reason` (the stop string matched).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Finish {
+    pub(crate) reason: &'static str,
+    pub(crate) stop: Option<String>,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub(crate) struct Choice {
+    source: TokenSource,
+    /// Tokens it produces unless a stop string ends it sooner.
+    length: u32,
+    /// `finish_reason` once `length` tokens are out.
+    at_length: &'static str,
+    generated: u32,
+    /// The end of the text so far, long enough to find a stop string that spans tokens.
+    tail: String,
+    finish: Option<Finish>,
+    /// Bytes of text already handed out that a stop string began in.
+    retracted: usize,
+}
+
+/// The rules every choice of a request follows (its `stop` strings are passed to
+/// [`Choice::next`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ending {
+    pub(crate) seed: u64,
+    /// Output limit: the request's, else the default.
+    pub(crate) max_tokens: u32,
+    /// Whether the request set the limit (it then ends with `length`; the default one ends
+    /// with `stop`, as if the model had chosen to).
+    pub(crate) limit_requested: bool,
+    /// Mean length before the end-of-sequence token; 0 draws none (the limit ends every choice).
+    pub(crate) eos_mean_tokens: f64,
+    pub(crate) ignore_eos: bool,
+    pub(crate) min_tokens: u32,
+}
+
+impl Choice {
+    /// Choice `index` of `prompt`.
+    pub(crate) fn new(ending: &Ending, prompt: &[u8], index: u32) -> Self {
+        let eos = (ending.eos_mean_tokens > 0.0 && !ending.ignore_eos)
+            .then(|| drawn_length(ending.seed, prompt, index, ending.eos_mean_tokens))
+            .map(|n| n.max(ending.min_tokens));
+        let (length, at_length) = match eos {
+            Some(n) if n < ending.max_tokens => (n, "stop"),
+            _ if ending.limit_requested => (ending.max_tokens, "length"),
+            _ => (ending.max_tokens, "stop"),
+        };
+        Self {
+            source: TokenSource::choice(ending.seed, prompt, index),
+            length,
+            at_length,
+            generated: 0,
+            tail: String::new(),
+            finish: None,
+            retracted: 0,
+        }
+    }
+
+    /// The next token's text (what of it comes before a stop string), or `None` once the choice
+    /// has ended. A stop string that began in text already handed out leaves [`Self::retracted`]
+    /// bytes of it: a whole answer drops them; a stream has sent them (vLLM holds back text
+    /// that may begin a stop string; the sim does not).
+    pub(crate) fn next(&mut self, stop: &[String]) -> Option<&'static str> {
+        if self.finish.is_some() || self.generated >= self.length {
+            return None;
+        }
+        let token = self.source.token(self.generated);
+        self.generated += 1;
+        if !stop.is_empty() {
+            let before = self.tail.len();
+            self.tail.push_str(token);
+            let found = stop
+                .iter()
+                .filter(|s| !s.is_empty())
+                .filter_map(|s| self.tail.find(s.as_str()).map(|at| (at, s)))
+                .min_by_key(|(at, _)| *at);
+            if let Some((at, s)) = found {
+                self.finish = Some(Finish {
+                    reason: "stop",
+                    stop: Some(s.clone()),
+                });
+                self.retracted = before.saturating_sub(at);
+                return Some(&token[..at.saturating_sub(before).min(token.len())]);
+            }
+            // Keep what a match spanning the next token could start with (tokens are ASCII).
+            let keep = stop.iter().map(String::len).max().unwrap_or(0);
+            if self.tail.len() > keep {
+                self.tail.drain(..self.tail.len() - keep);
+            }
+        }
+        if self.generated >= self.length {
+            self.finish = Some(Finish {
+                reason: self.at_length,
+                stop: None,
+            });
+        }
+        Some(token)
+    }
+
+    /// Bytes of text handed out before the last token that the matched stop string began in.
+    pub(crate) fn retracted(&self) -> usize {
+        self.retracted
+    }
+
+    /// How it ended, once it has.
+    pub(crate) fn finish(&self) -> Option<&Finish> {
+        self.finish.as_ref()
+    }
+
+    /// Tokens generated so far (the one that completed a stop string included, as vLLM
+    /// counts it).
+    pub(crate) fn generated(&self) -> u32 {
+        self.generated
+    }
+}
+
+/// A geometric length with mean `mean` (at least 1), from a hash of (seed, prompt, choice).
+fn drawn_length(seed: u64, prompt: &[u8], choice: u32, mean: f64) -> u32 {
+    let mut h = DefaultHasher::new();
+    (seed, "eos").hash(&mut h);
+    prompt.hash(&mut h);
+    choice.hash(&mut h);
+    // Uniform in (0, 1].
+    let u = ((h.finish() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+    let p = 1.0 / mean.max(1.0);
+    if p >= 1.0 {
+        return 1;
+    }
+    let n = (u.ln() / (1.0 - p).ln()).ceil();
+    if n.is_finite() && n >= 1.0 {
+        n.min(f64::from(u32::MAX)) as u32
+    } else {
+        1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ending() -> Ending {
+        Ending {
+            seed: 1,
+            max_tokens: 50,
+            limit_requested: true,
+            eos_mean_tokens: 0.0,
+            ignore_eos: false,
+            min_tokens: 0,
+        }
+    }
+
+    fn run(c: &mut Choice, stop: &[String]) -> String {
+        let mut out = String::new();
+        while let Some(t) = c.next(stop) {
+            out.push_str(t);
+        }
+        out
+    }
+
+    #[test]
+    fn without_eos_the_limit_ends_a_choice() {
+        let mut c = Choice::new(&ending(), b"p", 0);
+        assert_eq!(run(&mut c, &[]).split_whitespace().count(), 50);
+        assert_eq!(c.finish().unwrap().reason, "length");
+        let mut d = Choice::new(
+            &Ending {
+                limit_requested: false,
+                ..ending()
+            },
+            b"p",
+            0,
+        );
+        run(&mut d, &[]);
+        assert_eq!(d.finish().unwrap().reason, "stop");
+    }
+
+    #[test]
+    fn eos_lengths_average_their_mean_and_respect_min_tokens_and_ignore_eos() {
+        let e = Ending {
+            eos_mean_tokens: 10.0,
+            max_tokens: 10_000,
+            ..ending()
+        };
+        let lengths: Vec<u32> = (0..2000)
+            .map(|i| {
+                let mut c = Choice::new(&e, format!("prompt {i}").as_bytes(), 0);
+                run(&mut c, &[]);
+                assert_eq!(c.finish().unwrap().reason, "stop");
+                c.generated()
+            })
+            .collect();
+        let mean = lengths.iter().map(|&n| f64::from(n)).sum::<f64>() / 2000.0;
+        assert!((8.5..11.5).contains(&mean), "{mean}");
+        assert!(lengths.contains(&1) && lengths.iter().any(|&n| n > 30));
+        let min = Ending {
+            min_tokens: 25,
+            ..e
+        };
+        assert!((0..200).all(|i| {
+            let mut c = Choice::new(&min, format!("p{i}").as_bytes(), 0);
+            run(&mut c, &[]);
+            c.generated() >= 25
+        }));
+        let ignore = Ending {
+            ignore_eos: true,
+            max_tokens: 40,
+            ..e
+        };
+        let mut c = Choice::new(&ignore, b"p", 0);
+        run(&mut c, &[]);
+        assert_eq!((c.generated(), c.finish().unwrap().reason), (40, "length"));
+    }
+
+    #[test]
+    fn a_stop_string_ends_the_text_before_it_even_across_tokens() {
+        let mut plain = Choice::new(&ending(), b"p", 0);
+        let words: Vec<&str> = std::iter::from_fn(|| plain.next(&[])).collect();
+        let whole: String = words.concat();
+        // Across a token boundary, inside a token, and a whole word.
+        let stops = [
+            format!("{}{}", words[2], &words[3][..2]),
+            words[1][1..].to_owned(),
+            words[5].to_owned(),
+        ];
+        for stop in stops {
+            let stop = vec![stop];
+            let mut c = Choice::new(&ending(), b"p", 0);
+            let mut text = run(&mut c, &stop);
+            text.truncate(text.len() - c.retracted());
+            let at = whole.find(&stop[0]).expect("the stop is in the text");
+            assert_eq!(text, whole[..at], "{stop:?}");
+            assert_eq!(
+                c.finish().unwrap(),
+                &Finish {
+                    reason: "stop",
+                    stop: Some(stop[0].clone())
+                }
+            );
+        }
+    }
+}
