@@ -7,6 +7,11 @@ use http::{header, HeaderMap, HeaderValue, Method, Response, StatusCode};
 
 use crate::error::{full, ResponseBody};
 
+/// The answer headers a browser client reads besides the safelisted ones: retry advice, the
+/// backend's request id, and the gateway's timing and choice.
+const EXPOSED: &str =
+    "retry-after, x-should-retry, x-request-id, server-timing, x-tokenway-backend";
+
 /// How long a browser may cache a preflight's answer, seconds.
 const MAX_AGE: &str = "86400";
 
@@ -51,7 +56,7 @@ impl Cors {
     }
 
     /// The answer to an allowed preflight: 204, the API's methods, the headers it asked for.
-    pub fn preflight(allow: HeaderValue, headers: &HeaderMap) -> Response<ResponseBody> {
+    pub fn preflight(&self, allow: HeaderValue, headers: &HeaderMap) -> Response<ResponseBody> {
         let mut r = Response::new(full(bytes::Bytes::new()));
         *r.status_mut() = StatusCode::NO_CONTENT;
         let h = r.headers_mut();
@@ -68,17 +73,37 @@ impl Cors {
             header::ACCESS_CONTROL_MAX_AGE,
             HeaderValue::from_static(MAX_AGE),
         );
-        Self::mark(&mut r, allow);
+        self.mark(&mut r, Some(allow));
         r
     }
 
-    /// Marks an answer as readable by the allowed origin.
-    pub fn mark(r: &mut Response<ResponseBody>, allow: HeaderValue) {
+    /// Marks an answer to a request with `headers` as the gateway's CORS rules say: readable by
+    /// an allowed origin (with the headers a client needs exposed), and without any CORS
+    /// header a backend put on it for another origin.
+    pub fn mark_for(&self, headers: &HeaderMap, r: &mut Response<ResponseBody>) {
+        self.mark(r, self.allow(headers));
+    }
+
+    fn mark(&self, r: &mut Response<ResponseBody>, allow: Option<HeaderValue>) {
         let h = r.headers_mut();
-        if allow != "*" {
+        // The backend's own CORS answer (vLLM allows every origin) is not the gateway's.
+        for name in [
+            header::ACCESS_CONTROL_ALLOW_ORIGIN,
+            header::ACCESS_CONTROL_ALLOW_CREDENTIALS,
+            header::ACCESS_CONTROL_EXPOSE_HEADERS,
+        ] {
+            h.remove(name);
+        }
+        // The answer depends on the origin unless every origin gets the same.
+        if !self.any {
             h.append(header::VARY, HeaderValue::from_static("origin"));
         }
+        let Some(allow) = allow else { return };
         h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, allow);
+        h.insert(
+            header::ACCESS_CONTROL_EXPOSE_HEADERS,
+            HeaderValue::from_static(EXPOSED),
+        );
     }
 }
 
@@ -137,7 +162,8 @@ mod tests {
         ]);
         assert!(Cors::is_preflight(&Method::OPTIONS, &h));
         assert!(!Cors::is_preflight(&Method::OPTIONS, &HeaderMap::new()));
-        let r = Cors::preflight(HeaderValue::from_static("https://a.test"), &h);
+        let cors = Cors::new(&["https://a.test".into()]).unwrap();
+        let r = cors.preflight(HeaderValue::from_static("https://a.test"), &h);
         assert_eq!(r.status(), StatusCode::NO_CONTENT);
         let rh = r.headers();
         assert_eq!(rh["access-control-allow-origin"], "https://a.test");
@@ -150,6 +176,31 @@ mod tests {
             .unwrap()
             .contains("POST"));
         assert_eq!(rh["vary"], "origin");
+    }
+
+    #[test]
+    fn a_backends_cors_headers_give_way_to_the_gateways() {
+        let cors = Cors::new(&["https://a.test".into()]).unwrap();
+        let answer = || {
+            let mut r = Response::new(full(bytes::Bytes::new()));
+            r.headers_mut()
+                .insert("access-control-allow-origin", HeaderValue::from_static("*"));
+            r
+        };
+        let mut other = answer();
+        cors.mark_for(&headers(&[("origin", "https://evil.test")]), &mut other);
+        assert!(!other.headers().contains_key("access-control-allow-origin"));
+        assert_eq!(other.headers()["vary"], "origin");
+        let mut listed = answer();
+        cors.mark_for(&headers(&[("origin", "https://a.test")]), &mut listed);
+        assert_eq!(
+            listed.headers()["access-control-allow-origin"],
+            "https://a.test"
+        );
+        assert!(listed.headers()["access-control-expose-headers"]
+            .to_str()
+            .unwrap()
+            .contains("x-should-retry"));
     }
 
     #[test]

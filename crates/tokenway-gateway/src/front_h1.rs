@@ -196,7 +196,7 @@ where
             let method = head.parts.method.clone();
             match service::before_body(&self.shared, &head.parts, self.front) {
                 BeforeBody::Read => {}
-                BeforeBody::Refuse(e) => return self.end(End::Reject(e), version).await,
+                BeforeBody::Refuse(resp) => return self.close_with(resp, &method, version).await,
                 // A probe with a body on the tunnel's TCP port: the masquerade site answers
                 // without it (the body is neither read nor held) and the connection closes.
                 BeforeBody::Masquerade if head.body != RequestBody::Empty => {

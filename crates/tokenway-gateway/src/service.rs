@@ -126,8 +126,8 @@ pub enum TcpFront {
 pub enum BeforeBody {
     /// Read it and handle the request.
     Read,
-    /// Refuse the request with this error, unread.
-    Refuse(ApiError),
+    /// Refuse the request with this answer (an error), unread.
+    Refuse(Response<ResponseBody>),
     /// The request is the masquerade site's: it needs no body.
     Masquerade,
 }
@@ -184,15 +184,19 @@ where
     B::Data: Send,
     B::Error: std::error::Error + Send + Sync + 'static,
 {
-    let Some(allow) = shared.cors.as_ref().and_then(|c| c.allow(req.headers())) else {
+    let Some(cors) = &shared.cors else {
         return answer(shared, req, transport, peer).await;
     };
-    if Cors::is_preflight(req.method(), req.headers()) {
+    if let (true, Some(allow)) = (
+        Cors::is_preflight(req.method(), req.headers()),
+        cors.allow(req.headers()),
+    ) {
         shared.count_request("other", None, StatusCode::NO_CONTENT.as_u16());
-        return Cors::preflight(allow, req.headers());
+        return cors.preflight(allow, req.headers());
     }
-    let mut response = answer(shared, req, transport, peer).await;
-    Cors::mark(&mut response, allow);
+    let headers = req.headers().clone();
+    let mut response = answer(shared.clone(), req, transport, peer).await;
+    cors.mark_for(&headers, &mut response);
     response
 }
 
@@ -496,19 +500,16 @@ pub fn before_body(shared: &Shared, parts: &http::request::Parts, front: TcpFron
     if parts.method != Method::POST {
         return BeforeBody::Read;
     }
-    // A browser's request: its 401 must carry the CORS marks, which the full path adds.
-    if shared
-        .cors
-        .as_ref()
-        .is_some_and(|c| c.allow(&parts.headers).is_some())
-    {
-        return BeforeBody::Read;
-    }
     match authenticate(shared, &parts.headers) {
         Ok(()) => BeforeBody::Read,
         Err(e) => {
             shared.count_request(route, None, e.status.as_u16());
-            BeforeBody::Refuse(e)
+            let mut refusal = e.into_response();
+            // A browser's request: the page must be able to read its 401.
+            if let Some(cors) = &shared.cors {
+                cors.mark_for(&parts.headers, &mut refusal);
+            }
+            BeforeBody::Refuse(refusal)
         }
     }
 }
