@@ -25,8 +25,9 @@ use crate::tunnel::AUTH_HEADER;
 
 /// The routes the gateway proxies by the `model` of their JSON body, each its own metric label:
 /// the OpenAI API's (the first [`HOT_ROUTES`] carry nearly all traffic) and what vLLM, SGLang
-/// and llama.cpp serve beside it. Any other `POST /v1/...` is proxied too, labelled
-/// [`OTHER_V1`].
+/// and llama.cpp serve beside it. Only these: the path goes to the backend with the gateway's
+/// own backend key, so no other path (a server's admin routes such as vLLM's
+/// `/v1/load_lora_adapter`, or one with `..` segments a path-routing proxy would resolve) may.
 pub(crate) const PROXIED: [&str; 14] = [
     "/v1/chat/completions",
     "/v1/completions",
@@ -47,14 +48,9 @@ pub(crate) const PROXIED: [&str; 14] = [
 /// How many of [`PROXIED`]'s first routes have cached per-backend counters.
 pub(crate) const HOT_ROUTES: usize = 3;
 
-/// The metric label of a proxied `POST /v1/...` not in [`PROXIED`].
-pub(crate) const OTHER_V1: &str = "/v1/*";
-
 /// The proxied route `path` is, as its metric label.
 pub(crate) fn proxied(path: &str) -> Option<&'static str> {
-    PROXIED.iter().copied().find(|r| *r == path).or_else(|| {
-        (path.starts_with("/v1/") && !path.starts_with("/v1/models")).then_some(OTHER_V1)
-    })
+    PROXIED.iter().copied().find(|r| *r == path)
 }
 
 /// `path` with repeated slashes collapsed and a trailing one dropped (`/v1//chat/completions/`
