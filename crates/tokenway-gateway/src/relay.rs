@@ -36,6 +36,7 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use tokenway_router::Outcome;
 use tokenway_telemetry::stream_clock::StreamClock;
+use tokenway_wire::sse::StreamErrorCause;
 use tokio::time::Sleep;
 
 use crate::error::BoxError;
@@ -75,8 +76,9 @@ pub struct RelayBody {
     /// the two as one event of broken JSON, not as an error).
     partial: Option<Bytes>,
     /// The backend sent an error event (`data: {"error": ...}`, how vLLM and SGLang report a
-    /// generation that failed after the 200): relayed as it is, but the answer is a failure.
-    backend_error: bool,
+    /// generation that failed after the 200): relayed as it is; one the backend calls its own
+    /// fault makes the answer a failure of the backend.
+    backend_error: Option<StreamErrorCause>,
 }
 
 /// What one poll of the relay's body gives.
@@ -108,19 +110,29 @@ impl RelayBody {
             unobserved: None,
             end_unreported: false,
             partial: None,
-            backend_error: false,
+            backend_error: None,
         }
     }
 
-    /// How the upstream's clean end counts: a failure if the backend reported one in-stream.
+    /// How the upstream's clean end counts: a failure if the backend reported one of its own
+    /// in-stream (one it says the request caused, a 4xx, is no sign of a bad backend: a client
+    /// that could provoke it must not be able to eject backends).
     fn end_outcome(&mut self) -> Outcome {
-        if !self.backend_error {
+        let Some(cause) = self.backend_error else {
             return Outcome::Success;
-        }
+        };
         let backend = self.attempt.backend_name();
-        tracing::warn!(%backend, "the backend reported an error inside its event stream");
-        self.attempt.count_stream_error("backend_error_event");
-        Outcome::ServerError
+        tracing::warn!(%backend, ?cause, "the backend reported an error inside its event stream");
+        match cause {
+            StreamErrorCause::Server => {
+                self.attempt.count_stream_error("backend_error_event");
+                Outcome::ServerError
+            }
+            StreamErrorCause::Client => {
+                self.attempt.count_stream_error("backend_rejected");
+                Outcome::Success
+            }
+        }
     }
 
     /// Does the bookkeeping of the frame handed out last (see the module docs); before the
@@ -131,8 +143,8 @@ impl RelayBody {
         }
         self.attempt.settle();
         if let Some((data, at)) = self.unobserved.take() {
-            if self.clock.sse() && !self.backend_error {
-                self.backend_error = tokenway_wire::sse::has_error_event(&data);
+            if self.clock.sse() && self.backend_error.is_none() {
+                self.backend_error = tokenway_wire::sse::find_error_event(&data);
             }
             self.clock.observe_at(&data, at);
         }

@@ -66,8 +66,9 @@ pub struct StreamErrorLabels {
     /// Backend region.
     pub region: String,
     /// What broke the stream: `backend_error_event` (the backend sent an error event, as vLLM
-    /// and SGLang do when generation fails after the 200), `upstream_failed` (its connection
-    /// failed) or `upstream_stalled` (it went silent).
+    /// and SGLang do when generation fails after the 200), `backend_rejected` (such an event
+    /// naming the request's fault, a 4xx), `upstream_failed` (its connection failed) or
+    /// `upstream_stalled` (it went silent).
     pub cause: &'static str,
 }
 

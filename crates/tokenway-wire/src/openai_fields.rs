@@ -7,19 +7,72 @@
 
 use std::borrow::Cow;
 
-use serde::de::{Deserializer, Error as _, IgnoredAny};
+use serde::de::{Deserializer, Error as _, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
-/// A JSON scalar as the readers see it; any other value is skipped unread.
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// A JSON scalar as the readers see it; any other value (an array, an object) is skipped
+/// without being built: a client's 32 MiB array in `max_tokens` costs no allocation.
 enum Scalar<'a> {
     Bool(bool),
     Unsigned(u64),
     Signed(i64),
     Float(f64),
-    Text(#[serde(borrow)] Cow<'a, str>),
-    Other(IgnoredAny),
+    Text(Cow<'a, str>),
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Scalar<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ScalarVisitor)
+    }
+}
+
+struct ScalarVisitor;
+
+impl<'de> Visitor<'de> for ScalarVisitor {
+    type Value = Scalar<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(Scalar::Bool(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(Scalar::Unsigned(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(Scalar::Signed(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(Scalar::Float(v))
+    }
+
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Scalar::Text(Cow::Borrowed(v)))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Scalar::Text(Cow::Owned(v.to_owned())))
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Scalar::Other)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Scalar::Other)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Scalar::Other)
+    }
 }
 
 impl Scalar<'_> {
@@ -125,6 +178,9 @@ mod tests {
         );
         assert_eq!(read(r#"{"max_tokens":{"a":[1]}}"#), Ok((None, None, None)));
         assert_eq!(read("{}"), Ok((None, None, None)));
+        // A large array is skipped element by element, never built.
+        let big = format!("{{\"max_tokens\":[{}0],\"n\":1}}", "0,".repeat(100_000));
+        assert_eq!(read(&big), Ok((None, Some(1), None)));
     }
 
     #[test]

@@ -321,19 +321,44 @@ impl SseScanner {
     }
 }
 
-/// Whether `data` (whole events of a stream) holds an error event as the OpenAI-compatible
-/// servers send one after their 200: a data line whose JSON value starts with `{"error"`
-/// (`data: {"error": {...}}`, vLLM and SGLang). Token text cannot look like that: inside a
-/// JSON string its quotes are escaped.
-pub fn has_error_event(data: &[u8]) -> bool {
+/// Whose fault an in-stream error event says it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamErrorCause {
+    /// The server's (no 4xx code or client error type): a failure of the backend.
+    Server,
+    /// The request's (`"code": 4xx`, or a type such as vLLM's `BadRequestError`).
+    Client,
+}
+
+/// The first error event in `data` (whole events of a stream), as the OpenAI-compatible servers
+/// send one after their 200: a data line whose JSON value starts with `{"error"`
+/// (`data: {"error": {...}}`, vLLM and SGLang), and whose fault it says it is. Token text cannot
+/// look like that: inside a JSON string its quotes are escaped.
+pub fn find_error_event(data: &[u8]) -> Option<StreamErrorCause> {
     static ERROR: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"{\"error\""));
-    ERROR.find_iter(data).any(|at| {
+    let at = ERROR.find_iter(data).find(|&at| {
         let before = &data[..at];
         let before = before.strip_suffix(b" ").unwrap_or(before);
         before.strip_suffix(b"data:").is_some_and(|line_start| {
             line_start.is_empty() || line_start.ends_with(b"\n") || line_start.ends_with(b"\r")
         })
+    })?;
+    let rest = &data[at..];
+    let line = &rest[..memchr::memchr2(b'\n', b'\r', rest).unwrap_or(rest.len())];
+    let client = [
+        &b"\"code\":4"[..],
+        b"\"code\": 4",
+        b"BadRequestError",
+        b"NotFoundError",
+        b"invalid_request_error",
+    ]
+    .iter()
+    .any(|marker| memchr::memmem::find(line, marker).is_some());
+    Some(if client {
+        StreamErrorCause::Client
+    } else {
+        StreamErrorCause::Server
     })
 }
 
@@ -400,23 +425,45 @@ fn push_json_string(out: &mut Vec<u8>, s: &str) {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn error_events_are_found_and_token_text_is_not_one() {
-        use super::has_error_event;
-        assert!(has_error_event(
-            b"data: {\"error\": {\"message\": \"x\"}}\n\n"
-        ));
-        assert!(has_error_event(
-            b"data: {\"a\":1}\n\ndata:{\"error\":{}}\n\n"
-        ));
-        assert!(has_error_event(
-            b"data: {\"a\":1}\r\n\r\ndata: {\"error\":{}}\r\n\r\n"
-        ));
-        assert!(!has_error_event(
-            b"data: {\"choices\":[{\"text\":\"{\\\"error\\\"\"}]}\n\n"
-        ));
-        assert!(!has_error_event(b"data: {\"id\":\"x\",\"error\":null}\n\n"));
-        assert!(!has_error_event(b"xdata: {\"error\":1}\n\n"));
-        assert!(!has_error_event(b"data: [DONE]\n\n"));
+    fn error_events_are_found_with_their_cause_and_token_text_is_not_one() {
+        use super::{find_error_event as error_event, StreamErrorCause::*};
+        assert_eq!(
+            error_event(b"data: {\"error\": {\"message\": \"x\"}}\n\n"),
+            Some(Server)
+        );
+        assert_eq!(
+            error_event(b"data: {\"a\":1}\n\ndata:{\"error\":{}}\n\n"),
+            Some(Server)
+        );
+        assert_eq!(
+            error_event(b"data: {\"a\":1}\r\n\r\ndata: {\"error\":{}}\r\n\r\n"),
+            Some(Server)
+        );
+        // vLLM's shape for a request's fault, and OpenAI's.
+        assert_eq!(
+            error_event(b"data: {\"error\": {\"object\": \"error\", \"type\": \"BadRequestError\", \"code\": 400}}\n\n"),
+            Some(Client)
+        );
+        assert_eq!(
+            error_event(b"data: {\"error\":{\"type\":\"invalid_request_error\"}}\n\n"),
+            Some(Client)
+        );
+        assert_eq!(
+            error_event(
+                b"data: {\"error\": {\"type\": \"InternalServerError\", \"code\": 500}}\n\n"
+            ),
+            Some(Server)
+        );
+        assert_eq!(
+            error_event(b"data: {\"choices\":[{\"text\":\"{\\\"error\\\"\"}]}\n\n"),
+            None
+        );
+        assert_eq!(
+            error_event(b"data: {\"id\":\"x\",\"error\":null}\n\n"),
+            None
+        );
+        assert_eq!(error_event(b"xdata: {\"error\":1}\n\n"), None);
+        assert_eq!(error_event(b"data: [DONE]\n\n"), None);
     }
 
     #[test]
