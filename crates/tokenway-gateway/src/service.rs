@@ -446,16 +446,28 @@ fn routed_model(shared: &Shared, meta: &RequestMeta<'_>) -> Result<String, ApiEr
     if let Some(named) = meta.model.as_deref().filter(|m| !m.is_empty()) {
         return Ok(named.to_owned());
     }
-    let served = model_entries(shared);
-    if let [only] = served.as_slice() {
-        if let Some(id) = only.get("id").and_then(|v| v.as_str()) {
-            return Ok(id.to_owned());
+    // The one id the backends list, found without copying their lists.
+    let upstreams = shared.live_upstreams();
+    let mut only: Option<String> = None;
+    let mut several = false;
+    for (_, u) in &upstreams {
+        let entries = u.model_entries.lock().unwrap_or_else(|p| p.into_inner());
+        for id in entries
+            .iter()
+            .filter_map(|e| e.get("id").and_then(|v| v.as_str()))
+        {
+            match &only {
+                None => only = Some(id.to_owned()),
+                Some(o) if o != id => several = true,
+                Some(_) => {}
+            }
         }
     }
-    if shared.live_upstreams().iter().any(|(_, u)| u.wildcard) {
-        return Ok(WILDCARD_MODEL.to_owned());
+    match only {
+        Some(id) if !several => Ok(id),
+        _ if upstreams.iter().any(|(_, u)| u.wildcard) => Ok(WILDCARD_MODEL.to_owned()),
+        _ => meta.require_model().map(str::to_owned),
     }
-    meta.require_model().map(str::to_owned)
 }
 
 /// Another name the router may know a model by, tried when no backend names the one asked

@@ -354,6 +354,8 @@ fn stream_flags(
     let stream = stream.unwrap_or(false);
     match options {
         None => Ok((stream, false)),
+        // vLLM tests the dict's truth: an empty `{}` passes without a stream.
+        Some(o) if !stream && o.include_usage.is_none() => Ok((false, false)),
         Some(_) if !stream => Err(ApiError::invalid_request(
             "Stream options can only be defined when `stream=True`.".to_owned(),
         )

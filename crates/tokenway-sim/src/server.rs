@@ -191,19 +191,29 @@ impl Shared {
         (held / capacity as f64).min(1.0)
     }
 
-    /// When `tokens` uncached prompt tokens of a request admitted at `admitted` are prefilled:
-    /// at `prefill_tokens_per_second` from admission, or, with `prefill_shared`, after the
-    /// prefill work scheduled before it (one engine's prefill throughput, shared as chunked
-    /// prefill shares it; a request that leaves keeps its place in that schedule).
-    fn prefilled_at(&self, admitted: Instant, tokens: usize) -> Instant {
+    /// The prefill of `tokens` uncached prompt tokens of a request admitted at `admitted`: at
+    /// `prefill_tokens_per_second` from admission, or, with `prefill_shared`, after the prefill
+    /// work scheduled before it (one engine's prefill throughput, shared as chunked prefill
+    /// shares it). A request that leaves before its turn is done gives its rest back when no
+    /// other was scheduled after it.
+    fn prefill_turn(self: &Arc<Self>, admitted: Instant, tokens: usize) -> PrefillTurn {
         let work = cost::prefill_time(tokens, self.config.prefill_tokens_per_second);
         if !self.config.prefill_shared || work.is_zero() {
-            return admitted + work;
+            return PrefillTurn {
+                shared: None,
+                start: admitted,
+                done: admitted + work,
+            };
         }
         let mut free = lock(&self.prefill_free_at);
-        let done = (*free).max(admitted) + work;
+        let start = (*free).max(admitted);
+        let done = start + work;
         *free = done;
-        done
+        PrefillTurn {
+            shared: Some(self.clone()),
+            start,
+            done,
+        }
     }
 
     fn running(&self) -> usize {
@@ -249,6 +259,35 @@ impl Shared {
             return None;
         }
         Some(Admission::Queued(QueueTicket(self.clone())))
+    }
+}
+
+/// A request's place in the prefill schedule (see [`Shared::prefill_turn`]).
+struct PrefillTurn {
+    /// Set while the turn holds a place in the shared schedule.
+    shared: Option<Arc<Shared>>,
+    start: Instant,
+    done: Instant,
+}
+
+impl PrefillTurn {
+    /// Waits until the prefill is done (the turn is then used up) and `then` more.
+    async fn wait(mut self, then: Duration) {
+        wait_until(self.done).await;
+        self.shared = None;
+        wait_until(self.done + then).await;
+    }
+}
+
+impl Drop for PrefillTurn {
+    fn drop(&mut self) {
+        let Some(shared) = self.shared.take() else {
+            return;
+        };
+        let mut free = lock(&shared.prefill_free_at);
+        if *free == self.done {
+            *free = self.start.max(Instant::now());
+        }
     }
 }
 
@@ -568,13 +607,14 @@ async fn completion(shared: &Arc<Shared>, api: Api, req: Request<Incoming>) -> R
     // The raw body is not needed any more: a queued or hung request holds only its prompts.
     drop(body);
     let c = &shared.config;
+    let model = job.model.get_or_insert_with(|| c.model_names[0].clone());
+    if let Some(resp) = unknown_model(shared, model) {
+        return resp;
+    }
     if let Err(e) = job.check_context(c.max_model_len, c.default_max_tokens, c.bytes_per_token) {
         return error_response(&e);
     }
-    let model = job
-        .model
-        .get_or_insert_with(|| shared.config.model_names[0].clone());
-    let (faults, admission) = match gate(shared, model).await {
+    let (faults, admission) = match gate(shared).await {
         Ok(g) => g,
         Err(resp) => return resp,
     };
@@ -669,11 +709,14 @@ async fn embeddings(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Si
         Err(e) => return error_response(&e),
     };
     drop(body);
+    let model = job.model.get_or_insert_with(|| c.model_names[0].clone());
+    if let Some(resp) = unknown_model(shared, model) {
+        return resp;
+    }
     if let Err(e) = job.check_context(c.max_model_len, c.bytes_per_token) {
         return error_response(&e);
     }
-    let model = job.model.get_or_insert_with(|| c.model_names[0].clone());
-    let (faults, admission) = match gate(shared, model).await {
+    let (faults, admission) = match gate(shared).await {
         Ok(g) => g,
         Err(resp) => return resp,
     };
@@ -692,12 +735,8 @@ async fn embeddings(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Si
         .sum();
     let _kv = KvHold::new(shared.clone(), tokens);
     shared.vllm.add(&shared.vllm.prompt_tokens, tokens as u64);
-    wait_until(
-        shared.prefilled_at(Instant::now(), tokens)
-            + cost::ms(c.base_latency_ms)
-            + cost::ms(faults.slow_start_ms),
-    )
-    .await;
+    let then = cost::ms(c.base_latency_ms) + cost::ms(faults.slow_start_ms);
+    shared.prefill_turn(Instant::now(), tokens).wait(then).await;
     let resp = json_response(
         StatusCode::OK,
         job.answer(c.seed, c.embedding_dimensions, tokens, unix_now()),
@@ -713,16 +752,15 @@ async fn embeddings(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Si
     resp
 }
 
-/// What every model request passes before it may run: the model exists, the injected faults
-/// (hang, error rate) let it through, and the queue has room. The answer is the request's
-/// faults and its admission, or the response that ends it.
-async fn gate(shared: &Arc<Shared>, model: &str) -> Result<(Faults, Admission), Response<SimBody>> {
+/// The 404 of a model the sim does not serve (checked first, as vLLM does, before the
+/// request's other fields).
+fn unknown_model(shared: &Shared, model: &str) -> Option<Response<SimBody>> {
     // Ollama's rule too: a name without a tag is the served `name:latest`.
     let served = |m: &String| {
         m == model || m.strip_suffix(":latest") == Some(model).filter(|m| !m.contains(':'))
     };
-    if !shared.config.model_names.iter().any(served) {
-        return Err(error_response(
+    (!shared.config.model_names.iter().any(served)).then(|| {
+        error_response(
             &ApiError::new(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
@@ -730,8 +768,14 @@ async fn gate(shared: &Arc<Shared>, model: &str) -> Result<(Faults, Admission), 
             )
             .with_param("model")
             .with_code("model_not_found"),
-        ));
-    }
+        )
+    })
+}
+
+/// What every model request passes before it may run: the injected faults (hang, error rate)
+/// let it through, and the queue has room. The answer is the request's faults and its
+/// admission, or the response that ends it.
+async fn gate(shared: &Arc<Shared>) -> Result<(Faults, Admission), Response<SimBody>> {
     let faults = lock(&shared.faults).clone();
     if faults.hang {
         // Never answer; end only when the server shuts down.
@@ -819,7 +863,11 @@ impl Generator {
                 c.default_max_tokens
                     .min(u32::try_from(left).unwrap_or(u32::MAX))
             }),
-            limit_requested: self.job.max_tokens.is_some(),
+            // A limit the request set, or the context's (vLLM ends both with `length`).
+            limit_requested: self.job.max_tokens.is_some()
+                || u64::from(c.default_max_tokens)
+                    > u64::from(c.max_model_len)
+                        .saturating_sub(self.job.longest_prompt(c.bytes_per_token)),
             eos_mean_tokens: c.eos_mean_tokens,
             ignore_eos: self.job.ignore_eos,
             min_tokens: self.job.min_tokens,
@@ -832,12 +880,11 @@ impl Generator {
             blocks.push(hashes);
             choices.extend((0..self.job.n).map(|i| Choice::new(&ending, prompt, i)));
         }
-        let first_token_at = self
-            .shared
-            .prefilled_at(admitted, prompt_tokens - cached_tokens)
-            + cost::ms(c.base_latency_ms)
-            + cost::ms(self.faults.slow_start_ms);
-        wait_until(first_token_at).await;
+        let then = cost::ms(c.base_latency_ms) + cost::ms(self.faults.slow_start_ms);
+        self.shared
+            .prefill_turn(admitted, prompt_tokens - cached_tokens)
+            .wait(then)
+            .await;
         // The KV blocks exist once prefill is done; a concurrent identical prompt hits them.
         let mut cache = lock(&self.shared.cache);
         for hashes in &blocks {
