@@ -2,45 +2,133 @@
 //!
 //! The body is forwarded to the backend byte for byte; this module only looks. Unknown fields are
 //! skipped by serde (validated as JSON, never materialised), and the prompt is kept as a borrowed
-//! raw JSON slice for affinity work later.
+//! raw JSON slice for affinity work later. A key given twice counts with its last value, as in
+//! Python's `json` (what vLLM and SGLang parse with), where serde's derive would refuse it.
 
+use std::borrow::Cow;
+
+use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use tokenway_wire::openai_fields::{count_hint, lax_bool};
 
 use crate::error::ApiError;
 
 /// What routing reads from a request body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default)]
 pub struct RequestMeta<'a> {
     /// Requested model.
-    #[serde(borrow, default)]
-    pub model: Option<std::borrow::Cow<'a, str>>,
+    pub model: Option<Cow<'a, str>>,
     /// Whether the client asked for a stream. Read as the Python servers read it (pydantic's
     /// lax booleans: `true`, `1`, `"yes"`, ...); anything else is a 400.
-    #[serde(default, deserialize_with = "tokenway_wire::openai_fields::lax_bool")]
     pub stream: Option<bool>,
     /// OpenAI `user` field, a session key for affinity.
-    #[serde(borrow, default)]
-    pub user: Option<std::borrow::Cow<'a, str>>,
+    pub user: Option<Cow<'a, str>>,
     /// Chat messages, unparsed.
-    #[serde(borrow, default)]
     pub messages: Option<&'a RawValue>,
     /// Completion prompt, unparsed.
-    #[serde(borrow, default)]
     pub prompt: Option<&'a RawValue>,
     /// The Responses API's (and embeddings') input, unparsed.
-    #[serde(borrow, default)]
     pub input: Option<&'a RawValue>,
     /// Output limit (`max_tokens`), a routing hint only: a value the gateway cannot read as a
     /// count (`-1`, `"many"`) is left for the backend to accept or refuse.
-    #[serde(default, deserialize_with = "tokenway_wire::openai_fields::count_hint")]
     pub max_tokens: Option<u64>,
     /// Output limit of newer chat clients (`max_completion_tokens`), a hint like `max_tokens`.
-    #[serde(default, deserialize_with = "tokenway_wire::openai_fields::count_hint")]
     pub max_completion_tokens: Option<u64>,
     /// The Responses API's output limit (`max_output_tokens`), a hint like `max_tokens`.
-    #[serde(default, deserialize_with = "tokenway_wire::openai_fields::count_hint")]
     pub max_output_tokens: Option<u64>,
+}
+
+/// A string field, borrowed from the body unless it holds escapes.
+#[derive(Deserialize)]
+#[serde(transparent)]
+struct Text<'a>(#[serde(borrow)] Option<Cow<'a, str>>);
+
+#[derive(Deserialize)]
+#[serde(transparent)]
+struct LaxBool(#[serde(deserialize_with = "lax_bool")] Option<bool>);
+
+#[derive(Deserialize)]
+#[serde(transparent)]
+struct CountHint(#[serde(deserialize_with = "count_hint")] Option<u64>);
+
+/// The body's keys that routing reads.
+enum Field {
+    Model,
+    Stream,
+    User,
+    Messages,
+    Prompt,
+    Input,
+    MaxTokens,
+    MaxCompletionTokens,
+    MaxOutputTokens,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Field {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Name;
+        impl Visitor<'_> for Name {
+            type Value = Field;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Field, E> {
+                Ok(match v {
+                    "model" => Field::Model,
+                    "stream" => Field::Stream,
+                    "user" => Field::User,
+                    "messages" => Field::Messages,
+                    "prompt" => Field::Prompt,
+                    "input" => Field::Input,
+                    "max_tokens" => Field::MaxTokens,
+                    "max_completion_tokens" => Field::MaxCompletionTokens,
+                    "max_output_tokens" => Field::MaxOutputTokens,
+                    _ => Field::Other,
+                })
+            }
+        }
+        d.deserialize_identifier(Name)
+    }
+}
+
+impl<'de> Deserialize<'de> for RequestMeta<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> Visitor<'de> for Fields {
+            type Value = RequestMeta<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut m = RequestMeta::default();
+                // A repeated key overwrites: the last one counts, as in Python's `json`.
+                while let Some(field) = map.next_key::<Field>()? {
+                    match field {
+                        Field::Model => m.model = map.next_value::<Text<'de>>()?.0,
+                        Field::Stream => m.stream = map.next_value::<LaxBool>()?.0,
+                        Field::User => m.user = map.next_value::<Text<'de>>()?.0,
+                        Field::Messages => m.messages = map.next_value()?,
+                        Field::Prompt => m.prompt = map.next_value()?,
+                        Field::Input => m.input = map.next_value()?,
+                        Field::MaxTokens => m.max_tokens = map.next_value::<CountHint>()?.0,
+                        Field::MaxCompletionTokens => {
+                            m.max_completion_tokens = map.next_value::<CountHint>()?.0;
+                        }
+                        Field::MaxOutputTokens => {
+                            m.max_output_tokens = map.next_value::<CountHint>()?.0;
+                        }
+                        Field::Other => {
+                            map.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(m)
+            }
+        }
+        d.deserialize_map(Fields)
+    }
 }
 
 impl<'a> RequestMeta<'a> {
@@ -165,6 +253,13 @@ mod tests {
                 e.message
             );
         }
+    }
+
+    #[test]
+    fn a_repeated_key_counts_with_its_last_value_as_in_python() {
+        let m = RequestMeta::parse(br#"{"model":"a","stream":false,"model":"b","stream":true}"#)
+            .expect("valid");
+        assert_eq!((m.model.as_deref(), m.stream), (Some("b"), Some(true)));
     }
 
     #[test]
