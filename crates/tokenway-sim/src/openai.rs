@@ -43,6 +43,9 @@ pub const MAX_CHOICES: u32 = 128;
 
 #[derive(Deserialize)]
 struct ChatRequest {
+    /// Tool definitions: the chat template puts them into the prompt, ahead of the messages.
+    #[serde(default)]
+    tools: Option<Box<serde_json::value::RawValue>>,
     #[serde(default)]
     stop: Option<Stop>,
     #[serde(default, deserialize_with = "lax_bool")]
@@ -276,6 +279,11 @@ impl Job {
                     limit_param = "max_completion_tokens";
                 }
                 let mut prompt = String::new();
+                // As a chat template renders them: the tools first (often thousands of tokens,
+                // the same for every request of an agent: a shared prefix), then the messages.
+                if let Some(tools) = &r.tools {
+                    prompt.push_str(tools.get());
+                }
                 for m in &r.messages {
                     prompt.push_str(&m.role);
                     match &m.content {
@@ -721,6 +729,19 @@ mod tests {
         assert_eq!(j.prompts, [b"systembe briefuserhi there".to_vec()]);
         assert_eq!(j.max_tokens, Some(3));
         assert!(!j.stream);
+    }
+
+    #[test]
+    fn tools_are_part_of_a_chat_prompt_ahead_of_the_messages() {
+        let j = job(
+            Api::Chat,
+            r#"{"tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"user","content":"hi"}]}"#,
+        );
+        let prompt = String::from_utf8(j.prompts[0].clone()).unwrap();
+        assert!(
+            prompt.starts_with(r#"[{"type":"function""#) && prompt.ends_with("userhi"),
+            "{prompt}"
+        );
     }
 
     #[test]
