@@ -414,9 +414,12 @@ fn route_request(
 ) -> Result<RouteRequest, ApiError> {
     let settings = &shared.config.routing;
     let prompt = meta.prompt_text();
+    let tracked_bytes = tokenway_router::MAX_PROMPT_BLOCKS.saturating_mul(settings.block_bytes);
+    let untracked_bytes = prompt.len().saturating_sub(tracked_bytes);
     let mut r = RouteRequest::new(routed_model(shared, meta)?)
         .with_blocks(prompt_blocks(prompt, settings.block_bytes))
         .with_prompt_tokens(u32::try_from(prompt.len() / 4).unwrap_or(u32::MAX))
+        .with_untracked_tokens(u32::try_from(untracked_bytes / 4).unwrap_or(u32::MAX))
         .with_whole_answer(meta.stream != Some(true));
     if let Some(limit) = meta.output_limit() {
         r = r.with_max_output_tokens(limit);

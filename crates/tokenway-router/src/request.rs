@@ -79,6 +79,9 @@ pub struct RouteRequest {
     pub client_region: Option<String>,
     /// Estimated prompt tokens (for example prompt bytes / 4); 0 when unknown.
     pub prompt_tokens: u32,
+    /// Of those, the tokens past the last block in `blocks` (a prompt longer than
+    /// [`MAX_PROMPT_BLOCKS`](crate::MAX_PROMPT_BLOCKS) blocks): never found in a cache.
+    pub untracked_tokens: u32,
     /// The request's output limit (`max_tokens` / `max_completion_tokens`), if given.
     pub max_output_tokens: Option<u32>,
     /// Set when routing it again after a hold ([`Route::hold`](crate::Route::hold)).
@@ -128,6 +131,12 @@ impl RouteRequest {
     /// With the estimated prompt tokens.
     pub fn with_prompt_tokens(mut self, tokens: u32) -> Self {
         self.prompt_tokens = tokens;
+        self
+    }
+
+    /// With `tokens` of the prompt past its tracked blocks.
+    pub fn with_untracked_tokens(mut self, tokens: u32) -> Self {
+        self.untracked_tokens = tokens;
         self
     }
 

@@ -733,10 +733,14 @@ impl Router {
         let cfg = &self.cfg.cost;
         let cached_blocks = b.prefix.cached_prefix(&req.blocks);
         let prompt = f64::from(req.prompt_tokens);
+        // The tracked part is cached in proportion to its blocks; an untracked tail never is.
+        let untracked = f64::from(req.untracked_tokens.min(req.prompt_tokens));
         let uncached_tokens = if req.blocks.is_empty() {
             prompt
         } else {
-            prompt * (req.blocks.len() - cached_blocks) as f64 / req.blocks.len() as f64
+            (prompt - untracked) * (req.blocks.len() - cached_blocks) as f64
+                / req.blocks.len() as f64
+                + untracked
         };
         let work_ahead = b.effective_work(now, cfg);
         let kv = b
@@ -1496,6 +1500,23 @@ mod tests {
         let route = r.route(&second_turn(), later).expect("routable");
         assert_eq!(route.backends[0], BackendId(2));
         assert_eq!(route.reason, RouteReason::Home);
+    }
+
+    #[test]
+    fn a_prompt_tail_past_the_tracked_blocks_is_never_counted_as_cached() {
+        let now = Instant::now();
+        let mut r = router(Policy::CostAware, 1);
+        let text = vec![b'x'; 256 * 16];
+        let req = RouteRequest::new(M)
+            .with_blocks(crate::prompt_blocks(&text, 256))
+            .with_prompt_tokens(10_000)
+            .with_untracked_tokens(6_000);
+        let t = r.start_attempt(BackendId(0), &req, now);
+        assert_eq!(t.uncached_tokens(), 10_000);
+        r.first_token(&mut { t }, Duration::from_millis(50), now);
+        // Every tracked block is cached now; the untracked 6 000 tokens still need a prefill.
+        let again = r.start_attempt(BackendId(0), &req, now);
+        assert_eq!(again.uncached_tokens(), 6_000);
     }
 
     /// Conversation 0's second turn: its first turn, a reply and a new message.
