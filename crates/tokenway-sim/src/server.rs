@@ -135,12 +135,6 @@ struct KvHold {
 }
 
 impl KvHold {
-    fn new(shared: Arc<Shared>, prompt_tokens: usize) -> Self {
-        let tokens = prompt_tokens as u64;
-        shared.kv_held_tokens.fetch_add(tokens, Ordering::Relaxed);
-        Self { shared, tokens }
-    }
-
     /// One more generated token.
     fn grow(&mut self) {
         self.tokens += 1;
@@ -153,6 +147,16 @@ impl Drop for KvHold {
         self.shared
             .kv_held_tokens
             .fetch_sub(self.tokens, Ordering::Relaxed);
+        self.shared.kv_freed.notify_waiters();
+    }
+}
+
+/// A request waiting for room in the KV cache, counted as waiting, not running.
+struct KvWait<'a>(&'a AtomicUsize);
+
+impl Drop for KvWait<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -166,6 +170,10 @@ struct Shared {
     kv_held_tokens: AtomicU64,
     /// With `prefill_shared`, when the prefill work already scheduled is done.
     prefill_free_at: Mutex<Instant>,
+    /// Woken whenever KV-cache tokens are given back.
+    kv_freed: tokio::sync::Notify,
+    /// Requests holding a slot but waiting for room in the KV cache.
+    kv_waiting: AtomicUsize,
     cache: Mutex<PrefixCache>,
     rng: Mutex<SmallRng>,
     registry: Registry,
@@ -217,7 +225,48 @@ impl Shared {
     }
 
     fn running(&self) -> usize {
-        self.config.max_concurrency - self.slots.available_permits()
+        (self.config.max_concurrency - self.slots.available_permits())
+            .saturating_sub(self.kv_waiting.load(Ordering::Relaxed))
+    }
+
+    /// Reserves `tokens` of the KV cache (`prefix_cache_tokens`) for a request about to run,
+    /// waiting while they do not fit, as vLLM schedules a waiting request only when its blocks
+    /// fit. A request alone may exceed the cache (it would run on vLLM too, chunk by chunk);
+    /// the tokens it generates later are not reserved ahead.
+    async fn kv_admit(self: &Arc<Self>, tokens: usize) -> KvHold {
+        let capacity = self.config.prefix_cache_tokens as u64;
+        let need = tokens as u64;
+        let mut waiting = None;
+        loop {
+            let freed = self.kv_freed.notified();
+            let mut freed = std::pin::pin!(freed);
+            freed.as_mut().enable();
+            let mut held = self.kv_held_tokens.load(Ordering::Relaxed);
+            loop {
+                if capacity != 0 && held != 0 && held.saturating_add(need) > capacity {
+                    break;
+                }
+                match self.kv_held_tokens.compare_exchange_weak(
+                    held,
+                    held + need,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => {
+                        return KvHold {
+                            shared: self.clone(),
+                            tokens: need,
+                        }
+                    }
+                    Err(now) => held = now,
+                }
+            }
+            if waiting.is_none() {
+                self.kv_waiting.fetch_add(1, Ordering::Relaxed);
+                waiting = Some(KvWait(&self.kv_waiting));
+            }
+            freed.await;
+        }
     }
 
     fn count(&self, route: &str, status: StatusCode) {
@@ -233,7 +282,9 @@ impl Shared {
 
     fn metrics_text(&self) -> String {
         let running = i64::try_from(self.running()).unwrap_or(i64::MAX);
-        let waiting = i64::try_from(self.waiting.load(Ordering::Relaxed)).unwrap_or(i64::MAX);
+        let waiting =
+            self.waiting.load(Ordering::Relaxed) + self.kv_waiting.load(Ordering::Relaxed);
+        let waiting = i64::try_from(waiting).unwrap_or(i64::MAX);
         let v = &self.vllm;
         v.running.get_or_create(&v.labels).set(running);
         v.waiting.get_or_create(&v.labels).set(waiting);
@@ -332,6 +383,8 @@ pub async fn serve(
         waiting: AtomicUsize::new(0),
         kv_held_tokens: AtomicU64::new(0),
         prefill_free_at: Mutex::new(Instant::now()),
+        kv_freed: tokio::sync::Notify::new(),
+        kv_waiting: AtomicUsize::new(0),
         cache: Mutex::new(PrefixCache::new(
             config.prefix_cache_tokens,
             config.block_tokens,
@@ -733,7 +786,7 @@ async fn embeddings(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Si
         .iter()
         .map(|i| cost::prompt_tokens(i.len(), c.bytes_per_token))
         .sum();
-    let _kv = KvHold::new(shared.clone(), tokens);
+    let _kv = shared.kv_admit(tokens).await;
     shared.vllm.add(&shared.vllm.prompt_tokens, tokens as u64);
     let then = cost::ms(c.base_latency_ms) + cost::ms(faults.slow_start_ms);
     shared.prefill_turn(Instant::now(), tokens).wait(then).await;
@@ -902,6 +955,16 @@ impl Generator {
         }
     }
 
+    /// Tokens of all the request's prompts.
+    fn prompt_tokens(&self) -> usize {
+        let c = &self.shared.config;
+        self.job
+            .prompts
+            .iter()
+            .map(|p| cost::prompt_tokens(p.len(), c.bytes_per_token))
+            .sum()
+    }
+
     /// The deadline of the token after one produced at `prev`.
     fn next_deadline(&self, prev: Instant) -> Instant {
         let c = &self.shared.config;
@@ -938,11 +1001,14 @@ impl Generator {
             () = tx.closed() => None,
         };
         let Some(permit) = permit else { return };
+        let mut kv = tokio::select! {
+            kv = self.shared.kv_admit(self.prompt_tokens()) => kv,
+            () = tx.closed() => return,
+        };
         let mut plan = tokio::select! {
             p = self.prefill() => p,
             () = tx.closed() => return,
         };
-        let mut kv = KvHold::new(self.shared.clone(), plan.prompt_tokens);
         let mut deadline = Instant::now();
         let mut last = deadline;
         for i in 0.. {
@@ -1024,8 +1090,8 @@ impl Generator {
                 "The server is shutting down.".into(),
             ));
         };
+        let mut kv = self.shared.kv_admit(self.prompt_tokens()).await;
         let mut plan = self.prefill().await;
-        let mut kv = KvHold::new(self.shared.clone(), plan.prompt_tokens);
         let mut texts = vec![String::new(); plan.choices.len()];
         let mut deadline = Instant::now();
         let mut last = deadline;

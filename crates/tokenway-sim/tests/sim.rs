@@ -488,6 +488,58 @@ async fn concurrent_prefills_share_the_engines_prefill_rate() {
 }
 
 #[tokio::test]
+async fn a_request_whose_prompt_does_not_fit_the_kv_cache_waits_for_room() {
+    let sim = std::sync::Arc::new(
+        start(SimConfig {
+            prefix_cache_tokens: 1_000,
+            prefill_tokens_per_second: 1_000_000.0,
+            time_per_output_token_ms: 20.0,
+            ..fast_config()
+        })
+        .await,
+    );
+    // Two 800-token prompts: the second fits only once the first has ended (~400 ms).
+    let first = {
+        let sim = sim.clone();
+        tokio::spawn(async move {
+            let body = chat(
+                &"a ".repeat(1_600),
+                json!({"stream": true, "max_tokens": 20}),
+            );
+            sim.stream("/v1/chat/completions", body).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = {
+        let sim = sim.clone();
+        tokio::spawn(async move {
+            let body = chat(
+                &"b ".repeat(1_600),
+                json!({"stream": true, "max_tokens": 1}),
+            );
+            sim.stream("/v1/chat/completions", body).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (_, metrics) = sim.get("/metrics").await;
+    assert!(
+        metrics.contains("vllm:num_requests_running{model_name=\"sim-model\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("vllm:num_requests_waiting{model_name=\"sim-model\"} 1"),
+        "{metrics}"
+    );
+    first.await.unwrap();
+    let (events, ttft) = second.await.unwrap();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    assert!(
+        ttft >= Duration::from_millis(250),
+        "the second did not wait: {ttft:?}"
+    );
+}
+
+#[tokio::test]
 async fn bad_requests_get_openai_error_bodies() {
     let sim = start(fast_config()).await;
     let (status, body) = sim
