@@ -84,7 +84,9 @@ impl Cors {
         self.mark(r, self.allow(headers));
     }
 
-    fn mark(&self, r: &mut Response<ResponseBody>, allow: Option<HeaderValue>) {
+    /// Marks an answer with `allow` (from [`Cors::allow`] of its request) as
+    /// [`Cors::mark_for`] does.
+    pub fn mark(&self, r: &mut Response<ResponseBody>, allow: Option<HeaderValue>) {
         let h = r.headers_mut();
         // The backend's own CORS answer (vLLM allows every origin) is not the gateway's.
         for name in [

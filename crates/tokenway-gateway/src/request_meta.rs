@@ -39,10 +39,37 @@ pub struct RequestMeta<'a> {
     pub max_output_tokens: Option<u64>,
 }
 
-/// A string field, borrowed from the body unless it holds escapes.
-#[derive(Deserialize)]
-#[serde(transparent)]
-struct Text<'a>(#[serde(borrow)] Option<Cow<'a, str>>);
+/// A string field (or `null`), borrowed from the body unless it holds escapes (serde's derive
+/// copies an `Option<Cow<str>>` always).
+struct Text<'a>(Option<Cow<'a, str>>);
+
+impl<'de> Deserialize<'de> for Text<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Str;
+        impl<'de> Visitor<'de> for Str {
+            type Value = Text<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Text(Some(Cow::Borrowed(v))))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Text(Some(Cow::Owned(v.to_owned()))))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(Text(None))
+            }
+            fn visit_none<E>(self) -> Result<Self::Value, E> {
+                Ok(Text(None))
+            }
+            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+                d.deserialize_str(self)
+            }
+        }
+        d.deserialize_option(Str)
+    }
+}
 
 #[derive(Deserialize)]
 #[serde(transparent)]
@@ -253,6 +280,17 @@ mod tests {
                 e.message
             );
         }
+    }
+
+    #[test]
+    fn model_and_user_are_borrowed_from_the_body_unless_escaped() {
+        let m = RequestMeta::parse(br#"{"model":"m","user":"u\u0041"}"#).expect("valid");
+        assert!(matches!(m.model, Some(Cow::Borrowed("m"))));
+        assert!(matches!(m.user.as_deref(), Some("uA")));
+        assert!(RequestMeta::parse(br#"{"model":null}"#)
+            .expect("valid")
+            .model
+            .is_none());
     }
 
     #[test]

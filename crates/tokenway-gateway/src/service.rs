@@ -190,9 +190,9 @@ where
         shared.count_request("other", None, StatusCode::NO_CONTENT.as_u16());
         return cors.preflight(allow, req.headers());
     }
-    let headers = req.headers().clone();
+    let allow = cors.allow(req.headers());
     let mut response = answer(shared.clone(), req, transport, peer).await;
-    cors.mark_for(&headers, &mut response);
+    cors.mark(&mut response, allow);
     response
 }
 
@@ -265,17 +265,11 @@ where
                 Err(e) => (e.into_response(), route, None),
             }
         }
-        _ => {
-            let allowed = match (path, route) {
-                (_, Some(_)) => Some("POST"),
-                ("/health" | "/metrics" | "/admin/backends" | "/status" | "/v1/models", _) => {
-                    Some("GET, HEAD")
-                }
-                _ if path.starts_with(MODEL_PREFIX) => Some("GET, HEAD"),
-                _ => None,
-            };
-            (not_routed(&method, path, allowed), "other", None)
-        }
+        _ => (
+            not_routed(&method, path, allowed_methods(path, route)),
+            "other",
+            None,
+        ),
     };
     if method == Method::HEAD {
         let length = response.body().size_hint().exact();
@@ -458,6 +452,7 @@ fn routed_model(shared: &Shared, meta: &RequestMeta<'_>) -> Result<String, ApiEr
         for id in entries
             .iter()
             .filter_map(|e| e.get("id").and_then(|v| v.as_str()))
+            .filter(|id| !id.is_empty())
         {
             match &only {
                 None => only = Some(id.to_owned()),
@@ -501,11 +496,18 @@ pub fn before_body(shared: &Shared, parts: &http::request::Parts, front: TcpFron
         }
     }
     let path = parts.uri.path();
-    let route = match normalized(path) {
-        Some(path) => proxied(&path),
-        None => proxied(path),
-    };
-    let Some(route) = route else {
+    let normal = normalized(path);
+    let path = normal.as_deref().unwrap_or(path);
+    let Some(route) = proxied(path) else {
+        // A body sent to a route that takes none is not read: its 404 or 405 comes now.
+        if matches!(parts.method, Method::POST | Method::PUT | Method::PATCH) {
+            let mut refusal = not_routed(&parts.method, path, allowed_methods(path, None));
+            shared.count_request("other", None, refusal.status().as_u16());
+            if let Some(cors) = &shared.cors {
+                cors.mark_for(&parts.headers, &mut refusal);
+            }
+            return BeforeBody::Refuse(refusal);
+        }
         return BeforeBody::Read;
     };
     if parts.method != Method::POST {
@@ -710,6 +712,18 @@ fn queue_refused(shared: &Shared, model: &str, refused: Refused) -> ApiError {
 
 /// Where one model's entry is read (`GET /v1/models/{id}`, OpenAI's "retrieve model").
 const MODEL_PREFIX: &str = "/v1/models/";
+
+/// The methods `path` (proxied as `route`, if it is) allows, `None` for an unknown path.
+fn allowed_methods(path: &str, route: Option<&str>) -> Option<&'static str> {
+    match (path, route) {
+        (_, Some(_)) => Some("POST"),
+        ("/health" | "/metrics" | "/admin/backends" | "/status" | "/v1/models", _) => {
+            Some("GET, HEAD")
+        }
+        _ if path.starts_with(MODEL_PREFIX) => Some("GET, HEAD"),
+        _ => None,
+    }
+}
 
 /// A request no route takes: 405 with the methods the path allows (RFC 9110 section 15.5.6),
 /// or 404 for an unknown path.

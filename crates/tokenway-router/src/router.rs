@@ -497,8 +497,9 @@ impl Router {
         if !within(b) {
             return None;
         }
-        let saved_tokens = f64::from(req.prompt_tokens) * (b.cached_blocks - done) as f64
-            / req.blocks.len() as f64;
+        // Tokens per tracked block: the untracked tail is never cached anywhere.
+        let tracked = f64::from(req.prompt_tokens - req.untracked_tokens.min(req.prompt_tokens));
+        let saved_tokens = tracked * (b.cached_blocks - done) as f64 / req.blocks.len() as f64;
         let saved = saved_tokens * self.backends[b.id.0].rates.secs_per_prefill_token();
         let remaining = b
             .ready_at

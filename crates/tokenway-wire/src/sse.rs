@@ -346,12 +346,17 @@ pub fn find_error_event(data: &[u8]) -> Option<StreamErrorCause> {
     })?;
     let rest = &data[at..];
     let line = &rest[..memchr::memchr2(b'\n', b'\r', rest).unwrap_or(rest.len())];
+    // Whole JSON members only: inside a string (a message quoting `FileNotFoundError`) the
+    // quotes are escaped, so a server's own failure cannot pass for the client's.
     let client = [
         &b"\"code\":4"[..],
         b"\"code\": 4",
-        b"BadRequestError",
-        b"NotFoundError",
-        b"invalid_request_error",
+        b"\"type\":\"BadRequestError\"",
+        b"\"type\": \"BadRequestError\"",
+        b"\"type\":\"NotFoundError\"",
+        b"\"type\": \"NotFoundError\"",
+        b"\"type\":\"invalid_request_error\"",
+        b"\"type\": \"invalid_request_error\"",
     ]
     .iter()
     .any(|marker| memchr::memmem::find(line, marker).is_some());
@@ -451,6 +456,13 @@ mod tests {
         assert_eq!(
             error_event(
                 b"data: {\"error\": {\"type\": \"InternalServerError\", \"code\": 500}}\n\n"
+            ),
+            Some(Server)
+        );
+        // A message that quotes a client error's name is still the server's failure.
+        assert_eq!(
+            error_event(
+                b"data: {\"error\": {\"message\": \"FileNotFoundError: \\\"type\\\": \\\"NotFoundError\\\"\", \"type\": \"InternalServerError\"}}\n\n"
             ),
             Some(Server)
         );
