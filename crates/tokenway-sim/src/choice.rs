@@ -22,6 +22,8 @@ pub(crate) struct Choice {
     source: TokenSource,
     /// Tokens it produces unless a stop string ends it sooner.
     length: u32,
+    /// Tokens before which no stop string counts.
+    min_tokens: u32,
     /// `finish_reason` once `length` tokens are out.
     at_length: &'static str,
     generated: u32,
@@ -62,6 +64,7 @@ impl Choice {
         Self {
             source: TokenSource::choice(ending.seed, prompt, index),
             length,
+            min_tokens: ending.min_tokens,
             at_length,
             generated: 0,
             tail: String::new(),
@@ -80,14 +83,15 @@ impl Choice {
         }
         let token = self.source.token(self.generated);
         self.generated += 1;
-        if !stop.is_empty() {
+        // As vLLM: no stop string ends a choice before `min_tokens`, and of several that
+        // appear the first listed wins.
+        if !stop.is_empty() && self.generated > self.min_tokens {
             let before = self.tail.len();
             self.tail.push_str(token);
             let found = stop
                 .iter()
                 .filter(|s| !s.is_empty())
-                .filter_map(|s| self.tail.find(s.as_str()).map(|at| (at, s)))
-                .min_by_key(|(at, _)| *at);
+                .find_map(|s| self.tail.find(s.as_str()).map(|at| (at, s)));
             if let Some((at, s)) = found {
                 self.finish = Some(Finish {
                     reason: "stop",
@@ -223,6 +227,25 @@ mod tests {
         let mut c = Choice::new(&ignore, b"p", 0);
         run(&mut c, &[]);
         assert_eq!((c.generated(), c.finish().unwrap().reason), (40, "length"));
+    }
+
+    #[test]
+    fn no_stop_string_counts_before_min_tokens_and_the_first_listed_wins() {
+        let mut plain = Choice::new(&ending(), b"p", 0);
+        let words: Vec<&str> = std::iter::from_fn(|| plain.next(&[])).collect();
+        let stop = vec![words[0].to_owned()];
+        let late = Ending {
+            min_tokens: 5,
+            ..ending()
+        };
+        let mut c = Choice::new(&late, b"p", 0);
+        run(&mut c, &stop);
+        assert!(c.generated() > 5, "{}", c.generated());
+        // Both occur at the third token: the one listed first names the stop.
+        let both = vec![words[2][1..].to_owned(), words[2].to_owned()];
+        let mut c = Choice::new(&ending(), b"p", 0);
+        run(&mut c, &both);
+        assert_eq!(c.finish().unwrap().stop.as_deref(), Some(&both[0][..]));
     }
 
     #[test]

@@ -239,12 +239,20 @@ impl Job {
             ))
             .with_param(self.limit_param));
         }
+        if let Some(k) = self.max_tokens.filter(|k| u64::from(self.min_tokens) > *k) {
+            return Err(ApiError::invalid_request(format!(
+                "min_tokens must be less than or equal to max_tokens={k}, got {}.",
+                self.min_tokens
+            ))
+            .with_param("min_tokens"));
+        }
         // All choices together: a whole answer holds every choice's text at once.
         let each = self.max_tokens.unwrap_or(u64::from(default_max_tokens));
         let total = each.saturating_mul(u64::from(self.choices()));
         if total > MAX_TOTAL_OUTPUT {
             return Err(ApiError::invalid_request(format!(
-                "n × the output limit must be at most {MAX_TOTAL_OUTPUT} tokens, got {} × {each}.",
+                "the output of all choices (n × prompts × the output limit) must be at most \
+                 {MAX_TOTAL_OUTPUT} tokens, got {} × {each}.",
                 self.choices()
             ))
             .with_param("n"));
@@ -274,7 +282,7 @@ impl Job {
         let mut limit_param = "max_tokens";
         let job = match api {
             Api::Chat => {
-                let r: ChatRequest = serde_json::from_slice(body).map_err(bad)?;
+                let r: ChatRequest = last_wins(body).map_err(bad)?;
                 if r.max_completion_tokens.is_some() {
                     limit_param = "max_completion_tokens";
                 }
@@ -312,7 +320,7 @@ impl Job {
                 }
             }
             Api::Completions => {
-                let r: CompletionRequest = serde_json::from_slice(body).map_err(bad)?;
+                let r: CompletionRequest = last_wins(body).map_err(bad)?;
                 let stream = stream_flags(r.stream, r.stream_options)?;
                 Job {
                     api,
@@ -350,6 +358,18 @@ impl Job {
             .with_param(limit_param));
         }
         Ok(job)
+    }
+}
+
+/// Parses `body`; a key given twice counts with its last value, as Python's `json` (vLLM's
+/// parser) reads it, where serde's derive refuses it: such a body is read again through a map
+/// that keeps the last value.
+fn last_wins<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, serde_json::Error> {
+    match serde_json::from_slice(body) {
+        Err(e) if e.to_string().starts_with("duplicate field") => {
+            serde_json::from_value(serde_json::from_slice::<serde_json::Value>(body)?)
+        }
+        other => other,
     }
 }
 
@@ -814,6 +834,27 @@ mod tests {
             many.check_context(1 << 21, 64, 4).unwrap_err().param,
             Some("n")
         );
+    }
+
+    #[test]
+    fn a_repeated_key_counts_with_its_last_value() {
+        let j = job(
+            Api::Completions,
+            r#"{"prompt":"a","max_tokens":1,"prompt":"b","max_tokens":3}"#,
+        );
+        assert_eq!(
+            (j.prompts[0].as_slice(), j.output_limit()),
+            (&b"b"[..], Some(3))
+        );
+        let e = Job::parse(
+            Api::Completions,
+            br#"{"prompt":"a","max_tokens":2,"min_tokens":3}"#,
+            4,
+        )
+        .unwrap()
+        .check_context(1 << 21, 64, 4)
+        .unwrap_err();
+        assert_eq!(e.param, Some("min_tokens"));
     }
 
     #[test]

@@ -174,6 +174,8 @@ struct Shared {
     kv_freed: tokio::sync::Notify,
     /// Requests holding a slot but waiting for room in the KV cache.
     kv_waiting: AtomicUsize,
+    /// The line for room in the KV cache (tokio's mutex is fair: first come, first served).
+    kv_line: tokio::sync::Mutex<()>,
     cache: Mutex<PrefixCache>,
     rng: Mutex<SmallRng>,
     registry: Registry,
@@ -236,7 +238,13 @@ impl Shared {
     async fn kv_admit(self: &Arc<Self>, tokens: usize) -> KvHold {
         let capacity = self.config.prefix_cache_tokens as u64;
         let need = tokens as u64;
-        let mut waiting = None;
+        // Counted as waiting, not running, until it has its room (or its wait is cancelled).
+        self.kv_waiting.fetch_add(1, Ordering::Relaxed);
+        let _waiting = KvWait(&self.kv_waiting);
+        // First come, first served: the head of the line waits for its room and the requests
+        // behind it wait for the head (vLLM's scheduler stops at a request that does not fit),
+        // so a long prompt is not overtaken forever by short ones.
+        let _turn = self.kv_line.lock().await;
         loop {
             let freed = self.kv_freed.notified();
             let mut freed = std::pin::pin!(freed);
@@ -260,10 +268,6 @@ impl Shared {
                     }
                     Err(now) => held = now,
                 }
-            }
-            if waiting.is_none() {
-                self.kv_waiting.fetch_add(1, Ordering::Relaxed);
-                waiting = Some(KvWait(&self.kv_waiting));
             }
             freed.await;
         }
@@ -385,6 +389,7 @@ pub async fn serve(
         prefill_free_at: Mutex::new(Instant::now()),
         kv_freed: tokio::sync::Notify::new(),
         kv_waiting: AtomicUsize::new(0),
+        kv_line: tokio::sync::Mutex::new(()),
         cache: Mutex::new(PrefixCache::new(
             config.prefix_cache_tokens,
             config.block_tokens,
@@ -938,7 +943,9 @@ impl Generator {
             .prefill_turn(admitted, prompt_tokens - cached_tokens)
             .wait(then)
             .await;
-        // The KV blocks exist once prefill is done; a concurrent identical prompt hits them.
+        // The KV blocks exist once prefill is done: a prompt that arrives meanwhile pays its
+        // own prefill of them, as on vLLM, where prefills in flight are not shared (the
+        // gateway's router holds such a request instead, docs/routing.md).
         let mut cache = lock(&self.shared.cache);
         for hashes in &blocks {
             cache.insert(hashes);
