@@ -278,6 +278,20 @@ pub async fn get(url: &str) -> Reply {
     }
 }
 
+/// Sends `head` (a request head announcing a large body behind `Expect: 100-continue`) to `addr`
+/// on a raw connection and returns the first answer bytes, which must come without the body.
+pub async fn answer_to_head(addr: SocketAddr, head: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut raw = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    raw.write_all(head).await.expect("write");
+    let mut answer = vec![0u8; 2048];
+    let n = tokio::time::timeout(Duration::from_secs(5), raw.read(&mut answer))
+        .await
+        .expect("an answer without the body")
+        .expect("read");
+    String::from_utf8_lossy(&answer[..n]).into_owned()
+}
+
 /// A chat request body.
 pub fn chat(prompt: &str, stream: bool, max_tokens: u32) -> String {
     serde_json::json!({
