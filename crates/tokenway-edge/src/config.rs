@@ -1,43 +1,23 @@
 //! The edge's configuration (TOML; every key is documented in `docs/edge.md`).
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
+use serde::de::IgnoredAny;
 use serde::Deserialize;
-use tokenway_transport::trust::{parse_pin, Trust};
-use tokenway_transport::{DatagramSettings, QuicSettings};
+use tokenway_transport::tunnel_config::{is_host_port, TunnelClientConfig};
+use tokenway_transport::TransportError;
 
 use crate::error::EdgeError;
 
-/// The whole edge configuration.
+/// The whole edge configuration: the tunnel client's keys ([`TunnelClientConfig`], at the top
+/// level of the file) and the edge's own.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct EdgeConfig {
     /// Local OpenAI-compatible endpoint (HTTP/1.1 and h2c).
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
-    /// The shared tunnel token, sent as `tw-auth` on every tunnel request.
-    pub token: String,
-    /// Which gateway certificates are trusted.
-    pub trust: TrustConfig,
-    /// The gateways, in no particular order (the lowest smoothed RTT is used).
-    pub gateways: Vec<GatewayEntry>,
-    /// QUIC settings of the tunnel connections.
-    #[serde(default)]
-    pub quic: QuicSettings,
-    /// How long QUIC runs alone before the TCP fallback joins the race, milliseconds.
-    #[serde(default = "default_head_start")]
-    pub fallback_head_start_ms: u64,
-    /// How often the choice of gateway is re-evaluated, milliseconds.
-    #[serde(default = "default_reevaluate")]
-    pub reevaluate_ms: u64,
-    /// Longest wait for one connection attempt, milliseconds.
-    #[serde(default = "default_connect_timeout")]
-    pub connect_timeout_ms: u64,
-    /// While on the TCP fallback, how often QUIC is tried again, milliseconds.
-    #[serde(default = "default_quic_retry")]
-    pub quic_retry_ms: u64,
     /// Largest request body accepted from a local client, bytes (bodies are held so that a
     /// request can be retried on a fresh connection).
     #[serde(default = "default_max_body")]
@@ -49,37 +29,13 @@ pub struct EdgeConfig {
     /// TCP port forwards through the tunnel.
     #[serde(default)]
     pub forwards: Vec<ForwardEntry>,
-    /// `[datagram]`: the datagram layer under the tunnel's QUIC (FEC, obfuscation) and the
-    /// tunnel's congestion control (docs/datagram-layer.md); absent means plain QUIC. `fec`
-    /// (off or not) and `obfs.psk` must match the gateway's `[tunnel.datagram]`.
-    #[serde(default)]
-    pub datagram: Option<DatagramSettings>,
-}
-
-/// `[trust]`: exactly one of `ca_file` or `pin_sha256`.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TrustConfig {
-    /// PEM file of CA certificates.
-    pub ca_file: Option<PathBuf>,
-    /// `sha256:<hex>` fingerprints of accepted (self-signed) gateway certificates.
-    #[serde(default)]
-    pub pin_sha256: Vec<String>,
-}
-
-/// `[[gateways]]`.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GatewayEntry {
-    /// Name, for logs and metric labels.
-    pub name: String,
-    /// The gateway's tunnel port, UDP, `host:port`.
-    pub quic: String,
-    /// The gateway's TLS TCP port for the fallback, `host:port`.
-    pub tcp: Option<String>,
-    /// TLS server name (SNI).
-    #[serde(default = "default_server_name")]
-    pub server_name: String,
+    /// Token, trust, gateways, `[quic]`, `[datagram]` and the fallback's timing.
+    #[serde(flatten)]
+    pub tunnel: TunnelClientConfig,
+    /// Keys neither the edge's nor the tunnel's (serde's `deny_unknown_fields` does not work
+    /// across `flatten`): refused by [`EdgeConfig::validate`] by name.
+    #[serde(flatten)]
+    unknown: BTreeMap<String, IgnoredAny>,
 }
 
 /// `[[forwards]]`: a local TCP listener whose connections are carried to `target`.
@@ -95,36 +51,11 @@ pub struct ForwardEntry {
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 8080))
 }
-fn default_head_start() -> u64 {
-    250
-}
-fn default_reevaluate() -> u64 {
-    10_000
-}
-fn default_connect_timeout() -> u64 {
-    3_000
-}
-fn default_quic_retry() -> u64 {
-    3_000
-}
 fn default_address_check() -> u64 {
     100
 }
 fn default_max_body() -> usize {
     32 << 20
-}
-fn default_server_name() -> String {
-    "localhost".into()
-}
-
-/// The shortest tunnel token the gateway accepts (its `tunnel.tokens` rule).
-pub const MIN_TOKEN_LEN: usize = 16;
-
-fn is_host_port(s: &str) -> bool {
-    match s.rsplit_once(':') {
-        Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0),
-        None => false,
-    }
 }
 
 impl EdgeConfig {
@@ -138,84 +69,15 @@ impl EdgeConfig {
     /// Checks every key; the error names the bad key and the allowed values.
     pub fn validate(&self) -> Result<(), EdgeError> {
         let bad = |m: String| Err(EdgeError::Config(m));
-        if self.token.trim().is_empty() {
-            return bad("token must not be empty (the gateway's [tunnel] tokens entry)".into());
-        }
-        // The gateway accepts no shorter token (its `tunnel.tokens`): a shorter one would only
-        // ever see the gateway's masquerade site.
-        if self.token.len() < MIN_TOKEN_LEN {
+        if let Some(key) = self.unknown.keys().next() {
             return bad(format!(
-                "token must be at least {MIN_TOKEN_LEN} characters, as the gateway's [tunnel] \
-                 tokens require (got {})",
-                self.token.len()
+                "unknown key `{key}` (every key is listed in docs/edge.md)"
             ));
         }
-        if http::HeaderValue::from_str(&self.token).is_err() {
-            return bad("token must be printable ASCII (it travels as the tw-auth header)".into());
-        }
-        self.trust()?;
-        if self.gateways.is_empty() {
-            return bad("gateways must list at least one [[gateways]] entry".into());
-        }
-        for (i, g) in self.gateways.iter().enumerate() {
-            if g.name.trim().is_empty() {
-                return bad(format!("gateways[{i}].name must not be empty"));
-            }
-            if self.gateways[..i].iter().any(|o| o.name == g.name) {
-                return bad(format!("gateways[{i}].name {:?} is used twice", g.name));
-            }
-            if !is_host_port(&g.quic) {
-                return bad(format!(
-                    "gateways[{i}].quic must be host:port (got {:?})",
-                    g.quic
-                ));
-            }
-            if let Some(t) = &g.tcp {
-                if !is_host_port(t) {
-                    return bad(format!("gateways[{i}].tcp must be host:port (got {t:?})"));
-                }
-            }
-            if g.server_name.trim().is_empty() {
-                return bad(format!("gateways[{i}].server_name must not be empty"));
-            }
-            if rustls::pki_types::ServerName::try_from(g.server_name.as_str()).is_err() {
-                return bad(format!(
-                    "gateways[{i}].server_name must be a DNS name or an IP address (got {:?})",
-                    g.server_name
-                ));
-            }
-        }
-        self.quic
-            .validate("quic")
-            .map_err(|e| EdgeError::Config(e.to_string()))?;
-        if let Some(d) = &self.datagram {
-            d.validate("datagram")
-                .map_err(|e| EdgeError::Config(e.to_string()))?;
-        }
-        if self.fallback_head_start_ms > 10_000 {
-            return bad(format!(
-                "fallback_head_start_ms must be in 0..=10000 (got {})",
-                self.fallback_head_start_ms
-            ));
-        }
-        if !(100..=3_600_000).contains(&self.reevaluate_ms) {
-            return bad(format!(
-                "reevaluate_ms must be in 100..=3600000 (got {})",
-                self.reevaluate_ms
-            ));
-        }
-        if !(100..=60_000).contains(&self.connect_timeout_ms) {
-            return bad(format!(
-                "connect_timeout_ms must be in 100..=60000 (got {})",
-                self.connect_timeout_ms
-            ));
-        }
-        if !(100..=600_000).contains(&self.quic_retry_ms) {
-            return bad(format!(
-                "quic_retry_ms must be in 100..=600000 (got {})",
-                self.quic_retry_ms
-            ));
-        }
+        self.tunnel.validate().map_err(|e| match e {
+            TransportError::Config(m) => EdgeError::Config(m),
+            other => other.into(),
+        })?;
         if self.address_check_ms != 0 && !(20..=60_000).contains(&self.address_check_ms) {
             return bad(format!(
                 "address_check_ms must be 0 (off) or in 20..=60000 (got {})",
@@ -237,53 +99,6 @@ impl EdgeConfig {
             }
         }
         Ok(())
-    }
-
-    /// The QUIC settings of tunnel connections: `[quic]` with the `[datagram]` layer.
-    pub fn tunnel_quic(&self) -> QuicSettings {
-        let mut q = self.quic.clone();
-        q.datagram = self.datagram.clone();
-        q
-    }
-
-    /// The trust setting.
-    pub fn trust(&self) -> Result<Trust, EdgeError> {
-        match (&self.trust.ca_file, self.trust.pin_sha256.is_empty()) {
-            (Some(_), false) => Err(EdgeError::Config(
-                "trust: set either ca_file or pin_sha256, not both".into(),
-            )),
-            (None, true) => Err(EdgeError::Config(
-                "trust: set ca_file (PEM roots) or pin_sha256 (gateway certificate fingerprints)"
-                    .into(),
-            )),
-            (Some(f), true) => Ok(Trust::CaFile(f.clone())),
-            (None, false) => {
-                for p in &self.trust.pin_sha256 {
-                    parse_pin(p).map_err(|e| EdgeError::Config(e.to_string()))?;
-                }
-                Ok(Trust::Pinned(self.trust.pin_sha256.clone()))
-            }
-        }
-    }
-
-    /// `fallback_head_start_ms` as a duration.
-    pub fn head_start(&self) -> Duration {
-        Duration::from_millis(self.fallback_head_start_ms)
-    }
-
-    /// `reevaluate_ms` as a duration.
-    pub fn reevaluate(&self) -> Duration {
-        Duration::from_millis(self.reevaluate_ms)
-    }
-
-    /// `connect_timeout_ms` as a duration.
-    pub fn connect_timeout(&self) -> Duration {
-        Duration::from_millis(self.connect_timeout_ms)
-    }
-
-    /// `quic_retry_ms` as a duration.
-    pub fn quic_retry(&self) -> Duration {
-        Duration::from_millis(self.quic_retry_ms)
     }
 
     /// The roaming check interval, `None` when disabled.
@@ -310,16 +125,16 @@ mod tests {
         let text = include_str!("../../../examples/edge.toml");
         let c = EdgeConfig::from_toml_str(text).expect("examples/edge.toml is valid");
         assert_eq!(c.forwards.len(), 1);
-        assert_eq!(c.gateways[0].tcp.as_deref(), Some("127.0.0.1:4433"));
+        assert_eq!(c.tunnel.gateways[0].tcp.as_deref(), Some("127.0.0.1:4433"));
     }
 
     #[test]
     fn minimal_config_gets_defaults() {
         let c = EdgeConfig::from_toml_str(&base()).expect("valid");
         assert_eq!(c.listen, default_listen());
-        assert_eq!(c.fallback_head_start_ms, 250);
-        assert_eq!(c.reevaluate_ms, 10_000);
-        assert_eq!(c.gateways[0].server_name, "localhost");
+        assert_eq!(c.tunnel.fallback_head_start_ms, 250);
+        assert_eq!(c.tunnel.reevaluate_ms, 10_000);
+        assert_eq!(c.tunnel.gateways[0].server_name, "localhost");
     }
 
     #[test]
@@ -368,6 +183,31 @@ mod tests {
     }
 
     #[test]
+    fn unknown_keys_are_refused_by_name() {
+        // The tunnel client's keys are flattened in; an unknown key, at the top or in a table,
+        // is still an error that names it.
+        for (text, key) in [
+            (format!("lisen = \"127.0.0.1:1\"\n{}", base()), "lisen"),
+            (format!("reevaluate = 5\n{}", base()), "reevaluate"),
+            (base() + "sni = \"x\"\n", "sni"),
+            (base() + "[quic]\nidle = 1\n", "idle"),
+        ] {
+            let e = EdgeConfig::from_toml_str(&text)
+                .map(|_| "accepted".to_string())
+                .unwrap_or_else(|e| e.to_string());
+            assert!(e.contains(key), "{key}: {e}");
+        }
+        // The edge's own keys and the tunnel's mix in any order.
+        let c = EdgeConfig::from_toml_str(&format!(
+            "max_body_bytes = 4096\nquic_retry_ms = 500\nlisten = \"127.0.0.1:9\"\n{}",
+            base()
+        ))
+        .expect("valid");
+        assert_eq!((c.max_body_bytes, c.tunnel.quic_retry_ms), (4096, 500));
+        assert_eq!(c.listen.port(), 9);
+    }
+
+    #[test]
     fn datagram_section_reaches_the_tunnel_settings() {
         let c = EdgeConfig::from_toml_str(&format!(
             "{}[datagram]\nfec = \"auto\"\nobfs.psk = \"0123456789abcdef\"\n\
@@ -375,7 +215,7 @@ mod tests {
             base()
         ))
         .expect("valid");
-        let q = c.tunnel_quic();
+        let q = c.tunnel.tunnel_quic();
         let d = q.datagram.expect("the layer is on");
         assert_eq!(
             d.bandwidth.down.map(|b| b.bytes_per_sec()),
@@ -383,6 +223,7 @@ mod tests {
         );
         assert!(EdgeConfig::from_toml_str(&base())
             .expect("valid")
+            .tunnel
             .tunnel_quic()
             .datagram
             .is_none());

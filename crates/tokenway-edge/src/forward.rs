@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 
 use crate::config::ForwardEntry;
 use crate::error::EdgeError;
-use crate::tunnel::{idempotency_key, Tunnel, AUTH_HEADER, IDEMPOTENCY_HEADER};
+use tokenway_transport::tunnel::{idempotency_key, Tunnel, AUTH_HEADER, IDEMPOTENCY_HEADER};
 
 /// One forward listener.
 pub struct Forward {

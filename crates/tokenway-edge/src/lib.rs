@@ -1,11 +1,13 @@
-//! tokenway-edge: the local OpenAI-compatible endpoint and the tunnel client.
+//! tokenway-edge: the local OpenAI-compatible endpoint in front of the tunnel client.
 //!
 //! An app talks plain HTTP/1.1 or h2c to the edge on loopback; the edge carries every request
 //! as one HTTP/3 request over QUIC to the gateway with the lowest smoothed RTT (HTTP/2 over TLS
 //! over TCP when UDP does not get through), adding the tunnel token and an idempotency key
 //! (docs/tunnel.md). It also forwards local TCP ports through the tunnel (CONNECT).
 //!
-//! The edge never imports the gateway crate; they share only the wire contract.
+//! The tunnel client itself ([`tokenway_transport::tunnel`]) lives in the transport crate, where
+//! a gateway's overflow to peer gateways uses it too; the edge never imports the gateway crate,
+//! and they share only the wire contract.
 
 mod body;
 pub mod config;
@@ -13,15 +15,14 @@ mod error;
 pub mod forward;
 pub mod metrics;
 pub mod roaming;
-pub mod select;
 pub mod server;
-pub mod tunnel;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 pub use config::EdgeConfig;
 pub use error::EdgeError;
+use tokenway_transport::tunnel::Tunnel;
 
 /// An edge whose listeners are bound and whose links are dialing.
 pub struct BoundEdge {
@@ -34,7 +35,7 @@ pub struct BoundEdge {
 pub async fn bind(config: EdgeConfig) -> Result<BoundEdge, EdgeError> {
     config.validate()?;
     let metrics = Arc::new(metrics::EdgeMetrics::new());
-    let tunnel = tunnel::Tunnel::start(&config, metrics.quic.clone()).await?;
+    let tunnel = Tunnel::start(&config.tunnel, metrics.quic.clone()).await?;
     if let Some(every) = config.address_check() {
         tokio::spawn(roaming::watch(
             Arc::downgrade(&tunnel),

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use tokenway_telemetry::Counter;
 
-use crate::tunnel::Tunnel;
+use tokenway_transport::tunnel::Tunnel;
 
 /// The source address the kernel would use to reach `dst` now, or `None` without a route.
 pub fn route_source(dst: SocketAddr) -> Option<IpAddr> {

@@ -22,8 +22,8 @@ use tokio::net::TcpListener;
 
 use crate::body::EdgeBody;
 use crate::metrics::EdgeMetrics;
-use crate::tunnel::{Outgoing, Tunnel};
 use tokenway_telemetry::stream_clock::StreamClock;
+use tokenway_transport::tunnel::{Outgoing, Tunnel};
 
 /// The body of every local response.
 pub type LocalBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -48,8 +48,8 @@ static HOP_BY_HOP: [HeaderName; 10] = [
     header::UPGRADE,
     header::TRAILER,
     header::HOST,
-    HeaderName::from_static(crate::tunnel::AUTH_HEADER),
-    HeaderName::from_static(crate::tunnel::IDEMPOTENCY_HEADER),
+    HeaderName::from_static(tokenway_transport::tunnel::AUTH_HEADER),
+    HeaderName::from_static(tokenway_transport::tunnel::IDEMPOTENCY_HEADER),
 ];
 
 /// State shared by every local connection.
@@ -282,7 +282,7 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             let mut r = error(StatusCode::BAD_GATEWAY, e.code, &e.message);
             // A refused token is the edge's configuration, not a passing fault: the OpenAI
             // clients' retries (two, on any 502) would only be refused again.
-            if e.code == crate::tunnel::AUTH_FAILED {
+            if e.code == tokenway_transport::tunnel::AUTH_FAILED {
                 r.headers_mut()
                     .insert("x-should-retry", HeaderValue::from_static("false"));
             }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use tokenway_router::{HealthConfig, Policy};
-use tokenway_transport::{DatagramSettings, QuicSettings};
+use tokenway_transport::{DatagramSettings, QuicSettings, TransportError};
 
 use crate::cpu_affinity::Affinity;
 use crate::error::GatewayError;
@@ -71,8 +71,10 @@ pub struct GatewayConfig {
     /// `[discovery]`: backends found in DNS (A/AAAA and SRV records), refreshed on an interval.
     pub discovery: DiscoverySettings,
     /// `[overflow]`: peer gateways (other regions) reached through the tunnel when no local
-    /// backend can take a request; the keys of an edge configuration (docs/routing.md).
-    pub overflow: Option<tokenway_edge::EdgeConfig>,
+    /// backend can take a request; the tunnel client's keys, those of an edge configuration
+    /// without the edge's own `listen`, `max_body_bytes`, `address_check_ms` and `forwards`
+    /// (docs/routing.md).
+    pub overflow: Option<tokenway_transport::tunnel_config::TunnelClientConfig>,
 }
 
 impl Default for GatewayConfig {
@@ -425,9 +427,10 @@ impl GatewayConfig {
             GatewayError::Config(format!("{key} must be {rule} (got {got})"))
         }
         if let Some(peers) = &self.overflow {
-            peers
-                .validate()
-                .map_err(|e| GatewayError::Config(format!("[overflow]: {e}")))?;
+            peers.validate().map_err(|e| match e {
+                TransportError::Config(m) => GatewayError::Config(format!("[overflow]: {m}")),
+                other => GatewayError::Config(format!("[overflow]: {other}")),
+            })?;
         }
         if self.listen.is_none()
             && self.tls_listen.is_none()
@@ -945,6 +948,38 @@ mod tests {
         assert!(e.to_string().contains("policy"), "{e}");
         let e = GatewayConfig::from_toml_str("lisen = \"1.2.3.4:5\"\n").unwrap_err();
         assert!(e.to_string().contains("lisen"), "{e}");
+    }
+
+    #[test]
+    fn overflow_takes_the_tunnel_clients_keys_and_names_a_bad_one() {
+        let peers = "[[backends]]\nurl = \"http://127.0.0.1:8000\"\n[overflow]\n\
+                     token = \"0123456789abcdef\"\nquic_retry_ms = 500\n\
+                     [overflow.trust]\npin_sha256 = [\"sha256:{}\"]\n\
+                     [[overflow.gateways]]\nname = \"eu\"\nquic = \"127.0.0.1:4433\"\n";
+        let peers = peers.replace("{}", &"0".repeat(64));
+        let c = GatewayConfig::from_toml_str(&peers).expect("valid");
+        let o = c.overflow.expect("overflow configured");
+        assert_eq!((o.gateways[0].name.as_str(), o.quic_retry_ms), ("eu", 500));
+        for (text, key) in [
+            // An edge's own keys mean nothing to a gateway's overflow.
+            (
+                peers.replace("quic_retry_ms", "listen = \"127.0.0.1:1\"\nx"),
+                "listen",
+            ),
+            (
+                peers.replace("0123456789abcdef", "short"),
+                "[overflow]: token",
+            ),
+            (
+                peers.replace("127.0.0.1:4433", "nowhere"),
+                "gateways[0].quic",
+            ),
+        ] {
+            let e = GatewayConfig::from_toml_str(&text)
+                .map(|_| "accepted".to_string())
+                .unwrap_or_else(|e| e.to_string());
+            assert!(e.contains(key), "{key}: {e}");
+        }
     }
 
     #[test]

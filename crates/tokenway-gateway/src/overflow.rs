@@ -3,11 +3,12 @@
 //! through the tunnel to a peer gateway in another region, the way an edge would, and streams
 //! the answer back.
 //!
-//! `[overflow]` is an edge configuration (token, trust, gateways, QUIC and fallback settings):
-//! the gateway runs the edge's tunnel client ([`tokenway_edge::tunnel::Tunnel`]) with its RTT
-//! choice among the peers, TCP fallback, 0-RTT and retries. A request that already overflowed
-//! once carries [`HOP_HEADER`] and never overflows again, so two gateways that overflow to each
-//! other cannot bounce a request between them.
+//! `[overflow]` holds the tunnel client's keys (token, trust, gateways, QUIC and fallback
+//! settings; an edge has the same ones): the gateway runs the tunnel client the edge runs
+//! ([`tokenway_transport::tunnel::Tunnel`]) with its RTT choice among the peers, TCP fallback,
+//! 0-RTT and retries. A request that already overflowed once carries [`HOP_HEADER`] and never
+//! overflows again, so two gateways that overflow to each other cannot bounce a request between
+//! them.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -18,8 +19,8 @@ use http::request::Parts;
 use http::{HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use tokenway_edge::tunnel::{Outgoing, Tunnel, AUTH_HEADER, IDEMPOTENCY_HEADER};
 use tokenway_transport::client::ClientBody;
+use tokenway_transport::tunnel::{Outgoing, Tunnel, AUTH_HEADER, IDEMPOTENCY_HEADER};
 
 use crate::error::{ApiError, BoxError, ResponseBody};
 use crate::state::Shared;

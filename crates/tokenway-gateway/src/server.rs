@@ -74,7 +74,7 @@ pub struct BoundGateway {
 pub async fn bind(config: GatewayConfig) -> Result<BoundGateway, GatewayError> {
     let shared = Shared::new(config)?;
     if let Some(peers) = &shared.config.overflow {
-        let tunnel = tokenway_edge::tunnel::Tunnel::start(peers, shared.quic_metrics.clone())
+        let tunnel = tokenway_transport::tunnel::Tunnel::start(peers, shared.quic_metrics.clone())
             .await
             .map_err(|e| GatewayError::Config(format!("[overflow]: {e}")))?;
         let _ = shared.overflow.set(tunnel);

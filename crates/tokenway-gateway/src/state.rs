@@ -246,7 +246,7 @@ pub struct Shared {
     /// `Alt-Svc` value advertising the HTTP/3 front on TCP responses.
     pub alt_svc: std::sync::OnceLock<HeaderValue>,
     /// The tunnel to peer gateways, when `[overflow]` is configured (set once at bind).
-    pub overflow: std::sync::OnceLock<Arc<tokenway_edge::tunnel::Tunnel>>,
+    pub overflow: std::sync::OnceLock<Arc<tokenway_transport::tunnel::Tunnel>>,
     /// Requests waiting for a slot while every backend of their model is full.
     pub admission: Admission,
 }

@@ -6,7 +6,9 @@
 //! OpenAI requests. Server side: [`endpoint::server_endpoint`]; client side:
 //! [`client`], [`dial`], [`fallback`]. Certificates and trust: [`certs`], [`trust`]. The
 //! tunnel's datagram layer (FEC, obfuscation) is [`datagram`]; its congestion control is
-//! [`cc`] and [`brutal`].
+//! [`cc`] and [`brutal`]. The tunnel client that the edge and a gateway's overflow share (its
+//! connection per gateway, the RTT choice among them, retries) is [`tunnel`], configured by
+//! [`tunnel_config`], choosing with [`select`].
 
 pub mod brutal;
 pub mod cc;
@@ -18,11 +20,14 @@ pub mod endpoint;
 pub mod error;
 pub mod fallback;
 pub mod h3_quinn_prio;
+pub mod select;
 pub mod settings;
 pub mod socket;
 pub mod stall_io;
 pub mod stats;
 pub mod trust;
+pub mod tunnel;
+pub mod tunnel_config;
 
 pub use error::TransportError;
 pub use settings::{Bandwidth, CongestionControl, DatagramSettings, QuicSettings};

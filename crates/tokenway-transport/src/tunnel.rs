@@ -1,4 +1,6 @@
-//! The tunnel: one connection manager per gateway, and the choice of gateway per request.
+//! The tunnel client: one connection manager per gateway, and the choice of gateway per request.
+//! The edge sends every local request through it; a gateway sends its overflow to peer gateways
+//! through it (configured by [`TunnelClientConfig`]).
 //!
 //! Each gateway has a link task that keeps a connection up: it dials (QUIC raced against the TCP
 //! fallback), measures RTT (QUIC's own estimate, or a timed `GET /health` over TCP), feeds the
@@ -18,13 +20,13 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri};
 use http_body_util::{BodyExt, Empty, Full};
 use tokenway_telemetry::quic::QuicMetrics;
-use tokenway_transport::client::{ClientBody, RequestError};
-use tokenway_transport::dial::{Conn, Dialer, Target};
 use tokio::sync::{watch, Notify};
 
-use crate::config::{EdgeConfig, GatewayEntry};
-use crate::error::EdgeError;
+use crate::client::{ClientBody, RequestError};
+use crate::dial::{Conn, Dialer, Target};
 use crate::select::Selector;
+use crate::tunnel_config::{GatewayEntry, TunnelClientConfig};
+use crate::TransportError;
 
 /// Header carrying the tunnel token (docs/tunnel.md).
 pub const AUTH_HEADER: &str = "tw-auth";
@@ -43,7 +45,7 @@ pub fn idempotency_key() -> HeaderValue {
     HeaderValue::from_bytes(&hex).expect("hex is a valid header value")
 }
 
-/// Whether a gateway accepts this edge's token, as its `GET /health` over the tunnel told.
+/// Whether a gateway accepts this client's token, as its `GET /health` over the tunnel told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum TokenCheck {
     /// Not checked yet.
@@ -161,15 +163,15 @@ pub struct Tunnel {
     quic_retry: Duration,
 }
 
-async fn resolve(s: &str, key: &str) -> Result<SocketAddr, EdgeError> {
+async fn resolve(s: &str, key: &str) -> Result<SocketAddr, TransportError> {
     tokio::net::lookup_host(s)
         .await
-        .map_err(|e| EdgeError::Config(format!("{key} {s:?} does not resolve: {e}")))?
+        .map_err(|e| TransportError::Config(format!("{key} {s:?} does not resolve: {e}")))?
         .next()
-        .ok_or_else(|| EdgeError::Config(format!("{key} {s:?} resolves to no address")))
+        .ok_or_else(|| TransportError::Config(format!("{key} {s:?} resolves to no address")))
 }
 
-async fn target(i: usize, g: &GatewayEntry) -> Result<Target, EdgeError> {
+async fn target(i: usize, g: &GatewayEntry) -> Result<Target, TransportError> {
     let quic = resolve(&g.quic, &format!("gateways[{i}].quic")).await?;
     let tcp = match &g.tcp {
         Some(t) => Some(resolve(t, &format!("gateways[{i}].tcp")).await?),
@@ -185,7 +187,10 @@ async fn target(i: usize, g: &GatewayEntry) -> Result<Target, EdgeError> {
 
 impl Tunnel {
     /// Resolves the gateways, opens the QUIC client endpoint and starts one link per gateway.
-    pub async fn start(config: &EdgeConfig, metrics: QuicMetrics) -> Result<Arc<Self>, EdgeError> {
+    pub async fn start(
+        config: &TunnelClientConfig,
+        metrics: QuicMetrics,
+    ) -> Result<Arc<Self>, TransportError> {
         let mut targets = Vec::new();
         for (i, g) in config.gateways.iter().enumerate() {
             targets.push(target(i, g).await?);
@@ -199,20 +204,12 @@ impl Tunnel {
         // `[quic]` plus the `[datagram]` layer (FEC, obfuscation, tunnel cc), if configured.
         let mut quic = config.tunnel_quic();
         quic.datagram_metrics = Some(metrics.datagram.clone());
-        let endpoint = tokenway_transport::endpoint::client_endpoint(bind, &quic)?;
+        let endpoint = crate::endpoint::client_endpoint(bind, &quic)?;
         let trust = config.trust()?;
         let dialer = Dialer {
             endpoint,
-            quic_tls: tokenway_transport::trust::client_tls(
-                &trust,
-                &[tokenway_transport::ALPN_H3],
-                config.quic.zero_rtt,
-            )?,
-            tcp_tls: tokenway_transport::trust::client_tls(
-                &trust,
-                &[tokenway_transport::ALPN_H2],
-                false,
-            )?,
+            quic_tls: crate::trust::client_tls(&trust, &[crate::ALPN_H3], config.quic.zero_rtt)?,
+            tcp_tls: crate::trust::client_tls(&trust, &[crate::ALPN_H2], false)?,
             settings: quic,
             head_start: config.head_start(),
             tcp_won_last: Default::default(),
@@ -220,8 +217,8 @@ impl Tunnel {
             metrics: Some(metrics),
         };
         let token = HeaderValue::from_str(&config.token)
-            .map_err(|_| EdgeError::Config("token must be printable ASCII".into()))?;
-        // What this edge can receive, advertised to the gateway for brutal (docs/edge.md).
+            .map_err(|_| TransportError::Config("token must be printable ASCII".into()))?;
+        // What this client can receive, advertised to the gateway for brutal (docs/edge.md).
         let rx_rate = config
             .datagram
             .as_ref()
@@ -266,24 +263,22 @@ impl Tunnel {
     }
 
     /// Moves the QUIC endpoint to a fresh UDP socket; open connections migrate.
-    pub fn rebind(&self) -> Result<SocketAddr, EdgeError> {
+    pub fn rebind(&self) -> Result<SocketAddr, TransportError> {
         let ep = &self.dialer.endpoint;
-        let local = ep.local_addr().map_err(|source| EdgeError::Bind {
+        let local = ep.local_addr().map_err(|source| TransportError::Socket {
             addr: SocketAddr::from(([0, 0, 0, 0], 0)),
             source,
         })?;
         let bind = SocketAddr::new(local.ip(), 0);
-        let udp =
-            tokenway_transport::socket::bind_udp(bind, self.dialer.settings.socket_buffer_bytes)?;
+        let udp = crate::socket::bind_udp(bind, self.dialer.settings.socket_buffer_bytes)?;
         // The new socket gets a fresh datagram layer (per-peer FEC state starts over; the
         // gateway sees a new address anyway).
-        let (socket, _) =
-            tokenway_transport::socket::layered_socket(udp, &self.dialer.settings, "client")?;
+        let (socket, _) = crate::socket::layered_socket(udp, &self.dialer.settings, "client")?;
         ep.rebind_abstract(socket)
-            .map_err(|source| EdgeError::Bind { addr: bind, source })?;
+            .map_err(|source| TransportError::Socket { addr: bind, source })?;
         let now = ep
             .local_addr()
-            .map_err(|source| EdgeError::Bind { addr: bind, source })?;
+            .map_err(|source| TransportError::Socket { addr: bind, source })?;
         tracing::info!(from = %local, to = %now, "QUIC endpoint rebound");
         Ok(now)
     }
@@ -358,7 +353,7 @@ impl Tunnel {
         h.insert(AUTH_HEADER, self.token.clone());
         h.insert(IDEMPOTENCY_HEADER, idempotency_key());
         if let Some(rate) = &self.rx_rate {
-            h.insert(tokenway_transport::cc::RX_RATE_HEADER, rate.clone());
+            h.insert(crate::cc::RX_RATE_HEADER, rate.clone());
         }
         Ok(req)
     }
@@ -381,7 +376,7 @@ impl Tunnel {
         }
     }
 
-    /// Whether gateway `i` refuses this edge's token. A web page from the gateway before its
+    /// Whether gateway `i` refuses this client's token. A web page from the gateway before its
     /// token check has answered waits (briefly) for that answer: with a wrong token the very
     /// first request would otherwise hand the masquerade site to the app.
     async fn token_refused(&self, i: usize, html: bool) -> bool {
