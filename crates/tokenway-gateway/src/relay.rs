@@ -76,7 +76,8 @@ pub struct RelayBody {
     /// the two as one event of broken JSON, not as an error).
     partial: Option<Bytes>,
     /// The backend sent an error event (`data: {"error": ...}`, how vLLM and SGLang report a
-    /// generation that failed after the 200): relayed as it is; one the backend calls its own
+    /// generation that failed after the 200; llama.cpp's `error: {...}`): relayed as it is; one
+    /// the backend calls its own
     /// fault makes the answer a failure of the backend.
     backend_error: Option<StreamErrorCause>,
 }

@@ -331,19 +331,32 @@ pub enum StreamErrorCause {
 }
 
 /// The first error event in `data` (whole events of a stream), as the OpenAI-compatible servers
-/// send one after their 200: a data line whose JSON value starts with `{"error"`
-/// (`data: {"error": {...}}`, vLLM and SGLang), and whose fault it says it is. Token text cannot
-/// look like that: inside a JSON string its quotes are escaped.
+/// send one after their 200, and whose fault it says it is: a data line whose JSON value starts
+/// with `{"error"` (`data: {"error": {...}}`, vLLM and SGLang), or a line of the SSE field
+/// `error` with a JSON object (`error: {"code": 500, ...}`, llama.cpp's server; SSE clients
+/// ignore that field, so the gateway's health accounting is what sees it). Token text cannot
+/// look like either: inside a JSON string quotes are escaped and line breaks are `\n`.
 pub fn find_error_event(data: &[u8]) -> Option<StreamErrorCause> {
-    static ERROR: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    static DATA_ERROR: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"{\"error\""));
-    let at = ERROR.find_iter(data).find(|&at| {
+    static ERROR_FIELD: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"error:"));
+    let line_start =
+        |before: &[u8]| before.is_empty() || before.ends_with(b"\n") || before.ends_with(b"\r");
+    let as_data = DATA_ERROR.find_iter(data).find(|&at| {
         let before = &data[..at];
         let before = before.strip_suffix(b" ").unwrap_or(before);
-        before.strip_suffix(b"data:").is_some_and(|line_start| {
-            line_start.is_empty() || line_start.ends_with(b"\n") || line_start.ends_with(b"\r")
-        })
-    })?;
+        before.strip_suffix(b"data:").is_some_and(line_start)
+    });
+    let as_field = ERROR_FIELD.find_iter(data).find(|&at| {
+        let value = &data[at + b"error:".len()..];
+        let value = value.strip_prefix(b" ").unwrap_or(value);
+        line_start(&data[..at]) && value.starts_with(b"{")
+    });
+    let at = match (as_data, as_field) {
+        (Some(a), Some(b)) => a.min(b),
+        (a, b) => a.or(b)?,
+    };
     let rest = &data[at..];
     let line = &rest[..memchr::memchr2(b'\n', b'\r', rest).unwrap_or(rest.len())];
     // Whole JSON members only: inside a string (a message quoting `FileNotFoundError`) the
@@ -475,6 +488,23 @@ mod tests {
             None
         );
         assert_eq!(error_event(b"xdata: {\"error\":1}\n\n"), None);
+        // llama.cpp's server: the SSE field `error` with its error object.
+        assert_eq!(
+            error_event(b"data: {\"a\":1}\n\nerror: {\"code\":500,\"message\":\"x\",\"type\":\"server_error\"}\n\ndata: [DONE]\n\n"),
+            Some(Server)
+        );
+        assert_eq!(
+            error_event(b"error: {\"code\":400,\"message\":\"the request exceeds the available context size\",\"type\":\"exceed_context_size_error\"}\n\n"),
+            Some(Client)
+        );
+        assert_eq!(error_event(b"error:{\"code\":503}\r\n\r\n"), Some(Server));
+        // Not that field: a word inside a token's text, another field's value, a plain string.
+        assert_eq!(
+            error_event(b"data: {\"choices\":[{\"text\":\"error: {\"}]}\n\n"),
+            None
+        );
+        assert_eq!(error_event(b"event: error: {x}\n\n"), None);
+        assert_eq!(error_event(b"error: oops\n\n"), None);
         assert_eq!(error_event(b"data: [DONE]\n\n"), None);
     }
 
