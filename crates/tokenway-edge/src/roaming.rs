@@ -8,7 +8,9 @@
 //! until the next keep-alive PING (seconds) reaches the gateway from the new address. Measured
 //! on the netlab `handover` profile before this module: 9.4 s stalls. Rebinding makes quinn
 //! switch to a fresh connection ID and send a PING from the new address right away; the gateway
-//! validates the new path within a round trip and the stream goes on.
+//! validates the new path within a round trip and the stream goes on. A TCP fallback connection
+//! cannot migrate (its socket keeps the old source address): it is closed and redialed from the
+//! new address at once, instead of hanging until HTTP/2's keep-alive gives up (10 s + 10 s).
 //!
 //! Detection is a poll of the kernel's route choice, not an interface-event subscription: for
 //! each gateway a UDP socket is `connect`ed (no packet leaves) and its local address read. That
@@ -105,6 +107,10 @@ pub async fn watch(tunnel: Weak<Tunnel>, every: Duration, rebinds: Counter) {
             return;
         };
         if let Change::Moved { from, to } = tracker.observe(&look()) {
+            let tcp = tunnel.redial_tcp();
+            if tcp > 0 {
+                tracing::info!(%from, %to, connections = tcp, "local address changed: TCP fallback connections closed, redialing");
+            }
             match tunnel.rebind() {
                 Ok(local) => {
                     rebinds.inc();

@@ -300,6 +300,33 @@ impl Tunnel {
         self.changed.send_modify(|n| *n += 1);
     }
 
+    /// Closes `conn` of gateway `i` (it no longer answers) and has the link redial at once.
+    fn retire(&self, i: usize, conn: &Conn) {
+        conn.close();
+        let same = lock(&self.links[i].conn)
+            .as_ref()
+            .is_some_and(|c| c.same(conn));
+        if same {
+            self.set_conn(i, None);
+        }
+        self.links[i].wake.notify_one();
+    }
+
+    /// After the local address changed: closes every TCP fallback connection, which cannot
+    /// migrate as QUIC's do (its socket keeps the old source address, a black hole until
+    /// HTTP/2's keep-alive gives up), so their links redial from the new address at once.
+    /// Returns how many were closed.
+    pub fn redial_tcp(&self) -> usize {
+        let mut closed = 0;
+        for (i, link) in self.links.iter().enumerate() {
+            if let Some(c) = link.current().filter(|c| !c.is_quic()) {
+                self.retire(i, &c);
+                closed += 1;
+            }
+        }
+        closed
+    }
+
     /// Drops `conn` of gateway `i` when it is dead, and wakes the link to redial.
     fn report_failure(&self, i: usize, conn: &Conn) {
         if !conn.is_closed() {
@@ -318,6 +345,7 @@ impl Tunnel {
     async fn acquire(&self, avoid: Option<usize>) -> Option<(usize, Conn)> {
         let deadline = tokio::time::Instant::now() + self.wait_for_link;
         let mut changed = self.changed.subscribe();
+        let mut woken = false;
         loop {
             let pick = {
                 let mut sel = lock(&self.selector);
@@ -335,6 +363,14 @@ impl Tunnel {
                 continue;
             }
             changed.borrow_and_update();
+            if !woken {
+                // Links waiting out a redial backoff (after an outage) dial now: the network
+                // may be back, and a request is waiting for it.
+                woken = true;
+                for l in &self.links {
+                    l.wake.notify_one();
+                }
+            }
             if tokio::time::timeout_at(deadline, changed.changed())
                 .await
                 .is_err()
@@ -416,12 +452,22 @@ impl Tunnel {
                     .into());
             };
             if *self.links[i].token.borrow() == TokenCheck::Refused {
+                // Another gateway may know the token (one not yet given a rotated token list).
+                if avoid != Some(i) && self.another_accepts(i) {
+                    avoid = Some(i);
+                    continue;
+                }
                 return Err(SendError::token_refused(&self.links[i].target.name));
             }
             let req = self.request(out, Full::new(out.body.clone()))?;
             match conn.send_request(req).await {
                 Ok(response) => {
                     if self.token_refused(i, is_html(&response)).await {
+                        // The masquerade site answered: nothing ran, another gateway may.
+                        if avoid != Some(i) && self.another_accepts(i) {
+                            avoid = Some(i);
+                            continue;
+                        }
                         return Err(SendError::token_refused(&self.links[i].target.name));
                     }
                     return Ok(Answer {
@@ -450,6 +496,15 @@ impl Tunnel {
         }
     }
 
+    /// Whether a gateway other than `i` has a live connection and has not refused the token.
+    fn another_accepts(&self, i: usize) -> bool {
+        self.links.iter().enumerate().any(|(j, l)| {
+            j != i
+                && *l.token.borrow() != TokenCheck::Refused
+                && l.current().is_some_and(|c| !c.is_closed())
+        })
+    }
+
     /// The connection and the tunnel token for a CONNECT (port forwarding).
     pub async fn connection(&self) -> Option<(Conn, HeaderValue)> {
         self.acquire(None)
@@ -457,6 +512,15 @@ impl Tunnel {
             .map(|(_, c)| (c, self.token.clone()))
     }
 }
+
+/// Longest wait for the answer to a TCP link's RTT probe.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+/// TCP probes in a row without an answer that make a fallback connection dead: HTTP/2's own
+/// keep-alive would take 10 s plus 10 s to notice; a lossy path can still delay one answer
+/// past [`HEALTH_TIMEOUT`] (TCP retransmission), so one miss is not enough.
+const TCP_PROBE_MISSES: u32 = 3;
+/// How often a gateway that refused the token is asked again (its token list may be fixed).
+const TOKEN_RECHECK: Duration = Duration::from_secs(10);
 
 /// Longest wait for the answer to a token check.
 const TOKEN_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
@@ -487,17 +551,28 @@ async fn check_token(tunnel: std::sync::Weak<Tunnel>, i: usize, conn: Conn) {
     let before = link.token.send_replace(verdict);
     if verdict == TokenCheck::Refused && before != TokenCheck::Refused {
         tracing::error!(gateway = %link.target.name, "the gateway refused the tunnel token (it answered with its masquerade site); check `token` against the gateway's [tunnel] tokens");
+    } else if verdict == TokenCheck::Accepted && before == TokenCheck::Refused {
+        tracing::info!(gateway = %link.target.name, "the gateway accepts the tunnel token now");
     }
 }
 
-async fn health_rtt(conn: &Conn) -> Option<Duration> {
+/// Times `GET /health` over a TCP fallback connection, sent with the tunnel token like every
+/// request (without it, the gateway's tunnel port would answer with its masquerade site);
+/// `None` when no answer came within [`HEALTH_TIMEOUT`].
+async fn health_rtt(t: &Tunnel, conn: &Conn) -> Option<Duration> {
     let start = Instant::now();
-    let req = Request::get("/health").body(Empty::<Bytes>::new()).ok()?;
-    let resp = tokio::time::timeout(Duration::from_secs(2), conn.send_request(req))
+    let out = Outgoing {
+        method: Method::GET,
+        path: PathAndQuery::from_static("/health"),
+        headers: HeaderMap::new(),
+        body: Bytes::new(),
+    };
+    let req = t.request(&out, Empty::<Bytes>::new()).ok()?;
+    let resp = tokio::time::timeout(HEALTH_TIMEOUT, conn.send_request(req))
         .await
         .ok()?
         .ok()?;
-    let _ = tokio::time::timeout(Duration::from_secs(2), resp.into_body().collect()).await;
+    let _ = tokio::time::timeout(HEALTH_TIMEOUT, resp.into_body().collect()).await;
     Some(start.elapsed())
 }
 
@@ -531,6 +606,8 @@ async fn reprobe_quic(tunnel: std::sync::Weak<Tunnel>, i: usize) {
 async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
     let mut backoff = Duration::from_millis(100);
     let mut next_quic_try = Instant::now();
+    let mut tcp_misses = 0;
+    let mut token_checked = Instant::now();
     loop {
         let Some(t) = tunnel.upgrade() else { return };
         let link = t.links[i].clone();
@@ -557,6 +634,8 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                             next_quic_try = Instant::now() + t.quic_retry;
                         }
                         t.set_conn(i, Some(c.clone()));
+                        tcp_misses = 0;
+                        token_checked = Instant::now();
                         tokio::spawn(check_token(tunnel.clone(), i, c.clone()));
                         // TCP won against an unanswered 0-RTT connection: closing it fails its
                         // requests as retryable, and they go again over TCP.
@@ -591,11 +670,26 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
             Some(c) => {
                 let rtt = match &c {
                     Conn::Quic(q) => Some(q.rtt()),
-                    Conn::Tcp(_) => health_rtt(&c).await,
+                    Conn::Tcp(_) => health_rtt(&t, &c).await,
                 };
                 if let Some(rtt) = rtt {
+                    tcp_misses = 0;
                     *lock(&link.last_rtt) = Some(rtt);
                     lock(&t.selector).observe_rtt(i, rtt);
+                } else {
+                    tcp_misses += 1;
+                    if tcp_misses >= TCP_PROBE_MISSES {
+                        tracing::warn!(gateway = %link.target.name, "the TCP fallback connection stopped answering; redialing");
+                        tcp_misses = 0;
+                        t.retire(i, &c);
+                        continue;
+                    }
+                }
+                if *link.token.borrow() == TokenCheck::Refused
+                    && token_checked.elapsed() >= TOKEN_RECHECK
+                {
+                    token_checked = Instant::now();
+                    tokio::spawn(check_token(tunnel.clone(), i, c.clone()));
                 }
                 if !c.is_quic() && Instant::now() >= next_quic_try {
                     next_quic_try = Instant::now() + t.quic_retry;

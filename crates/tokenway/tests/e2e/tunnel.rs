@@ -913,6 +913,58 @@ async fn an_edge_whose_token_the_gateway_refuses_says_so_instead_of_passing_the_
 }
 
 #[tokio::test]
+async fn a_gateway_that_refuses_the_token_is_passed_over_for_one_that_accepts_it() {
+    // A token rotation half done: gateway `a` still has the old list, `b` the new one.
+    let backends = [sim(FAST_SIM), sim(FAST_SIM)];
+    let old = gateway(
+        &[&backends[0]],
+        "",
+        "[tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"the-old-token-0123456789\"]\n",
+    );
+    let new = tunnel_gateway(&backends[1], "", "");
+    // `b` is out of reach at first, so the edge's (sticky) choice is `a`.
+    let (relay, blocked) = udp_relay(tunnel_addr(&new)).await;
+    blocked.store(true, std::sync::atomic::Ordering::Relaxed);
+    let edge = edge(&format!(
+        "token = \"{TOKEN}\"\nreevaluate_ms = 3600000\nconnect_timeout_ms = 500\n\
+         [trust]\npin_sha256 = [\"{}\", \"{}\"]\n\
+         [[gateways]]\nname = \"a\"\nquic = \"{}\"\n[[gateways]]\nname = \"b\"\nquic = \"{relay}\"\n",
+        fingerprint(&old),
+        fingerprint(&new),
+        tunnel_addr(&old),
+    ));
+    let url = format!("{}/v1/chat/completions", edge.url());
+    let r = post(&url, &chat("only a", true, 4), None).await;
+    assert_eq!(r.status, 502, "{}", r.body);
+    assert!(r.body.contains("tunnel_auth_failed"), "{}", r.body);
+
+    // `b` comes within reach: requests go there, although `a` stays the RTT choice.
+    blocked.store(false, std::sync::atomic::Ordering::Relaxed);
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = post(&url, &chat("b is back", true, 4), None).await;
+        if r.status == 200 {
+            break;
+        }
+        assert!(r.body.contains("tunnel_auth_failed"), "{}", r.body);
+        assert!(
+            Instant::now() < end,
+            "b never took the requests: {}",
+            r.body
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for i in 0..4 {
+        let r = post(&url, &chat(&format!("to b {i}"), true, 4), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(r.body.trim_end().ends_with("data: [DONE]"), "{}", r.body);
+    }
+    let text = metrics(&edge).await;
+    assert!(served_by(&text, "b") >= 5.0, "{text}");
+    assert_eq!(served_by(&text, "a"), 0.0, "{text}");
+}
+
+#[tokio::test]
 async fn with_every_path_to_the_gateway_dead_the_error_says_why_in_the_openai_shape() {
     let fp = format!("sha256:{}", "0".repeat(64));
     let tcp = free_tcp_port();

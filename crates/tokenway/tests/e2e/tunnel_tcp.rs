@@ -106,3 +106,87 @@ async fn probes_of_the_tunnels_tcp_port_see_the_masquerade_and_edges_get_through
         "{text}"
     );
 }
+
+/// A web site for `tunnel.masquerade.proxy`: answers every request with a small page and
+/// collects the request lines it was asked.
+async fn counting_site() -> (SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the site");
+    let addr = listener.local_addr().expect("site address");
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 8192];
+                let mut head = Vec::new();
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let text = String::from_utf8_lossy(&head);
+                let line = text.lines().next().unwrap_or_default().to_string();
+                log.lock().expect("log").push(line);
+                let page = "<html>a site</html>";
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: {}\r\n\
+                     connection: close\r\n\r\n{page}",
+                    page.len()
+                );
+                let _ = s.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+#[tokio::test]
+async fn an_edge_on_the_tcp_fallback_measures_the_gateway_not_the_masquerade_site() {
+    let (site, seen) = counting_site().await;
+    let backend = sim(FAST_SIM);
+    let gw = gateway(
+        &[&backend],
+        "tls_listen = \"127.0.0.1:0\"",
+        &format!(
+            "[tunnel]\nlisten = \"127.0.0.1:0\"\ntcp_listen = \"127.0.0.1:0\"\n\
+             tokens = [\"{TOKEN}\"]\n[tunnel.masquerade]\nproxy = \"http://{site}\"\n"
+        ),
+    );
+    let port: SocketAddr = gw
+        .extra("tunnel-tcp")
+        .expect("the gateway announces its tunnel TCP port");
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind UDP");
+    let closed = udp.local_addr().expect("addr");
+    drop(udp);
+    let fingerprint = gw.fingerprint().expect("fingerprint");
+    let edge = edge(&format!(
+        "token = \"{TOKEN}\"\n[trust]\npin_sha256 = [\"{fingerprint}\"]\n\
+         [[gateways]]\nname = \"gw\"\nquic = \"{closed}\"\ntcp = \"{port}\"\n"
+    ));
+    let reply = post(
+        &format!("{}/v1/chat/completions", edge.url()),
+        &chat("on the fallback", true, 4),
+        None,
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    // The link measures its RTT with `GET /health` every half second; with the token, the
+    // gateway answers it, and the site behind the masquerade is never asked.
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    let seen = seen.lock().expect("log").clone();
+    assert!(seen.is_empty(), "the masquerade site was asked: {seen:?}");
+    // The site does answer a probe without the token (curl blocks: off this runtime's thread,
+    // which serves the site).
+    if command_has("curl") {
+        let url = format!("https://{port}/health");
+        let answer = tokio::task::spawn_blocking(move || curl("--http1.1", &[&url]))
+            .await
+            .expect("curl ran");
+        assert!(answer.contains("a site"), "{answer}");
+    }
+}
