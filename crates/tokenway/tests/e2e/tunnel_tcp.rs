@@ -4,6 +4,9 @@
 
 use std::net::SocketAddr;
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::harness::*;
 
@@ -177,7 +180,7 @@ async fn an_edge_on_the_tcp_fallback_measures_the_gateway_not_the_masquerade_sit
     assert_eq!(reply.status, 200, "{}", reply.body);
     // The link measures its RTT with `GET /health` every half second; with the token, the
     // gateway answers it, and the site behind the masquerade is never asked.
-    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     let seen = seen.lock().expect("log").clone();
     assert!(seen.is_empty(), "the masquerade site was asked: {seen:?}");
     // The site does answer a probe without the token (curl blocks: off this runtime's thread,
@@ -189,4 +192,98 @@ async fn an_edge_on_the_tcp_fallback_measures_the_gateway_not_the_masquerade_sit
             .expect("curl ran");
         assert!(answer.contains("a site"), "{answer}");
     }
+}
+
+/// A TCP relay in front of `to`, and how many connections it has accepted. Connections
+/// numbered (from 1) up to the value of the returned flag are black holes: held open, nothing
+/// forwarded either way, as when the path died under them; later ones are relayed.
+async fn freezable_tcp_relay(to: SocketAddr) -> (SocketAddr, Arc<AtomicU64>, Arc<AtomicU64>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the relay");
+    let addr = listener.local_addr().expect("relay address");
+    let frozen_upto = Arc::new(AtomicU64::new(0));
+    let accepted = Arc::new(AtomicU64::new(0));
+    let (flag, count) = (frozen_upto.clone(), accepted.clone());
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let id = count.fetch_add(1, Ordering::Relaxed) + 1;
+            let flag = flag.clone();
+            tokio::spawn(async move {
+                let Ok(upstream) = tokio::net::TcpStream::connect(to).await else {
+                    return;
+                };
+                let (cr, cw) = client.into_split();
+                let (ur, uw) = upstream.into_split();
+                let pump = |mut r: tokio::net::tcp::OwnedReadHalf,
+                            mut w: tokio::net::tcp::OwnedWriteHalf,
+                            flag: Arc<AtomicU64>| async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buf = vec![0u8; 16384];
+                    loop {
+                        match r.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) if id <= flag.load(Ordering::Relaxed) => {
+                                // A dead path: the sockets stay, the bytes go nowhere.
+                                std::future::pending::<()>().await;
+                            }
+                            Ok(k) => {
+                                if w.write_all(&buf[..k]).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                };
+                let up = tokio::spawn(pump(cr, uw, flag.clone()));
+                pump(ur, cw, flag).await;
+                let _ = up.await;
+            });
+        }
+    });
+    (addr, frozen_upto, accepted)
+}
+
+#[tokio::test]
+async fn a_tcp_fallback_connection_that_stops_answering_is_redialed() {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(
+        &[&backend],
+        "tls_listen = \"127.0.0.1:0\"",
+        &format!(
+            "[tunnel]\nlisten = \"127.0.0.1:0\"\ntcp_listen = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n"
+        ),
+    );
+    let port: SocketAddr = gw
+        .extra("tunnel-tcp")
+        .expect("the gateway announces its tunnel TCP port");
+    let (relay, frozen_upto, accepted) = freezable_tcp_relay(port).await;
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind UDP");
+    let closed = udp.local_addr().expect("addr");
+    drop(udp);
+    let fingerprint = gw.fingerprint().expect("fingerprint");
+    let edge = edge(&format!(
+        "token = \"{TOKEN}\"\n[trust]\npin_sha256 = [\"{fingerprint}\"]\n\
+         [[gateways]]\nname = \"gw\"\nquic = \"{closed}\"\ntcp = \"{relay}\"\n"
+    ));
+    let url = format!("{}/v1/chat/completions", edge.url());
+    let reply = post(&url, &chat("before", true, 4), None).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+
+    // The path dies under the open connection (no FIN, no RST): its RTT probes go unanswered
+    // and the edge dials a new one within three probes (~7.5 s), where HTTP/2's keep-alive
+    // alone would take 20 s.
+    let open = accepted.load(Ordering::Relaxed);
+    frozen_upto.store(open, Ordering::Relaxed);
+    let end = Instant::now() + Duration::from_secs(15);
+    while accepted.load(Ordering::Relaxed) == open && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(
+        accepted.load(Ordering::Relaxed) > open,
+        "the edge kept its dead TCP connection"
+    );
+    let reply = post(&url, &chat("after", true, 4), None).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(reply.body.contains("[DONE]"), "{}", reply.body);
 }
