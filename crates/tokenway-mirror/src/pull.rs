@@ -61,6 +61,18 @@ pub const PARTIAL_DIR: &str = ".partial";
 /// Failed or corrupt peer fetches of one piece after which that piece is taken from mirrors
 /// and the origin only.
 pub const PEER_TRIES_PER_PIECE: u32 = 2;
+/// Answers "busy" (503, a mirror at its serving bound) a piece waits out before they count as
+/// failed attempts: with [`busy_pause`], about a minute.
+pub const BUSY_WAITS: u32 = 30;
+
+/// The pause after the `k`-th busy answer for a piece: 200 ms doubling to 2 s, with up to a
+/// quarter more at random so that a crowd turned away together does not come back together.
+fn busy_pause(k: u32) -> Duration {
+    let base = Duration::from_millis(200)
+        .saturating_mul(1 << k.min(4))
+        .min(Duration::from_secs(2));
+    base + base.mul_f64(rand::random::<f64>() / 4.0)
+}
 
 /// Progress callback: called after every completed piece and file.
 pub type ProgressFn = Arc<dyn Fn(&PullProgress) + Send + Sync>;
@@ -857,6 +869,9 @@ async fn fetch_piece(
     let mut fetches = 0u32;
     let mut authoritative = 0u32;
     let mut peer_failures = 0u32;
+    // A mirror at its serving bound (503) is alive and asks for patience: those answers wait
+    // and do not use up the attempts, up to [`BUSY_WAITS`] of them.
+    let mut busy_waits = 0u32;
     while authoritative < ctx.attempts {
         if stop.is_set() {
             return out;
@@ -888,10 +903,14 @@ async fn fetch_piece(
         };
         out.hedged |= hedged;
         let mut winner = None;
+        let mut busy = false;
         for (src, f, d) in done {
             fetches += 1;
             let is_peer = src.kind() == SourceKind::Peer;
-            if !is_peer {
+            let is_busy = !is_peer && matches!(f, Fetched::Failed(FetchError::Busy(_)));
+            if is_busy && busy_waits < BUSY_WAITS {
+                busy = true;
+            } else if !is_peer {
                 authoritative += 1;
             } else if !matches!(f, Fetched::Good(..)) {
                 peer_failures += 1;
@@ -916,6 +935,11 @@ async fn fetch_piece(
                     tracing::warn!(source = %src.name, path, piece, "piece failed verification; discarded, source penalised");
                     tried.push(src.name.clone());
                 }
+                Fetched::Failed(e @ FetchError::Busy(_)) if is_busy && busy => {
+                    // Not the source's failure: it is asked again after the pause.
+                    tracing::debug!(source = %src.name, error = %e, "source busy; waiting");
+                    last_err = Some(e);
+                }
                 Fetched::Failed(e) => {
                     out.errors += 1;
                     if matches!(e, FetchError::Unreachable(_)) {
@@ -937,6 +961,13 @@ async fn fetch_piece(
             }
         }
         let Some((kind, bytes, tree)) = winner else {
+            if busy {
+                tokio::select! {
+                    () = tokio::time::sleep(busy_pause(busy_waits)) => {}
+                    () = stopped(stop) => return out,
+                }
+                busy_waits += 1;
+            }
             continue;
         };
         if stop.is_set() {

@@ -56,6 +56,8 @@ pub enum FetchError {
     BadRequest(String),
     /// No usable answer (timeout, 5xx, short body).
     Unavailable(String),
+    /// The source is at its serving bound (503): alive, asked to come back shortly.
+    Busy(String),
     /// No connection could be made (refused, unreachable, connect timeout).
     Unreachable(String),
 }
@@ -66,6 +68,7 @@ impl std::fmt::Display for FetchError {
             Self::NotFound(m)
             | Self::BadRequest(m)
             | Self::Unavailable(m)
+            | Self::Busy(m)
             | Self::Unreachable(m) => f.write_str(m),
         }
     }
@@ -75,6 +78,7 @@ fn from_http(e: HttpError) -> FetchError {
     match e {
         HttpError::Status(StatusCode::NOT_FOUND, m) => FetchError::NotFound(m),
         HttpError::Status(StatusCode::BAD_REQUEST, m) => FetchError::BadRequest(m),
+        HttpError::Status(StatusCode::SERVICE_UNAVAILABLE, m) => FetchError::Busy(m),
         HttpError::Connect(m) => FetchError::Unreachable(m),
         other => FetchError::Unavailable(other.to_string()),
     }
@@ -293,11 +297,12 @@ pub fn manifest_error(url: &str, mref: &ModelRef, e: FetchError) -> MirrorError 
             what: format!("{mref} ({m})"),
             key: url.to_string(),
         },
-        FetchError::BadRequest(m) | FetchError::Unavailable(m) | FetchError::Unreachable(m) => {
-            MirrorError::Remote {
-                url: url.to_string(),
-                reason: m,
-            }
-        }
+        FetchError::BadRequest(m)
+        | FetchError::Unavailable(m)
+        | FetchError::Busy(m)
+        | FetchError::Unreachable(m) => MirrorError::Remote {
+            url: url.to_string(),
+            reason: m,
+        },
     }
 }

@@ -408,25 +408,33 @@ impl Mirror {
         i: u64,
     ) -> PieceResult {
         let r = entry.piece_range(i);
-        let share = self.serving.take(r.end - r.start, BUDGET_WAIT).await?;
+        let len = r.end - r.start;
+        // The uplink's pace first, holding no share: a crowd queued behind `--limit-rate`
+        // would otherwise keep the whole budget while it waits, and turn later requests away.
+        self.pace(len).await;
+        let share = self.serving.take(len, BUDGET_WAIT).await?;
         let b = self.piece(entry, i).await?;
         let b = self.serve_piece(b).await;
         Ok(ServeBudget::hold(b, share))
     }
 
-    pub(crate) async fn serve_piece(&self, piece: Bytes) -> Bytes {
-        if let Some(d) = self.faults.stall() {
-            tokio::time::sleep(d).await;
-        }
+    /// Waits for `bytes` worth of the uplink (`--limit-rate`), if it is limited.
+    async fn pace(&self, bytes: u64) {
         if let Some(up) = &self.uplink {
             let now = Instant::now();
             let start = up
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .reserve(piece.len() as u64, now);
+                .reserve(bytes, now);
             if start > now {
                 tokio::time::sleep_until(start.into()).await;
             }
+        }
+    }
+
+    pub(crate) async fn serve_piece(&self, piece: Bytes) -> Bytes {
+        if let Some(d) = self.faults.stall() {
+            tokio::time::sleep(d).await;
         }
         let before = self.faults.injected();
         let out = self.faults.apply(piece);

@@ -1478,3 +1478,66 @@ async fn a_full_disk_stops_the_pull_with_a_clear_error_and_a_rerun_resumes() {
     assert!(field(&err, "pieces_resumed") >= 1, "{err}");
     assert_same_tree(&fx.small.src, &dir);
 }
+
+/// A front for the mirror at `to` that answers the first `busy` blob requests (each on its own
+/// connection) with 503, as a mirror at its serving bound does, and relays everything else.
+async fn busy_front(to: SocketAddr, busy: u64) -> (String, Arc<std::sync::atomic::AtomicU64>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the front");
+    let addr = listener.local_addr().expect("front address");
+    let refused = Arc::new(AtomicU64::new(0));
+    let count = Arc::clone(&refused);
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let count = Arc::clone(&count);
+            tokio::spawn(async move {
+                let mut head = [0u8; 64];
+                let Ok(n) = client.peek(&mut head).await else {
+                    return;
+                };
+                let blob = head[..n].windows(7).any(|w| w == b"/blobs/");
+                if blob && count.fetch_add(1, Ordering::Relaxed) < busy {
+                    let body = r#"{"error":{"message":"busy","type":"busy","code":"busy"}}"#;
+                    let answer = format!(
+                        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+                         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = client.write_all(answer.as_bytes()).await;
+                    return;
+                }
+                if let Ok(mut up) = tokio::net::TcpStream::connect(to).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut up).await;
+                }
+            });
+        }
+    });
+    (format!("http://{addr}"), refused)
+}
+
+#[tokio::test]
+async fn a_busy_mirror_is_waited_for_not_counted_as_failed_attempts() {
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let cache = TempDir::new("w-busy-cache");
+    let m = start_mirror(&fx.origin_url(), &cache.0, &[]);
+    let mirror: SocketAddr = m
+        .url()
+        .trim_start_matches("http://")
+        .parse()
+        .expect("mirror address");
+    // Many more 503s than a piece has attempts (3), over the few pieces in flight at once:
+    // each used to cost an attempt, and the pull failed.
+    let (front, refused) = busy_front(mirror, 40).await;
+    let out = TempDir::new("w-busy-out");
+    let err = pull_ok(&[fx.small.name, "--mirror", &front, "--out", &s(&out.0)]).await;
+    assert_same_tree(&fx.small.src, &out.0);
+    // Pieces on connections the front relays go through; every new connection is turned
+    // away until 40 have been, more than the 3 attempts of a piece.
+    let refused = refused.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(refused > 3, "the front turned away only {refused} requests");
+    assert_eq!(field(&err, "bytes_from_mirrors"), fx.small.size);
+}
