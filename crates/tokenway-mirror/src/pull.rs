@@ -732,6 +732,20 @@ enum Fetched {
     Failed(FetchError),
 }
 
+/// Waits for piece `i`'s turn under the pull's own `--limit-rate`, if it has one.
+async fn pace(ctx: &Ctx, entry: &FileEntry, i: u64) {
+    if let Some(rate) = &ctx.rate {
+        let r = entry.piece_range(i);
+        let at = rate
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .reserve(r.end - r.start, Instant::now());
+        tokio::time::sleep_until(at.into()).await;
+    }
+}
+
+/// Fetches piece `i` from `src` and verifies it; the duration is the source's (the local
+/// rate limit's wait is over before this starts: see [`hedged_fetch`]).
 async fn fetch_verified(
     ctx: &Ctx,
     src: &Arc<SourceState>,
@@ -740,14 +754,6 @@ async fn fetch_verified(
     heard: &AtomicBool,
 ) -> (Fetched, Duration) {
     let t = Instant::now();
-    let r = entry.piece_range(i);
-    if let Some(rate) = &ctx.rate {
-        let at = rate
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .reserve(r.end - r.start, Instant::now());
-        tokio::time::sleep_until(at.into()).await;
-    }
     let bytes = match src.source.piece(&ctx.manifest, entry, i, heard).await {
         Ok(b) => b,
         Err(e) => return (Fetched::Failed(e), t.elapsed()),
@@ -777,6 +783,9 @@ async fn hedged_fetch(
     entry: &FileEntry,
     i: u64,
 ) -> (Vec<(Arc<SourceState>, Fetched, Duration)>, bool) {
+    // The local rate limit's wait first: it is no silence of the source, and counted as one
+    // it hedged most pieces of a rate-limited pull (each hedge taking another slot).
+    pace(ctx, entry, i).await;
     let heard = AtomicBool::new(false);
     let a = fetch_verified(ctx, primary, entry, i, &heard);
     tokio::pin!(a);
@@ -803,7 +812,10 @@ async fn hedged_fetch(
         }
     }
     let heard_b = AtomicBool::new(false);
-    let b = fetch_verified(ctx, second, entry, i, &heard_b);
+    let b = async {
+        pace(ctx, entry, i).await;
+        fetch_verified(ctx, second, entry, i, &heard_b).await
+    };
     tokio::pin!(b);
     let mut done = Vec::new();
     tokio::select! {

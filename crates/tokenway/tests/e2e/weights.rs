@@ -644,6 +644,34 @@ async fn a_straggling_piece_is_hedged_to_another_source() {
     assert!(field(&err, "hedge_wins") >= 1, "{err}");
 }
 
+#[tokio::test]
+async fn a_rate_limited_pull_does_not_take_its_own_pacing_for_silent_sources() {
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let origin = fx.origin_url();
+    let cache = TempDir::new("w-cache");
+    let m = start_mirror(&origin, &cache.0, &[]);
+    let out = TempDir::new("w-paced");
+    // 1 MiB pieces at 2 MB/s, 8 at once: a piece waits up to 4 s for its turn, which used to
+    // count as the mirror's silence and hedge it to the origin (taking another turn).
+    let err = pull_ok(&[
+        fx.small.name,
+        "--mirror",
+        &m.url(),
+        "--origin",
+        &origin,
+        "--limit-rate",
+        "2M",
+        "--out",
+        &s(&out.0),
+    ])
+    .await;
+    assert_same_tree(&fx.small.src, &out.0);
+    // A loopback mirror answers in milliseconds: hardly anything is a straggler.
+    assert!(field(&err, "pieces_hedged") <= 2, "{err}");
+    assert!(field(&err, "bytes_from_origin") <= 2 * PIECE, "{err}");
+}
+
 /// Freezes (SIGSTOP) or thaws (SIGCONT) a process: it keeps its sockets, and the kernel keeps
 /// accepting connections for it, but it never answers: a hung mirror.
 fn signal(p: &Proc, sig: &str) {
