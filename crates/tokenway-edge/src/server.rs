@@ -135,6 +135,7 @@ fn json_string(s: &str) -> String {
 }
 
 /// Requests the edge answers itself instead of carrying them through the tunnel.
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Here {
     Metrics,
     Rebind,
@@ -154,6 +155,16 @@ async fn handle(
     let Some(here) = here else {
         return Ok(forward(&local, req).await);
     };
+    // A web page in the user's browser may send a plain POST to loopback without a CORS
+    // preflight; the admin routes (closing every tunnel connection) are not for pages, and a
+    // browser always names the page's origin.
+    if here != Here::Metrics && req.headers().contains_key(header::ORIGIN) {
+        return Ok(error(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "the edge's /admin routes do not take requests from web pages (an Origin header)",
+        ));
+    }
     let response = match here {
         Here::Metrics => {
             let mut r = Response::new(full(tokenway_telemetry::render(&local.metrics.registry)));

@@ -194,6 +194,14 @@ async fn a_second_connection_resumes_with_0rtt() {
     let edge = edge_for(&gw, "", "");
     let url = format!("{}/v1/chat/completions", edge.url());
     assert_eq!(post(&url, &chat("first", true, 4), None).await.status, 200);
+    // A web page's POST (a browser names its origin) cannot drop the edge's connections.
+    let from_page = answer_to_head(
+        edge.addr,
+        b"POST /admin/reconnect HTTP/1.1\r\nhost: 127.0.0.1\r\n\
+          origin: https://page.example\r\ncontent-length: 0\r\n\r\n",
+    )
+    .await;
+    assert!(from_page.starts_with("HTTP/1.1 403"), "{from_page}");
     let r = post(&format!("{}/admin/reconnect", edge.url()), "", None).await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(post(&url, &chat("second", true, 4), None).await.status, 200);
