@@ -193,6 +193,22 @@ async fn handle(
     Ok(response)
 }
 
+/// The largest request head the gateway's fronts take (its `MAX_HEAD_BYTES`, docs/tunnel.md).
+const MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
+
+/// Room left in a request head for the headers the tunnel adds (token, idempotency key,
+/// receive rate, authority).
+const TUNNEL_HEADERS_BYTES: usize = 512;
+
+/// The size of `headers` as HTTP/3 counts it (RFC 9114 §4.2.2): name, value and 32 bytes for
+/// each field.
+fn field_section_size(headers: &HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len() + 32)
+        .sum()
+}
+
 /// Drops the hop-by-hop headers, and those the `Connection` header names, in place.
 fn strip(headers: &mut HeaderMap) {
     // Rare (clients send `Connection: keep-alive` or nothing), so only then a list is built.
@@ -258,6 +274,29 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
     };
     let mut headers = std::mem::take(&mut parts.headers);
     strip(&mut headers);
+    // The gateway takes request heads up to 64 KiB (RFC 9114's field section size: names,
+    // values and 32 bytes per field); a larger one could never be sent, and is the request's
+    // fault, not the tunnel's: no retries, no 502.
+    let head = field_section_size(&headers)
+        + parts.uri.path_and_query().map_or(1, |p| p.as_str().len())
+        + parts.method.as_str().len()
+        + 4 * 32
+        + TUNNEL_HEADERS_BYTES;
+    if head > MAX_REQUEST_HEAD_BYTES {
+        return count(
+            local,
+            route,
+            &Arc::from("none"),
+            error(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "request_header_fields_too_large",
+                &format!(
+                    "the request head is {head} bytes; the gateway takes at most \
+                     {MAX_REQUEST_HEAD_BYTES}"
+                ),
+            ),
+        );
+    }
     let out = Outgoing {
         method: parts.method,
         path: parts

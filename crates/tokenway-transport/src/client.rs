@@ -409,7 +409,10 @@ impl QuicClient {
                     if e.is_remote_closing() {
                         inner.draining.store(true, Ordering::Relaxed);
                     }
-                    (format!("cannot open a request stream: {e}"), true)
+                    // A head over the gateway's limit is the request's fault: sending it
+                    // again anywhere fails the same way.
+                    let too_big = matches!(e, h3::error::StreamError::HeaderTooBig { .. });
+                    (format!("cannot open a request stream: {e}"), !too_big)
                 })?;
             // The head has gone out at the default class; the body follows at the chosen one.
             priorities.set(stream.id(), priority);

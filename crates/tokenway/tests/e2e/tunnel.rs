@@ -1021,3 +1021,37 @@ async fn an_edge_refuses_a_declared_oversized_body_before_reading_it() {
     let text = String::from_utf8_lossy(&buf[..n]);
     assert!(text.starts_with("HTTP/1.1 413"), "{text}");
 }
+
+#[tokio::test]
+async fn a_request_head_larger_than_the_gateway_takes_is_a_431_not_a_retried_502() {
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", "");
+    let edge = edge_for(&gw, "", "");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         x-big: {}\r\ncontent-length: {}\r\n\r\n{}",
+        "a".repeat(70_000),
+        chat("big head", true, 4).len(),
+        chat("big head", true, 4)
+    );
+    let answer = answer_to_head(edge.addr, head.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+    assert!(
+        answer.contains("request_header_fields_too_large"),
+        "{answer}"
+    );
+    // The edge's connections are untouched: the next request goes through.
+    let r = post(
+        &format!("{}/v1/chat/completions", edge.url()),
+        &chat("small head", true, 4),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let text = metrics(&edge).await;
+    assert_eq!(
+        metric_sum(&text, "tokenway_tunnel_connections_total"),
+        1.0,
+        "{text}"
+    );
+}
