@@ -27,6 +27,8 @@ use crate::sources::SourceSet;
 
 /// Time between announcements.
 pub const INTERVAL: Duration = Duration::from_millis(300);
+/// How often a node that holds everything it wants announces (to stay listed as a peer).
+pub const IDLE_INTERVAL: Duration = Duration::from_secs(5);
 
 /// How long the first mirror asked has to answer an announcement.
 pub const FIRST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -149,13 +151,17 @@ impl Announcer {
             addr: self.addr.clone(),
             have,
             taking,
-            want: self.want.clone(),
+            // Only what is still missing: a node that has it all asks for nobody's pieces
+            // (and the mirror encodes no holders for it).
+            want: self.holdings.missing(&self.want),
             bytes_from_peers,
         })
         .expect("invariant: an announcement serializes")
     }
 
-    /// Announces every [`INTERVAL`] until dropped (run it on its own task).
+    /// Announces every [`INTERVAL`] until dropped (run it on its own task); every
+    /// [`IDLE_INTERVAL`] once this node holds everything it wants (it only needs to stay in the
+    /// mirrors' directories, whose entries live [`crate::mirror::PEER_TTL`]).
     pub async fn run(self: Arc<Self>) {
         let mut warned = false;
         loop {
@@ -167,7 +173,8 @@ impl Announcer {
                 }
                 Err(_) => {}
             }
-            tokio::time::sleep(INTERVAL).await;
+            let idle = self.holdings.missing(&self.want).is_empty();
+            tokio::time::sleep(if idle { IDLE_INTERVAL } else { INTERVAL }).await;
         }
     }
 }

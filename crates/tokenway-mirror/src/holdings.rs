@@ -95,8 +95,58 @@ impl Holdings {
         (have, taking)
     }
 
+    /// Of `blobs`, those not yet held whole (those this node still wants from others); a blob
+    /// this node does not track counts as wanted.
+    pub fn missing(&self, blobs: &[Blake3Hash]) -> Vec<Blake3Hash> {
+        let held = lock(&self.blobs);
+        blobs
+            .iter()
+            .filter(|h| {
+                held.get(h)
+                    .is_none_or(|b| b.bits.present() < b.bits.count())
+            })
+            .copied()
+            .collect()
+    }
+
     /// Blob hashes.
     pub fn hashes(&self) -> Vec<Blake3Hash> {
         lock(&self.blobs).keys().copied().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::PieceHashing;
+
+    /// A blob named `name` of `pieces` pieces (their hashes do not matter here).
+    fn entry(name: &str, pieces: u64) -> FileEntry {
+        FileEntry {
+            path: name.into(),
+            size: pieces * 1024,
+            hash: Blake3Hash::of(name.as_bytes()),
+            piece_size: 1024,
+            pieces: (0..pieces)
+                .map(|i| Blake3Hash::of(&i.to_le_bytes()))
+                .collect(),
+            group_size: None,
+            piece_hashing: PieceHashing::Standalone,
+        }
+    }
+
+    #[test]
+    fn a_blob_held_whole_is_no_longer_wanted() {
+        let a = entry("a", 3);
+        let b = entry("b", 2);
+        let h = Holdings::default();
+        h.add(&a, "a".into(), PieceBits::empty(3));
+        h.add(&b, "b".into(), PieceBits::full(2));
+        let unknown = Blake3Hash::of(b"not tracked");
+        assert_eq!(h.missing(&[a.hash, b.hash, unknown]), vec![a.hash, unknown]);
+        for i in 0..3 {
+            h.piece_written(&a.hash, i);
+        }
+        assert_eq!(h.missing(&[a.hash, b.hash]), Vec::<Blake3Hash>::new());
     }
 }

@@ -209,43 +209,53 @@ impl PeerDirectory {
                 seen: now,
             },
         );
-        let mut peers: Vec<PeerView> = self
+        // The holders of anything wanted, found without encoding anything; then a random
+        // subset within both bounds (it also spreads pullers over the holders), and only its
+        // bitsets are encoded: a region of thousands of peers with big models costs the same
+        // as one of 64.
+        let holds = |p: &Peer, h: &Blake3Hash| {
+            [&p.have, &p.taking]
+                .iter()
+                .any(|m| m.get(h).is_some_and(|b| b.present() > 0))
+        };
+        let mut holders: Vec<(&String, &Peer)> = self
             .peers
             .iter()
-            .filter(|(id, p)| **id != a.id && p.region == region)
-            .filter_map(|(id, p)| {
-                let addr = p.addr.clone()?;
-                let of = |m: &HashMap<Blake3Hash, PieceBits>| -> HashMap<_, _> {
-                    a.want
-                        .iter()
-                        .filter_map(|h| {
-                            let bits = m.get(h)?;
-                            (bits.present() > 0).then(|| (*h, bits.to_wire()))
-                        })
-                        .collect()
-                };
-                let (have, taking) = (of(&p.have), of(&p.taking));
-                (!have.is_empty() || !taking.is_empty()).then(|| PeerView {
-                    id: id.clone(),
-                    addr,
-                    have,
-                    taking,
-                })
-            })
+            .filter(|(id, p)| **id != a.id && p.region == region && p.addr.is_some())
+            .filter(|(_, p)| a.want.iter().any(|h| holds(p, h)))
             .collect();
-        // A random subset within both bounds: it also spreads pullers over the holders.
         use rand::seq::SliceRandom as _;
-        peers.shuffle(&mut rand::rng());
+        holders.shuffle(&mut rand::rng());
+        let mut peers = Vec::new();
         let mut bytes = 0usize;
-        peers.retain(|p| {
-            let size = view_size(p);
-            let keep = bytes + size <= MAX_REPLY_BYTES;
-            if keep {
-                bytes += size;
+        for (id, p) in holders {
+            if peers.len() >= MAX_REPLY_PEERS {
+                break;
             }
-            keep
-        });
-        peers.truncate(MAX_REPLY_PEERS);
+            let Some(addr) = p.addr.clone() else {
+                continue;
+            };
+            let of = |m: &HashMap<Blake3Hash, PieceBits>| -> HashMap<_, _> {
+                a.want
+                    .iter()
+                    .filter_map(|h| {
+                        let bits = m.get(h)?;
+                        (bits.present() > 0).then(|| (*h, bits.to_wire()))
+                    })
+                    .collect()
+            };
+            let view = PeerView {
+                id: id.clone(),
+                addr,
+                have: of(&p.have),
+                taking: of(&p.taking),
+            };
+            let size = view_size(&view);
+            if bytes + size <= MAX_REPLY_BYTES {
+                bytes += size;
+                peers.push(view);
+            }
+        }
         Ok((AnnounceReply { region, peers }, delta))
     }
 
@@ -436,6 +446,32 @@ mod tests {
             )
             .unwrap();
         assert_eq!(reply.peers.len(), MAX_REPLY_PEERS);
+        // Each answer a random subset: pullers are spread over the holders.
+        let (again, _) = d
+            .announce(
+                ann("me-too", "", None, &[(h, PieceBits::empty(2))]),
+                None,
+                &HashMap::new(),
+                now,
+            )
+            .unwrap();
+        let ids = |r: &AnnounceReply| {
+            let mut v: Vec<String> = r.peers.iter().map(|p| p.id.clone()).collect();
+            v.sort();
+            v
+        };
+        assert_ne!(ids(&reply), ids(&again));
+        // A node that wants nothing (it holds the whole model and only serves) is handed no
+        // holders.
+        let mut done = ann(
+            "done",
+            "",
+            Some("127.0.0.1:999"),
+            &[(h, PieceBits::full(2))],
+        );
+        done.want.clear();
+        let (reply, _) = d.announce(done, None, &HashMap::new(), now).unwrap();
+        assert!(reply.peers.is_empty());
     }
 
     #[test]

@@ -365,17 +365,21 @@ fn announce(
     let counts = m
         .manifests
         .piece_counts(a.have.keys().chain(a.taking.keys()));
-    let mut dir = m
-        .peers
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let (reply, delta) = dir
-        .announce(a, source, &counts, Instant::now())
-        .map_err(|e| ServeError::bad_request(format!("announcement refused: {e}")))?;
+    let (reply, delta, listed) = {
+        let mut dir = m
+            .peers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (reply, delta) = dir
+            .announce(a, source, &counts, Instant::now())
+            .map_err(|e| ServeError::bad_request(format!("announcement refused: {e}")))?;
+        (reply, delta, dir.len())
+    };
     m.metrics.bytes_from_peers.inc_by(delta);
     m.metrics
         .peers
-        .set(i64::try_from(dir.len()).unwrap_or(i64::MAX));
+        .set(i64::try_from(listed).unwrap_or(i64::MAX));
+    // Serialized after the directory's lock is released.
     Ok(json_response(StatusCode::OK, &reply))
 }
 
