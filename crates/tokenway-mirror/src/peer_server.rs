@@ -2,6 +2,11 @@
 //! the same blob range API as a mirror (`GET /v1/blobs/{hash}` with `Range`). A piece it does
 //! not hold is 404, so a puller moves on to the next source. What it serves was verified
 //! when it was written, and the receiver verifies again: peers need not trust each other.
+//!
+//! The node is usually an inference host whose memory is for its engine: the pieces held for
+//! responses are bounded ([`MAX_PEER_SERVING_BYTES`], the mirror's serving budget with a small
+//! size); past it a request is answered 503 at once (after [`PEER_BUDGET_WAIT`]) and the
+//! puller moves on to another source.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,16 +23,22 @@ use crate::faults::Faults;
 use crate::holdings::Holdings;
 use crate::http_error::ServeError;
 use crate::manifest::Blake3Hash;
+use crate::mirror::serve_budget::ServeBudget;
 use crate::range_server::{blob_response, error_response, full, Body, PieceFetch};
 
 /// Connections served at once; more are closed at accept.
 pub const MAX_CONNECTIONS: usize = 1024;
+/// Piece bytes held for responses at once, all connections together.
+pub const MAX_PEER_SERVING_BYTES: u64 = 256 << 20;
+/// Longest a response waits for its share of that bound (a peer is only an extra source).
+pub const PEER_BUDGET_WAIT: Duration = Duration::from_secs(1);
 
 /// A peer server's shared state.
 pub struct PeerServer {
     holdings: Arc<Holdings>,
     token: Option<AccessToken>,
     faults: Faults,
+    serving: ServeBudget,
     /// Body bytes served to other peers.
     pub bytes_served: AtomicU64,
 }
@@ -36,10 +47,21 @@ impl PeerServer {
     /// Serves what `holdings` holds to requests carrying `token` (everyone without one);
     /// `faults` is the test-only corruption setting.
     pub fn new(holdings: Arc<Holdings>, token: Option<AccessToken>, faults: Faults) -> Arc<Self> {
+        Self::with_budget(holdings, token, faults, MAX_PEER_SERVING_BYTES)
+    }
+
+    /// [`Self::new`] holding at most `budget` bytes of pieces for responses.
+    pub fn with_budget(
+        holdings: Arc<Holdings>,
+        token: Option<AccessToken>,
+        faults: Faults,
+        budget: u64,
+    ) -> Arc<Self> {
         Arc::new(Self {
             holdings,
             token,
             faults,
+            serving: ServeBudget::new(budget, tokenway_telemetry::Gauge::default()),
             bytes_served: AtomicU64::new(0),
         })
     }
@@ -53,6 +75,7 @@ impl PeerServer {
                 )));
             };
             let r = entry.piece_range(i);
+            let share = self.serving.take(r.end - r.start, PEER_BUDGET_WAIT).await?;
             // Pooled, and around the page cache: the pull wrote these pieces with O_DIRECT.
             let res = tokio::task::spawn_blocking(move || {
                 crate::mirror::cache::read_pooled_at(&path, r.start, (r.end - r.start) as usize)
@@ -60,7 +83,7 @@ impl PeerServer {
             .await
             .unwrap_or_else(|e| Err(std::io::Error::other(e)));
             match res {
-                Ok(b) => return Ok(self.faults.apply(b)),
+                Ok(b) => return Ok(ServeBudget::hold(self.faults.apply(b), share)),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => {
                     return Err(ServeError::new(
@@ -132,5 +155,50 @@ impl PeerServer {
             shutdown,
         )
         .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::{FileEntry, PieceHashing};
+    use crate::piece_bits::PieceBits;
+
+    #[tokio::test]
+    async fn pieces_held_for_responses_stay_within_the_budget_and_past_it_a_request_is_busy() {
+        const PIECE: u64 = 64 * 1024;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data: Vec<u8> = (0..3 * PIECE).map(|i| (i % 251) as u8).collect();
+        let path = dir.path().join("blob");
+        std::fs::write(&path, &data).expect("write the blob");
+        let entry = FileEntry {
+            path: "blob".into(),
+            size: data.len() as u64,
+            hash: Blake3Hash::of(&data),
+            piece_size: PIECE,
+            pieces: data.chunks(PIECE as usize).map(Blake3Hash::of).collect(),
+            group_size: None,
+            piece_hashing: PieceHashing::Standalone,
+        };
+        let holdings = Arc::new(Holdings::default());
+        holdings.add(&entry, path, PieceBits::full(3));
+        // Room for two pieces.
+        let server = PeerServer::with_budget(holdings, None, Faults::default(), 2 * PIECE);
+        let a = server.read_piece(entry.hash, 0).await.expect("first piece");
+        let b = server
+            .read_piece(entry.hash, 1)
+            .await
+            .expect("second piece");
+        assert_eq!(&a[..], &data[..PIECE as usize]);
+        let busy = server
+            .read_piece(entry.hash, 2)
+            .await
+            .expect_err("over the budget");
+        assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
+        // A response that has sent its piece gives its share back.
+        drop(a);
+        let c = server.read_piece(entry.hash, 2).await.expect("room again");
+        assert_eq!(&c[..], &data[2 * PIECE as usize..]);
+        drop((b, c));
     }
 }
