@@ -37,6 +37,14 @@ pub const MEMO_MANIFESTS: usize = 256;
 pub const MAX_LOADS: usize = 1024;
 /// How long one origin request may take.
 pub const ORIGIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a tag lookup waits for the origin when this mirror has a copy of the tag: then
+/// the copy answers (marked stale), well inside a puller's 10 s wait for a manifest.
+pub const STALE_TAG_AFTER: Duration = Duration::from_secs(3);
+/// How long a tag's answer is reused: a crowd asking for `org/m:latest` at once costs the
+/// origin one lookup per this interval, and a moved tag is seen within it.
+pub const TAG_TTL: Duration = Duration::from_secs(2);
+/// Tag answers kept for [`TAG_TTL`].
+const MAX_TAG_MEMO: usize = 4096;
 
 /// A resolved manifest.
 pub struct Resolved {
@@ -52,9 +60,15 @@ pub struct ManifestCache {
     /// Outboard bytes fetched from the origin (verified).
     outboard_from_origin: Counter,
     memo: Mutex<HashMap<(String, String), Arc<Manifest>>>,
+    /// Recent tag answers.
+    tags: Mutex<HashMap<(String, String), TagAnswer>>,
     /// Revisions being loaded: the load lock callers of one revision queue on.
     loading: Loading,
 }
+
+/// A tag's revision, whether it came from this mirror's copy (the origin unreachable), and
+/// when the answer came.
+type TagAnswer = (String, bool, tokio::time::Instant);
 
 /// Load locks by (model, revision).
 type Loading = Mutex<HashMap<(String, String), Arc<tokio::sync::Mutex<()>>>>;
@@ -99,6 +113,7 @@ impl ManifestCache {
             dir: dir.join("manifests"),
             outboard_from_origin,
             memo: Mutex::new(HashMap::new()),
+            tags: Mutex::new(HashMap::new()),
             loading: Mutex::new(HashMap::new()),
         }
     }
@@ -126,22 +141,56 @@ impl ManifestCache {
         model: &str,
         tag: &str,
     ) -> Result<(String, bool), ServeError> {
+        let memo_key = (model.to_string(), tag.to_string());
+        let now = tokio::time::Instant::now();
+        if let Some((rev, stale, at)) = lock(&self.tags).get(&memo_key) {
+            if now.saturating_duration_since(*at) < TAG_TTL {
+                return Ok((rev.clone(), *stale));
+            }
+        }
         let key = tag_key(model, tag);
         let local = self.dir.join(&key);
-        match origin_get(origin, &key).await {
+        let copy = tokio::fs::read(&local)
+            .await
+            .ok()
+            .and_then(|b| parse_tag(&b).ok());
+        // With a copy to fall back on, a slow or hung origin is not waited for long.
+        let got = match &copy {
+            Some(_) => tokio::time::timeout(STALE_TAG_AFTER, origin_get(origin, &key))
+                .await
+                .unwrap_or_else(|_| Got::Down(format!("no answer within {STALE_TAG_AFTER:?}"))),
+            None => origin_get(origin, &key).await,
+        };
+        let answer = match got {
             Got::Bytes(b) => {
                 let rev = parse_tag(&b).map_err(|e| ServeError::origin(format!("the origin's tag {tag} of {model} is invalid: {e}")))?;
-                write_atomic(&local, rev.as_bytes()).await;
-                Ok((rev, false))
+                if copy.as_deref() != Some(rev.as_str()) {
+                    write_atomic(&local, rev.as_bytes()).await;
+                }
+                (rev, false)
             }
-            Got::NotFound => Err(ServeError::not_found(format!("tag {tag} of model {model} not found in the origin"))),
-            Got::Down(why) => match tokio::fs::read(&local).await.ok().and_then(|b| parse_tag(&b).ok()) {
-                Some(rev) => Ok((rev, true)),
-                None => Err(ServeError::origin(format!(
+            Got::NotFound => return Err(ServeError::not_found(format!("tag {tag} of model {model} not found in the origin"))),
+            Got::Down(why) => match copy {
+                Some(rev) => {
+                    tracing::warn!(%model, %tag, %rev, error = %why, "origin unavailable: serving this mirror's copy of the tag");
+                    (rev, true)
+                }
+                None => return Err(ServeError::origin(format!(
                     "origin unavailable ({why}) and tag {tag} of model {model} is not in this mirror's cache"
                 ))),
             },
+        };
+        // Fresh from when the answer came, not from when it was asked for.
+        let now = tokio::time::Instant::now();
+        let mut tags = lock(&self.tags);
+        if tags.len() >= MAX_TAG_MEMO {
+            tags.retain(|_, (_, _, at)| now.saturating_duration_since(*at) < TAG_TTL);
+            if tags.len() >= MAX_TAG_MEMO {
+                tags.clear();
+            }
         }
+        tags.insert(memo_key, (answer.0.clone(), answer.1, now));
+        Ok(answer)
     }
 
     /// The manifest of `model@revision`: memo, disk, then the origin.
@@ -371,5 +420,54 @@ mod tests {
             "one copy of the outboards from the origin"
         );
         assert!(lock(&cold.loading).is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_a_hung_origin_a_tag_is_answered_from_the_copy_within_seconds() {
+        use object_store::throttle::{ThrottleConfig, ThrottledStore};
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("a.bin"), vec![7u8; 300 << 10]).unwrap();
+        let origin: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        let opts = PublishOptions {
+            piece_size: 256 << 10,
+            ..Default::default()
+        };
+        publish(
+            Arc::clone(&origin),
+            &src,
+            "org/tiny",
+            "r1",
+            Some("latest"),
+            &opts,
+        )
+        .await
+        .unwrap();
+        let mref = ModelRef::parse("org/tiny:latest").unwrap();
+        let cache = ManifestCache::new(&tmp.path().join("c"), Counter::default());
+        let fresh = cache.resolve(origin.as_ref(), &mref).await.unwrap();
+        assert!(!fresh.stale_tag);
+
+        // The origin now accepts connections and never answers (a partition, a stuck
+        // endpoint): the mirror's copy answers once STALE_TAG_AFTER has passed, long before
+        // the 30 s origin timeout and inside a puller's 10 s.
+        let hung = ThrottledStore::new(
+            object_store::memory::InMemory::new(),
+            ThrottleConfig {
+                wait_get_per_call: Duration::from_secs(3600),
+                ..ThrottleConfig::default()
+            },
+        );
+        tokio::time::sleep(TAG_TTL).await;
+        let started = tokio::time::Instant::now();
+        let stale = cache.resolve(&hung, &mref).await.unwrap();
+        assert!(stale.stale_tag);
+        assert_eq!(stale.manifest.revision, "r1");
+        assert!(started.elapsed() <= STALE_TAG_AFTER + Duration::from_millis(100));
+        // Within TAG_TTL the answer is reused without asking the origin.
+        let again = tokio::time::Instant::now();
+        assert!(cache.resolve(&hung, &mref).await.unwrap().stale_tag);
+        assert_eq!(again.elapsed(), Duration::ZERO);
     }
 }
