@@ -199,6 +199,42 @@ impl<K: Clone + Eq + Hash> LruIndex<K> {
     pub fn abort(&mut self, k: &K) {
         self.remove(k);
     }
+
+    /// Lowers the bound to `max` (never raises it) and evicts least recently used items
+    /// (not pinned, not in progress) until what is held fits, as far as they allow; returns
+    /// them.
+    pub fn shrink_to(&mut self, max: u64) -> Vec<K> {
+        self.max_bytes = self.max_bytes.min(max);
+        let mut victims = Vec::new();
+        let mut ticks = self.order.keys().copied().collect::<Vec<_>>().into_iter();
+        while self.used > self.max_bytes {
+            let Some(t) = ticks.next() else { break };
+            let Some(key) = self.order.get(&t).cloned() else {
+                continue;
+            };
+            let e = &self.entries[&key];
+            if e.pins == 0 && e.ready {
+                self.used -= e.size;
+                self.entries.remove(&key);
+                self.order.remove(&t);
+                victims.push(key);
+            }
+        }
+        victims
+    }
+
+    /// The bound.
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+}
+
+/// Whether `e` says the disk (or the quota) is full.
+fn is_disk_full(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+    )
 }
 
 /// Opens `path` with `O_DIRECT` added to `options` when the filesystem allows it, else
@@ -327,7 +363,6 @@ pub struct Stored {
 pub struct PieceCache {
     dir: PathBuf,
     index: Mutex<LruIndex<PieceKey>>,
-    max_bytes: u64,
 }
 
 impl PieceCache {
@@ -385,7 +420,6 @@ impl PieceCache {
         Ok(Self {
             dir: dir.to_path_buf(),
             index: Mutex::new(index),
-            max_bytes,
         })
     }
 
@@ -404,9 +438,9 @@ impl PieceCache {
         lock(&self.index).used()
     }
 
-    /// The bound.
+    /// The bound (lowered from `--max-size` if the disk filled up first).
     pub fn max_bytes(&self) -> u64 {
-        self.max_bytes
+        lock(&self.index).max_bytes()
     }
 
     /// Is the piece cached? (No pin, no recency change; for peers' and preheat's counts.)
@@ -451,8 +485,39 @@ impl PieceCache {
         found
     }
 
-    /// Stores a verified piece, evicting least recently used pieces to make room.
+    /// Stores a verified piece, evicting least recently used pieces to make room. When the
+    /// disk is full (or the quota reached) before the bound is, the bound comes down to what
+    /// fits: least recently used pieces are evicted to make room for this one, and it is
+    /// written once more; the cache stays a cache instead of every later miss going to the
+    /// origin.
     pub async fn store(&self, k: PieceKey, bytes: &Bytes) -> std::io::Result<Stored> {
+        match self.store_once(k, bytes).await {
+            Err(e) if is_disk_full(&e) => {
+                let (victims, from, to) = {
+                    let mut idx = lock(&self.index);
+                    let from = idx.max_bytes();
+                    let to = idx.used().saturating_sub(bytes.len() as u64);
+                    (idx.shrink_to(to), from, to)
+                };
+                tracing::warn!(
+                    error = %e,
+                    from,
+                    to,
+                    evicted = victims.len(),
+                    "the disk under the cache is full: the cache's bound is lowered to what fits"
+                );
+                for v in &victims {
+                    let _ = tokio::fs::remove_file(self.path(v)).await;
+                }
+                let mut s = self.store_once(k, bytes).await?;
+                s.evicted += victims.len() as u64;
+                Ok(s)
+            }
+            other => other,
+        }
+    }
+
+    async fn store_once(&self, k: PieceKey, bytes: &Bytes) -> std::io::Result<Stored> {
         let evicted = match lock(&self.index).reserve(k, bytes.len() as u64) {
             Ok(v) => v,
             Err(NoRoom) => {
@@ -515,6 +580,61 @@ mod tests {
         lru.commit(&"d");
         assert_eq!(lru.used(), 90);
         assert!(!lru.pin(&"b"));
+    }
+
+    #[test]
+    fn shrinking_the_bound_evicts_the_least_recently_used_but_nothing_in_use() {
+        let mut lru = LruIndex::new(100);
+        for (k, size) in [("a", 30), ("b", 30), ("c", 30)] {
+            lru.reserve(k, size).unwrap();
+            lru.commit(&k);
+        }
+        assert!(lru.pin(&"a")); // being read: stays
+        assert_eq!(lru.shrink_to(40), vec!["b", "c"]);
+        assert_eq!((lru.used(), lru.max_bytes()), (30, 40));
+        // The lower bound holds from now on, and is never raised.
+        assert_eq!(lru.reserve("d", 20), Err(NoRoom));
+        lru.unpin(&"a");
+        assert_eq!(lru.reserve("d", 20), Ok(vec!["a"]));
+        lru.shrink_to(1000);
+        assert_eq!(lru.max_bytes(), 40);
+    }
+
+    /// A 1 MiB tmpfs under a cache bounded at 16 MiB: every piece is still cached (the bound
+    /// comes down to what the disk holds), never over what the disk holds. Needs root (mount).
+    #[tokio::test]
+    async fn a_full_disk_lowers_the_bound_and_the_cache_keeps_caching() {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            eprintln!("skipped: mounting a small tmpfs needs root (CI runs as root)");
+            return;
+        }
+        struct Unmount(PathBuf);
+        impl Drop for Unmount {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("umount").arg(&self.0).status();
+            }
+        }
+        let _unmount = Unmount(dir.path().to_path_buf());
+        let cache = PieceCache::open(dir.path(), 16 << 20).unwrap();
+        let piece = Bytes::from(vec![7u8; 64 << 10]);
+        for index in 0..40 {
+            let k = PieceKey {
+                hash: Blake3Hash::of(b"blob"),
+                piece_size: 64 << 10,
+                index,
+            };
+            let stored = cache.store(k, &piece).await.expect("stored");
+            assert!(stored.cached, "piece {index}");
+            assert!(cache.contains(&k));
+        }
+        assert!(cache.max_bytes() < 1 << 20, "{}", cache.max_bytes());
+        assert!(cache.used() <= cache.max_bytes());
     }
 
     #[test]
