@@ -25,6 +25,7 @@
 
 pub mod announce;
 pub mod auth;
+pub mod disk_space;
 pub mod display;
 pub mod faults;
 pub mod holdings;

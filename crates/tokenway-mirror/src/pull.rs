@@ -441,6 +441,36 @@ pub async fn pull_from(
         });
     }
 
+    // The room the rest of the pull needs (the pieces still missing, and the extra copies of
+    // files listed under several paths), checked now: a disk too small is otherwise found
+    // hours into the download (partial files are sparse until written).
+    let needed: u64 = blobs
+        .iter()
+        .map(|b| {
+            let missing: u64 = (0..b.entry.pieces.len() as u64)
+                .filter(|i| !b.progress.is_done(*i))
+                .map(|i| {
+                    let r = b.entry.piece_range(i);
+                    r.end - r.start
+                })
+                .sum();
+            missing + b.entry.size * (b.paths.len() as u64).saturating_sub(1)
+        })
+        .sum();
+    if let Some(free) = crate::disk_space::available(&partial_dir) {
+        if needed > free {
+            return Err(MirrorError::io(
+                format!(
+                    "the pull needs {} more on the disk under {} and {} is free",
+                    crate::disk_space::gb(needed),
+                    out.display(),
+                    crate::disk_space::gb(free)
+                ),
+                std::io::Error::from(std::io::ErrorKind::StorageFull),
+            ));
+        }
+    }
+
     let mut jobs: Vec<(usize, u64)> = blobs
         .iter()
         .enumerate()

@@ -524,3 +524,43 @@ async fn unknown_tag_and_bad_names_give_clear_errors() {
     .to_string();
     assert!(err.contains("invalid model"), "{err}");
 }
+
+/// A pull into a 4 MiB filesystem of a 21 MB model is refused before it fetches anything,
+/// with the numbers; the same pull into a roomy directory works. Needs root (mount).
+#[tokio::test]
+async fn a_pull_that_cannot_fit_on_the_disk_is_refused_before_fetching() {
+    let s = setup().await;
+    let small = tempfile::tempdir().unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .arg(small.path())
+        .status()
+        .is_ok_and(|st| st.success());
+    if !mounted {
+        eprintln!("skipped: mounting a small tmpfs needs root (CI runs as root)");
+        return;
+    }
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(small.path().to_path_buf());
+    let mref = ModelRef::parse("org/tiny").unwrap();
+    let opts = PullOptions::default();
+    let e = pull(
+        Arc::clone(&s.origin),
+        &mref,
+        &small.path().join("out"),
+        &opts,
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("more on the disk") && e.contains("GB"), "{e}");
+    let r = pull(Arc::clone(&s.origin), &mref, &s.out, &opts)
+        .await
+        .unwrap();
+    assert!(r.complete);
+}

@@ -151,6 +151,18 @@ impl Mirror {
                 e,
             )
         })?;
+        if let Some(free) = crate::disk_space::available(&config.cache_dir) {
+            let room = free.saturating_add(cache.used());
+            if room < config.max_size {
+                tracing::warn!(
+                    "the disk under {} has room for {} of cache, less than --max-size {}: the \
+                     cache's bound comes down to what fits when the disk fills",
+                    config.cache_dir.display(),
+                    crate::disk_space::gb(room),
+                    crate::disk_space::gb(config.max_size)
+                );
+            }
+        }
         let (metrics, registry) = MirrorMetrics::register();
         metrics
             .cache_max_bytes
