@@ -61,6 +61,11 @@ impl Selector {
         }
     }
 
+    /// Whether any gateway is reachable.
+    pub fn any_up(&self) -> bool {
+        self.gateways.iter().any(|g| g.up)
+    }
+
     /// The smoothed RTT of gateway `i`.
     pub fn srtt(&self, i: usize) -> Option<Duration> {
         self.gateways.get(i).and_then(|g| g.srtt)

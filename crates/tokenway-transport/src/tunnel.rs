@@ -327,6 +327,21 @@ impl Tunnel {
         closed
     }
 
+    /// A 0-RTT connection of gateway `i` whose handshake has not completed: it carries
+    /// requests as early data only while no gateway is reachable. Nothing has answered it yet,
+    /// so it does not make the gateway reachable (with a dead gateway's resumption ticket,
+    /// every redial would otherwise draw requests to it for a connect timeout).
+    fn set_early_conn(&self, i: usize, conn: Conn) {
+        let mut sel = lock(&self.selector);
+        if sel.any_up() {
+            return;
+        }
+        *lock(&self.links[i].conn) = Some(conn);
+        sel.set_up(i, true);
+        drop(sel);
+        self.changed.send_modify(|n| *n += 1);
+    }
+
     /// Drops `conn` of gateway `i` when it is dead, and wakes the link to redial.
     fn report_failure(&self, i: usize, conn: &Conn) {
         if !conn.is_closed() {
@@ -621,8 +636,8 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                 let raced = t
                     .dialer
                     .race_early(&link.target, last_rtt, |c| {
-                        tracing::debug!(gateway = %link.target.name, "0-RTT connection in use before its handshake completes");
-                        t.set_conn(i, Some(c.clone()));
+                        tracing::debug!(gateway = %link.target.name, "0-RTT connection ready before its handshake completes");
+                        t.set_early_conn(i, c.clone());
                         early = Some(c.clone());
                     })
                     .await;
