@@ -324,8 +324,21 @@ async fn upload_outboard(
     Ok(true)
 }
 
+/// Most parts of one multipart upload: S3 allows 10,000 (Azure 50,000 blocks).
+pub const MAX_PARTS: u64 = 10_000;
+
+/// The part size of a multipart upload of `size` bytes: one piece, or as many whole pieces
+/// as keep the upload within [`MAX_PARTS`] (a 200 GiB file in 4 MiB pieces goes up in 24 MiB
+/// parts; one part per piece failed above 39 GiB on S3, after uploading all of that).
+pub fn part_size(size: u64, piece_size: u64) -> u64 {
+    let piece_size = piece_size.max(1);
+    size.div_ceil(MAX_PARTS)
+        .next_multiple_of(piece_size)
+        .max(piece_size)
+}
+
 /// Uploads one blob unless an object of that name and size exists. Returns whether it
-/// uploaded. Large files go up as a multipart upload, one piece per part.
+/// uploaded. Large files go up as a multipart upload, in parts of [`part_size`].
 async fn upload_blob(
     store: &dyn ObjectStore,
     hash: &Blake3Hash,
@@ -349,8 +362,9 @@ async fn upload_blob(
         .map_err(|e| MirrorError::io(ctx(), e))?;
     let mut sent = 0u64;
     let mut hasher = blake3::Hasher::new();
+    let part = part_size(size, piece_size);
     loop {
-        let mut buf = vec![0u8; piece_size as usize];
+        let mut buf = vec![0u8; part as usize];
         let n = read_full_async(&mut file, &mut buf)
             .await
             .map_err(|e| MirrorError::io(ctx(), e))?;
@@ -379,4 +393,27 @@ async fn upload_blob(
         .await
         .map_err(|e| MirrorError::store(ctx(), e))?;
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_goes_up_in_at_most_max_parts_parts_of_whole_pieces() {
+        const MIB: u64 = 1 << 20;
+        assert_eq!(part_size(0, 4 * MIB), 4 * MIB);
+        assert_eq!(part_size(10 * MIB, 4 * MIB), 4 * MIB);
+        assert_eq!(part_size(200 << 30, 4 * MIB), 24 * MIB);
+        for (size, piece) in [
+            (200u64 << 30, 4 * MIB),
+            (5 << 40, 64 << 10),
+            ((39 << 30) + 1, 4 * MIB),
+            (12_345, 64 << 10),
+        ] {
+            let part = part_size(size, piece);
+            assert_eq!(part % piece, 0, "{size} {piece}");
+            assert!(size.div_ceil(part) <= MAX_PARTS, "{size} {piece}: {part}");
+        }
+    }
 }
