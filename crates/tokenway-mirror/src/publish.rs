@@ -329,7 +329,8 @@ pub const MAX_PARTS: u64 = 10_000;
 
 /// The part size of a multipart upload of `size` bytes: one piece, or as many whole pieces
 /// as keep the upload within [`MAX_PARTS`] (a 200 GiB file in 4 MiB pieces goes up in 24 MiB
-/// parts; one part per piece failed above 39 GiB on S3, after uploading all of that).
+/// parts; one part per piece, coalesced to 8 MiB for S3, failed above 78 GiB there, after
+/// uploading all of that).
 pub fn part_size(size: u64, piece_size: u64) -> u64 {
     let piece_size = piece_size.max(1);
     size.div_ceil(MAX_PARTS)
