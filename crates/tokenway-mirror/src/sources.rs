@@ -233,8 +233,10 @@ impl SourceSet {
     }
 
     /// The manifest, its format-3 outboards attached ([`Self::attach_outboards`]): from the
-    /// mirrors in RTT order, then the origin. A mirror saying the model, tag or revision does
-    /// not exist is believed (it asked the origin).
+    /// origin when the pull has one (it is what every piece and outboard is verified against,
+    /// and the origin is the one source the pull authenticates; a few kilobytes), else, or
+    /// when the origin does not answer, from the mirrors in RTT order. A mirror saying the
+    /// model, tag or revision does not exist is believed (it asked the origin).
     pub async fn resolve(&self, mref: &ModelRef) -> Result<Manifest, MirrorError> {
         let mut m = self.manifest(mref).await?;
         self.attach_outboards(&mut m).await?;
@@ -286,18 +288,27 @@ impl SourceSet {
 
     async fn manifest(&self, mref: &ModelRef) -> Result<Manifest, MirrorError> {
         let mut failures = Vec::new();
-        for s in &self.fixed_in_order() {
+        let mut order = self.fixed_in_order();
+        order.sort_by_key(|s| s.kind() != SourceKind::Origin);
+        let mut origin_failed = None;
+        for s in &order {
             match &s.source {
                 Source::Origin(store) => match pull::resolve(store.as_ref(), mref).await {
                     Ok(m) => return Ok(m),
                     Err(e @ (MirrorError::NotFound { .. } | MirrorError::Manifest { .. })) => {
                         return Err(e)
                     }
-                    Err(e) => failures.push(format!("origin: {e}")),
+                    Err(e) => {
+                        origin_failed = Some(e.to_string());
+                        failures.push(format!("origin: {e}"));
+                    }
                 },
                 Source::Http { .. } => match s.source.manifest(mref).await {
                     Ok(m) => {
                         s.answered();
+                        if let Some(why) = &origin_failed {
+                            tracing::warn!(mirror = %s.name, origin = %why, "the origin did not answer: the manifest, which every piece is verified against, comes from a mirror");
+                        }
                         return Ok(m);
                     }
                     Err(e @ (FetchError::NotFound(_) | FetchError::BadRequest(_))) => {

@@ -564,3 +564,56 @@ async fn a_pull_that_cannot_fit_on_the_disk_is_refused_before_fetching() {
         .unwrap();
     assert!(r.complete);
 }
+
+/// A mirror that answers its RTT probes and every other request with `manifest`.
+async fn lying_mirror(manifest: Vec<u8>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut c, _)) = l.accept().await {
+            let body = manifest.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let n = c.read(&mut buf).await.unwrap_or(0);
+                let body = if buf[..n].starts_with(b"GET /healthz") {
+                    b"ok\n".to_vec()
+                } else {
+                    body
+                };
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                     content-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = c.write_all(head.as_bytes()).await;
+                let _ = c.write_all(&body).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test]
+async fn with_an_origin_given_the_manifest_comes_from_it_not_from_a_mirror() {
+    let s = setup().await;
+    // The mirror (or someone on the path to a plain-HTTP mirror) hands out a manifest whose
+    // file hashes are its own: the pull would verify its bytes against them.
+    let mut forged = s.manifest.clone();
+    forged.files[0].hash = Blake3Hash::of(b"someone else's weights");
+    let mirror = lying_mirror(forged.to_json()).await;
+    let sources = tokenway_mirror::SourceSet::new(
+        &[mirror],
+        Some(Arc::clone(&s.origin)),
+        1,
+        None,
+        None,
+        &tokenway_mirror::tls::ClientTrust::default(),
+    )
+    .await
+    .unwrap();
+    let mref = ModelRef::parse("org/tiny@r1").unwrap();
+    let m = sources.resolve(&mref).await.unwrap();
+    assert_eq!(m.files[0].hash, s.manifest.files[0].hash);
+    assert_ne!(m.files[0].hash, forged.files[0].hash);
+}

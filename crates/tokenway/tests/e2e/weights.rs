@@ -1480,9 +1480,42 @@ async fn a_full_disk_stops_the_pull_with_a_clear_error_and_a_rerun_resumes() {
     drop(mounted);
     let _mount = Mount(dir.clone());
     let origin = fx.origin_url();
+    // 8 MiB cannot hold the 21 MB model: refused before the first piece, with the numbers.
     let args = [fx.small.name, "--origin", &origin, "--out", &s(&dir)];
     let (ok, err) = Pull::start(&args).wait(Duration::from_secs(60)).await;
     assert!(!ok, "the pull cannot fit in 8 MiB");
+    assert!(err.contains("more on the disk"), "{err}");
+    // Room enough at the start, then something else fills the disk while the (paced) pull
+    // runs: it stops with a clear error and keeps its progress.
+    let grown = Command::new("mount")
+        .args(["-o", "remount,size=32m", &s(&dir)])
+        .status()
+        .expect("remount runs");
+    assert!(grown.success());
+    let paced = [
+        fx.small.name,
+        "--origin",
+        &origin,
+        "--out",
+        &s(&dir),
+        "--limit-rate",
+        "4M",
+    ];
+    let p = Pull::start(&paced);
+    p.wait_for("MiB/s", Duration::from_secs(30)).await;
+    let filler = dir.join("filler");
+    // Writes until the disk is full (dd stops at ENOSPC).
+    let _ = Command::new("dd")
+        .args([
+            "if=/dev/zero",
+            &format!("of={}", s(&filler)),
+            "bs=64k",
+            "count=1024",
+        ])
+        .stderr(Stdio::null())
+        .status();
+    let (ok, err) = p.wait(Duration::from_secs(60)).await;
+    assert!(!ok, "the disk filled under the pull");
     assert!(
         err.contains("No space left on device") && err.contains("rerun to resume"),
         "{err}"
@@ -1496,12 +1529,8 @@ async fn a_full_disk_stops_the_pull_with_a_clear_error_and_a_rerun_resumes() {
         })
         .count();
     assert!(records >= 1, "progress records are kept");
-    // More room, same command: it resumes.
-    let grown = Command::new("mount")
-        .args(["-o", "remount,size=64m", &s(&dir)])
-        .status()
-        .expect("remount runs");
-    assert!(grown.success());
+    // The room back, same command: it resumes.
+    std::fs::remove_file(&filler).expect("remove the filler");
     let err = pull_ok(&args).await;
     assert!(field(&err, "pieces_resumed") >= 1, "{err}");
     assert_same_tree(&fx.small.src, &dir);
