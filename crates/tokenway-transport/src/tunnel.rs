@@ -57,7 +57,13 @@ enum TokenCheck {
 }
 
 struct Link {
-    target: Target,
+    /// Where the gateway is: its addresses as last resolved (none before a name resolves).
+    target: Mutex<Target>,
+    /// Its configured `host:port`s, resolved again before each dial after a failure (the
+    /// machine went offline, the gateway moved in DNS).
+    entry: GatewayEntry,
+    /// The key of its entry in messages (`gateways[i]`).
+    key: String,
     /// The last token check; kept across connections (the token does not change).
     token: watch::Sender<TokenCheck>,
     /// Why the last dial failed, while the gateway is unreachable (told to requests that find no
@@ -65,7 +71,7 @@ struct Link {
     dial_error: Mutex<Option<String>>,
     /// Why the last background QUIC attempt (while on TCP) failed.
     reprobe_error: Mutex<Option<String>>,
-    /// `target.name`, shared with every answer.
+    /// The gateway's name, shared with every answer.
     name: Arc<str>,
     conn: Mutex<Option<Conn>>,
     last_rtt: Mutex<Option<Duration>>,
@@ -77,6 +83,24 @@ struct Link {
 impl Link {
     fn current(&self) -> Option<Conn> {
         lock(&self.conn).clone()
+    }
+
+    fn target(&self) -> Target {
+        lock(&self.target).clone()
+    }
+
+    /// Resolves the gateway's names again (addresses of the endpoint's family first); keeps
+    /// the last addresses when the lookup fails but says why.
+    async fn resolve(&self, v6: bool) -> Result<(), TransportError> {
+        let fresh = target(&self.key, &self.entry, v6).await;
+        if let Ok(t) = &fresh {
+            let mut cur = lock(&self.target);
+            if (cur.quic, cur.tcp) != (t.quic, t.tcp) && (cur.quic.is_some() || cur.tcp.is_some()) {
+                tracing::info!(gateway = %self.name, quic = ?t.quic, tcp = ?t.tcp, "the gateway's address changed");
+            }
+            *cur = t.clone();
+        }
+        fresh.map(|_| ())
     }
 }
 
@@ -161,20 +185,31 @@ pub struct Tunnel {
     rx_rate: Option<HeaderValue>,
     wait_for_link: Duration,
     quic_retry: Duration,
+    /// The QUIC endpoint is bound to IPv6 (dual-stack): IPv6 gateway addresses are usable.
+    v6: bool,
 }
 
-async fn resolve(s: &str, key: &str) -> Result<SocketAddr, TransportError> {
-    tokio::net::lookup_host(s)
+/// The first address of `s` the endpoint can use (IPv4 only unless `v6`).
+async fn resolve(s: &str, key: &str, v6: bool) -> Result<SocketAddr, TransportError> {
+    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(s)
         .await
         .map_err(|e| TransportError::Config(format!("{key} {s:?} does not resolve: {e}")))?
-        .next()
-        .ok_or_else(|| TransportError::Config(format!("{key} {s:?} resolves to no address")))
+        .collect();
+    addrs
+        .iter()
+        .find(|a| v6 || a.is_ipv4())
+        .copied()
+        .ok_or_else(|| {
+            TransportError::Config(format!(
+                "{key} {s:?} resolves to no usable address ({addrs:?})"
+            ))
+        })
 }
 
-async fn target(i: usize, g: &GatewayEntry) -> Result<Target, TransportError> {
-    let quic = resolve(&g.quic, &format!("gateways[{i}].quic")).await?;
+async fn target(key: &str, g: &GatewayEntry, v6: bool) -> Result<Target, TransportError> {
+    let quic = resolve(&g.quic, &format!("{key}.quic"), v6).await?;
     let tcp = match &g.tcp {
-        Some(t) => Some(resolve(t, &format!("gateways[{i}].tcp")).await?),
+        Some(t) => Some(resolve(t, &format!("{key}.tcp"), v6).await?),
         None => None,
     };
     Ok(Target {
@@ -187,15 +222,28 @@ async fn target(i: usize, g: &GatewayEntry) -> Result<Target, TransportError> {
 
 impl Tunnel {
     /// Resolves the gateways, opens the QUIC client endpoint and starts one link per gateway.
+    /// A gateway whose name does not resolve yet (the machine is not online yet) is resolved
+    /// again before each of its dials; until then it is unreachable, and says why.
     pub async fn start(
         config: &TunnelClientConfig,
         metrics: QuicMetrics,
     ) -> Result<Arc<Self>, TransportError> {
         let mut targets = Vec::new();
         for (i, g) in config.gateways.iter().enumerate() {
-            targets.push(target(i, g).await?);
+            let key = format!("gateways[{i}]");
+            let t = match target(&key, g, true).await {
+                Ok(t) => Ok(t),
+                Err(e) => {
+                    tracing::warn!(gateway = %g.name, error = %e, "the gateway's name does not resolve now; trying again before each dial");
+                    Err(e.to_string())
+                }
+            };
+            targets.push((key, g.clone(), t));
         }
-        let v6 = targets.iter().any(|t| t.quic.is_some_and(|a| a.is_ipv6()));
+        let v6 = targets.iter().any(|(_, _, t)| {
+            t.as_ref()
+                .is_ok_and(|t| t.quic.is_some_and(|a| a.is_ipv6()))
+        });
         let bind = if v6 {
             SocketAddr::from(([0u16; 8], 0))
         } else {
@@ -226,13 +274,27 @@ impl Tunnel {
             .map(|b| HeaderValue::from(b.bytes_per_sec()));
         let links: Vec<_> = targets
             .into_iter()
-            .map(|target| {
+            .map(|(key, entry, resolved)| {
+                let (target, dial_error) = match resolved {
+                    Ok(t) => (t, None),
+                    Err(why) => (
+                        Target {
+                            name: entry.name.clone(),
+                            quic: None,
+                            tcp: None,
+                            server_name: entry.server_name.clone(),
+                        },
+                        Some(why),
+                    ),
+                };
                 Arc::new(Link {
                     token: watch::channel(TokenCheck::Unknown).0,
-                    dial_error: Mutex::new(None),
+                    dial_error: Mutex::new(dial_error),
                     reprobe_error: Mutex::new(None),
-                    name: Arc::from(target.name.as_str()),
-                    target,
+                    name: Arc::from(entry.name.as_str()),
+                    target: Mutex::new(target),
+                    entry,
+                    key,
                     conn: Mutex::new(None),
                     last_rtt: Mutex::new(None),
                     wake: Notify::new(),
@@ -250,6 +312,7 @@ impl Tunnel {
             rx_rate,
             wait_for_link: config.head_start() + config.connect_timeout() * 2,
             quic_retry: config.quic_retry(),
+            v6,
         });
         for i in 0..tunnel.links.len() {
             tokio::spawn(run_link(Arc::downgrade(&tunnel), i));
@@ -259,7 +322,7 @@ impl Tunnel {
 
     /// The gateways' QUIC addresses.
     pub fn quic_addrs(&self) -> Vec<SocketAddr> {
-        self.links.iter().filter_map(|l| l.target.quic).collect()
+        self.links.iter().filter_map(|l| l.target().quic).collect()
     }
 
     /// Moves the QUIC endpoint to a fresh UDP socket; open connections migrate.
@@ -417,7 +480,7 @@ impl Tunnel {
             .filter_map(|l| {
                 lock(&l.dial_error)
                     .as_ref()
-                    .map(|e| format!("{}: {e}", l.target.name))
+                    .map(|e| format!("{}: {e}", l.name))
             })
             .collect();
         if why.is_empty() {
@@ -472,7 +535,7 @@ impl Tunnel {
                     avoid = Some(i);
                     continue;
                 }
-                return Err(SendError::token_refused(&self.links[i].target.name));
+                return Err(SendError::token_refused(&self.links[i].name));
             }
             let req = self.request(out, Full::new(out.body.clone()))?;
             match conn.send_request(req).await {
@@ -483,7 +546,7 @@ impl Tunnel {
                             avoid = Some(i);
                             continue;
                         }
-                        return Err(SendError::token_refused(&self.links[i].target.name));
+                        return Err(SendError::token_refused(&self.links[i].name));
                     }
                     return Ok(Answer {
                         response,
@@ -493,12 +556,12 @@ impl Tunnel {
                 }
                 Err(e) if e.retryable && !conn.is_closed() && same_retries > 0 => {
                     same_retries -= 1;
-                    tracing::info!(gateway = %self.links[i].target.name, error = %e, "request refused before the first byte; retrying");
+                    tracing::info!(gateway = %self.links[i].name, error = %e, "request refused before the first byte; retrying");
                     last = Some(e);
                 }
                 Err(e) if e.retryable && fresh_retries > 0 => {
                     fresh_retries -= 1;
-                    tracing::info!(gateway = %self.links[i].target.name, error = %e, "request failed before the first byte; retrying on a fresh connection");
+                    tracing::info!(gateway = %self.links[i].name, error = %e, "request failed before the first byte; retrying on a fresh connection");
                     self.report_failure(i, &conn);
                     avoid = Some(i);
                     last = Some(e);
@@ -565,9 +628,9 @@ async fn check_token(tunnel: std::sync::Weak<Tunnel>, i: usize, conn: Conn) {
     let link = &t.links[i];
     let before = link.token.send_replace(verdict);
     if verdict == TokenCheck::Refused && before != TokenCheck::Refused {
-        tracing::error!(gateway = %link.target.name, "the gateway refused the tunnel token (it answered with its masquerade site); check `token` against the gateway's [tunnel] tokens");
+        tracing::error!(gateway = %link.name, "the gateway refused the tunnel token (it answered with its masquerade site); check `token` against the gateway's [tunnel] tokens");
     } else if verdict == TokenCheck::Accepted && before == TokenCheck::Refused {
-        tracing::info!(gateway = %link.target.name, "the gateway accepts the tunnel token now");
+        tracing::info!(gateway = %link.name, "the gateway accepts the tunnel token now");
     }
 }
 
@@ -598,19 +661,19 @@ async fn reprobe_quic(tunnel: std::sync::Weak<Tunnel>, i: usize) {
     let link = t.links[i].clone();
     let last_rtt = *lock(&link.last_rtt);
     // `quic` returns once the gateway has answered (a 0-RTT connection's handshake completed).
-    let dialed = t.dialer.quic(&link.target, last_rtt).await;
+    let dialed = t.dialer.quic(&link.target(), last_rtt).await;
     // Why QUIC keeps failing is told once per new reason (a wrong `[datagram] obfs.psk` looks
     // like UDP being blocked: the edge would otherwise stay on TCP without a word).
     let why = dialed.as_ref().err().map(ToString::to_string);
     let before = std::mem::replace(&mut *lock(&link.reprobe_error), why.clone());
     if let Some(why) = why.filter(|w| before.as_ref() != Some(w)) {
-        tracing::warn!(gateway = %link.target.name, error = %why, "QUIC still fails; staying on TCP (UDP blocked, or the [datagram] obfs.psk differs from the gateway's?)");
+        tracing::warn!(gateway = %link.name, error = %why, "QUIC still fails; staying on TCP (UDP blocked, or the [datagram] obfs.psk differs from the gateway's?)");
     }
     if let Ok(q) = dialed {
         // Only replace a TCP connection (or none); a link that meanwhile got QUIC keeps it.
         let on_tcp = link.current().is_none_or(|c| !c.is_quic());
         if on_tcp && !q.is_closed() {
-            tracing::info!(gateway = %link.target.name, "QUIC works again; new requests move back to it");
+            tracing::info!(gateway = %link.name, "QUIC works again; new requests move back to it");
             t.set_conn(i, Some(q));
         }
     }
@@ -623,11 +686,35 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
     let mut next_quic_try = Instant::now();
     let mut tcp_misses = 0;
     let mut token_checked = Instant::now();
+    // The names are looked up again before a dial that follows a failed one (and before the
+    // first, when they did not resolve at start).
+    let mut resolve_first = true;
     loop {
         let Some(t) = tunnel.upgrade() else { return };
         let link = t.links[i].clone();
         match link.current() {
             None => {
+                let known = {
+                    let tg = link.target();
+                    tg.quic.is_some() || tg.tcp.is_some()
+                };
+                if resolve_first || !known {
+                    if let Err(e) = link.resolve(t.v6).await {
+                        if !known {
+                            *lock(&link.dial_error) = Some(e.to_string());
+                            tracing::warn!(gateway = %link.name, error = %e, "cannot resolve the gateway");
+                            let wait = backoff;
+                            backoff = (backoff * 2).min(MAX_BACKOFF);
+                            drop(t);
+                            tokio::select! {
+                                _ = tokio::time::sleep(wait) => {}
+                                _ = link.wake.notified() => {}
+                            }
+                            continue;
+                        }
+                    }
+                }
+                let target = link.target();
                 let last_rtt = *lock(&link.last_rtt);
                 // A 0-RTT QUIC connection carries requests at once, as early data, while the
                 // race goes on: it wins only when the gateway answers its handshake, and TCP
@@ -635,8 +722,8 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                 let mut early = None;
                 let raced = t
                     .dialer
-                    .race_early(&link.target, last_rtt, |c| {
-                        tracing::debug!(gateway = %link.target.name, "0-RTT connection ready before its handshake completes");
+                    .race_early(&target, last_rtt, |c| {
+                        tracing::debug!(gateway = %link.name, "0-RTT connection ready before its handshake completes");
                         t.set_early_conn(i, c.clone());
                         early = Some(c.clone());
                     })
@@ -644,7 +731,7 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                 *lock(&link.dial_error) = raced.as_ref().err().map(ToString::to_string);
                 match raced {
                     Ok(c) => {
-                        tracing::info!(gateway = %link.target.name, transport = c.transport_label(), "tunnel connected");
+                        tracing::info!(gateway = %link.name, transport = c.transport_label(), "tunnel connected");
                         if !c.is_quic() {
                             next_quic_try = Instant::now() + t.quic_retry;
                         }
@@ -658,14 +745,16 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                             e.close();
                         }
                         backoff = Duration::from_millis(100);
+                        resolve_first = false;
                         continue;
                     }
                     Err(e) => {
+                        resolve_first = true;
                         if let Some(early) = early {
                             early.close();
                             t.report_failure(i, &early);
                         }
-                        tracing::warn!(gateway = %link.target.name, error = %e, "cannot reach the gateway");
+                        tracing::warn!(gateway = %link.name, error = %e, "cannot reach the gateway");
                         let wait = backoff;
                         backoff = (backoff * 2).min(MAX_BACKOFF);
                         drop(t);
@@ -678,7 +767,7 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                 }
             }
             Some(c) if c.is_closed() => {
-                tracing::info!(gateway = %link.target.name, "tunnel connection closed; redialing");
+                tracing::info!(gateway = %link.name, "tunnel connection closed; redialing");
                 t.report_failure(i, &c);
                 continue;
             }
@@ -694,7 +783,7 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                 } else {
                     tcp_misses += 1;
                     if tcp_misses >= TCP_PROBE_MISSES {
-                        tracing::warn!(gateway = %link.target.name, "the TCP fallback connection stopped answering; redialing");
+                        tracing::warn!(gateway = %link.name, "the TCP fallback connection stopped answering; redialing");
                         tcp_misses = 0;
                         t.retire(i, &c);
                         continue;

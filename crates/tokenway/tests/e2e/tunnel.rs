@@ -1055,3 +1055,44 @@ async fn a_request_head_larger_than_the_gateway_takes_is_a_431_not_a_retried_502
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn an_edge_starts_with_a_gateway_whose_name_does_not_resolve_and_uses_the_others() {
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", "");
+    // `.invalid` never resolves (RFC 6761): a gateway named before the network is up, or one
+    // gone from DNS. The edge still starts, and serves through the gateway it can reach.
+    let toml = format!(
+        "token = \"{TOKEN}\"\n[trust]\npin_sha256 = [\"{}\"]\n\
+         [[gateways]]\nname = \"gone\"\nquic = \"gateway.invalid:4433\"\n\
+         [[gateways]]\nname = \"gw\"\nquic = \"{}\"\n",
+        fingerprint(&gw),
+        tunnel_addr(&gw)
+    );
+    let edge = edge(&toml);
+    let r = post(
+        &format!("{}/v1/chat/completions", edge.url()),
+        &chat("hello", true, 4),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    // With only such a gateway, the edge starts too and says why nothing is reachable.
+    let alone = edge_config(
+        &fingerprint(&gw),
+        tunnel_addr(&gw),
+        None,
+        "connect_timeout_ms = 300\nfallback_head_start_ms = 0",
+        "",
+    )
+    .replace(&tunnel_addr(&gw).to_string(), "gateway.invalid:4433");
+    let edge = crate::harness::edge(&alone);
+    let r = post(
+        &format!("{}/v1/chat/completions", edge.url()),
+        &chat("anyone?", true, 4),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 502, "{}", r.body);
+    assert!(r.body.contains("gateway.invalid"), "{}", r.body);
+}
