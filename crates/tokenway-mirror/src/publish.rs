@@ -3,7 +3,8 @@
 //! Order matters for readers that race with a publish: outboards and blobs first, then the
 //! manifest, then the tag, so a tag never points at a manifest whose blobs are missing.
 //! Objects already in the origin (same name, same size) are skipped, so republishing a model
-//! that shares files with an earlier revision uploads only what changed. Hashing runs on
+//! that shares files with an earlier revision uploads only what changed; `reupload` uploads
+//! them anyway, which repairs an object that went bad in the origin. Hashing runs on
 //! blocking threads, at most `parallel` files at a time, one read of each file that yields
 //! its hash and its outboard ([`crate::outboard`]); each outboard is uploaded as soon as its
 //! file is hashed, so at most `parallel` of them are held in memory.
@@ -34,6 +35,9 @@ pub struct PublishOptions {
     pub group_size: u64,
     /// Files hashed and uploaded at once.
     pub parallel: usize,
+    /// Upload blobs and outboards even when an object of that name and size exists (to
+    /// repair one that went bad in the origin: its content is not checked otherwise).
+    pub reupload: bool,
 }
 
 impl Default for PublishOptions {
@@ -42,6 +46,7 @@ impl Default for PublishOptions {
             piece_size: DEFAULT_PIECE_SIZE,
             group_size: DEFAULT_GROUP_SIZE,
             parallel: 4,
+            reupload: false,
         }
     }
 }
@@ -112,7 +117,7 @@ pub async fn publish(
         .await
         .map_err(|e| MirrorError::io("listing files", std::io::Error::other(e)))??;
 
-    let (piece_size, group_size) = (opts.piece_size, opts.group_size);
+    let (piece_size, group_size, reupload) = (opts.piece_size, opts.group_size, opts.reupload);
     let outboards_uploaded = std::sync::atomic::AtomicUsize::new(0);
     let mut entries: Vec<FileEntry> = stream::iter(files.clone())
         .map(|(rel, abs)| {
@@ -123,7 +128,7 @@ pub async fn publish(
                 })
                 .await
                 .map_err(|e| MirrorError::io("hashing", std::io::Error::other(e)))??;
-                if upload_outboard(store.as_ref(), &entry, ob).await? {
+                if upload_outboard(store.as_ref(), &entry, ob, reupload).await? {
                     uploaded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 Ok::<_, MirrorError>(entry)
@@ -158,7 +163,9 @@ pub async fn publish(
     let results: Vec<bool> = stream::iter(uploads)
         .map(|(hash, size, abs)| {
             let store = Arc::clone(&store);
-            async move { upload_blob(store.as_ref(), &hash, size, &abs, piece_size).await }
+            async move {
+                upload_blob(store.as_ref(), &hash, size, &abs, piece_size, reupload).await
+            }
         })
         .buffer_unordered(parallel)
         .try_collect()
@@ -300,12 +307,13 @@ async fn read_full_async(
     Ok(n)
 }
 
-/// Uploads the outboard of `entry` unless an object of that name and size exists. Returns
-/// whether it uploaded.
+/// Uploads the outboard of `entry` unless an object of that name and size exists (or
+/// `reupload`). Returns whether it uploaded.
 async fn upload_outboard(
     store: &dyn ObjectStore,
     entry: &FileEntry,
     ob: Vec<u8>,
+    reupload: bool,
 ) -> Result<bool, MirrorError> {
     let key = StorePath::from(
         entry
@@ -313,7 +321,7 @@ async fn upload_outboard(
             .expect("invariant: publish writes format-3 entries"),
     );
     match store.head(&key).await {
-        Ok(meta) if meta.size == ob.len() as u64 => return Ok(false),
+        Ok(meta) if meta.size == ob.len() as u64 && !reupload => return Ok(false),
         Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
         Err(e) => return Err(MirrorError::store(format!("checking {key}"), e)),
     }
@@ -346,10 +354,11 @@ async fn upload_blob(
     size: u64,
     abs: &Path,
     piece_size: u64,
+    reupload: bool,
 ) -> Result<bool, MirrorError> {
     let key = StorePath::from(blob_key(hash));
     match store.head(&key).await {
-        Ok(meta) if meta.size == size => return Ok(false),
+        Ok(meta) if meta.size == size && !reupload => return Ok(false),
         Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
         Err(e) => return Err(MirrorError::store(format!("checking {key}"), e)),
     }

@@ -1059,7 +1059,8 @@ async fn fetch_piece(
             attempts: fetches,
             hint: if ctx.only_origin {
                 "; the origin is the only source, so there is nowhere else to refetch from \
-                 (republish the file)"
+                 (publish the model again with --reupload: a plain publish skips an object \
+                 of the right name and size)"
                     .into()
             } else {
                 "; every source tried served corrupt data".into()

@@ -450,12 +450,43 @@ async fn corrupt_piece_in_origin_fails_naming_file_and_piece_and_is_not_placed()
     assert!(err.contains("model-00001-of-00002.safetensors"), "{err}");
     assert!(err.contains("piece 2"), "{err}");
     assert!(err.contains("2 times"), "{err}");
+    assert!(err.contains("--reupload"), "{err}");
     assert!(!s.out.join(&victim.path).exists(), "corrupt file placed");
     // The other files are unaffected and in place.
     assert_eq!(
         std::fs::read(s.out.join("config.json")).unwrap(),
         std::fs::read(s.src.join("config.json")).unwrap()
     );
+
+    // A plain publish skips the bad object (right name, right size); --reupload repairs it.
+    let opts = |reupload| PublishOptions {
+        piece_size: PIECE,
+        reupload,
+        ..Default::default()
+    };
+    let (plain, forced) = (opts(false), opts(true));
+    let publish_again = |o| {
+        publish(
+            Arc::clone(&s.origin),
+            &s.src,
+            "org/tiny",
+            "r1",
+            Some("latest"),
+            o,
+        )
+    };
+    assert_eq!(publish_again(&plain).await.unwrap().blobs_uploaded, 0);
+    assert_eq!(publish_again(&forced).await.unwrap().blobs_uploaded, 5);
+    let r = pull(
+        Arc::clone(&s.origin),
+        &ModelRef::parse("org/tiny").unwrap(),
+        &s.out,
+        &PullOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert!(r.complete);
+    assert_identical(&s.src, &s.out, &s.manifest);
 }
 
 #[tokio::test]

@@ -390,7 +390,7 @@ impl Mirror {
             let Some(bytes) = checked else {
                 self.metrics.origin_corrupt.inc();
                 last = format!(
-                    "the origin served corrupt data for blob {} piece {i} (bytes {}..{}): BLAKE3 mismatch",
+                    "the origin served corrupt data for blob {} piece {i} (bytes {}..{}): BLAKE3 mismatch (publish the model again with --reupload to repair it)",
                     entry.hash, range.start, range.end
                 );
                 continue;

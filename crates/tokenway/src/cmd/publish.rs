@@ -35,6 +35,10 @@ pub struct PublishArgs {
     /// Files hashed and uploaded at once.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub parallel: usize,
+    /// Upload every blob and outboard even when the origin has an object of that name and
+    /// size (repairs an object that went bad in the origin; pulls name it when it does).
+    #[arg(long)]
+    pub reupload: bool,
 }
 
 /// Runs `tokenway publish`.
@@ -44,6 +48,7 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<()> {
         piece_size: args.piece_size_kib.saturating_mul(1024),
         group_size: args.group_size_kib.saturating_mul(1024),
         parallel: args.parallel.max(1),
+        reupload: args.reupload,
     };
     let report = publish(
         origin,
