@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use futures_util::stream::{self, StreamExt, TryStreamExt};
 use object_store::path::Path as StorePath;
-use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
 use crate::manifest::{
     self, blob_key, manifest_key, tag_key, Blake3Hash, FileEntry, Manifest, DEFAULT_PIECE_SIZE,
@@ -174,31 +174,7 @@ pub async fn publish(
     report.blobs_skipped = results.len() - report.blobs_uploaded;
     report.outboards_uploaded = outboards_uploaded.into_inner();
 
-    let mkey = StorePath::from(manifest_key(model, revision));
-    let json = manifest.to_json();
-    match store.get(&mkey).await {
-        Ok(existing) => {
-            let bytes = existing
-                .bytes()
-                .await
-                .map_err(|e| MirrorError::store(format!("reading {mkey}"), e))?;
-            // A revision published by an older build (format 1) with the same files is kept.
-            let same = Manifest::from_json(&bytes).is_ok_and(|old| old.same_content(&manifest));
-            if !same {
-                return Err(MirrorError::RevisionExists {
-                    model: model.into(),
-                    revision: revision.into(),
-                });
-            }
-        }
-        Err(object_store::Error::NotFound { .. }) => {
-            store
-                .put(&mkey, PutPayload::from(json))
-                .await
-                .map_err(|e| MirrorError::store(format!("writing {mkey}"), e))?;
-        }
-        Err(e) => return Err(MirrorError::store(format!("reading {mkey}"), e)),
-    }
+    put_manifest(store.as_ref(), &manifest).await?;
     if let Some(t) = tag {
         let tkey = StorePath::from(tag_key(model, t));
         store
@@ -208,6 +184,60 @@ pub async fn publish(
     }
     report.manifest = Some(manifest);
     Ok(report)
+}
+
+/// Writes the manifest of a revision that must not change once published: kept when the
+/// existing one lists the same files (a republish, or one by an older build), refused when it
+/// lists others, created when absent. The creation is a conditional put, so two publishers
+/// racing for one revision name cannot both win: the loser reads the winner's manifest and
+/// is refused (or kept, with the same files). A store that cannot put conditionally (S3 with
+/// conditional puts disabled) gets a plain put after the read, as before.
+async fn put_manifest(store: &dyn ObjectStore, manifest: &Manifest) -> Result<(), MirrorError> {
+    let mkey = StorePath::from(manifest_key(&manifest.model, &manifest.revision));
+    let payload = PutPayload::from(manifest.to_json());
+    // A second read only after losing a creation race; a third would mean a store that says
+    // "exists" and then "not found", which a plain error reports.
+    for _ in 0..2 {
+        match store.get(&mkey).await {
+            Ok(existing) => {
+                let bytes = existing
+                    .bytes()
+                    .await
+                    .map_err(|e| MirrorError::store(format!("reading {mkey}"), e))?;
+                return if Manifest::from_json(&bytes).is_ok_and(|old| old.same_content(manifest)) {
+                    Ok(())
+                } else {
+                    Err(MirrorError::RevisionExists {
+                        model: manifest.model.clone(),
+                        revision: manifest.revision.clone(),
+                    })
+                };
+            }
+            Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(MirrorError::store(format!("reading {mkey}"), e)),
+        }
+        let create = PutOptions {
+            mode: PutMode::Create,
+            ..Default::default()
+        };
+        let put = match store.put_opts(&mkey, payload.clone(), create).await {
+            Err(object_store::Error::AlreadyExists { .. }) => continue,
+            Err(object_store::Error::NotImplemented { .. }) => {
+                store.put(&mkey, payload.clone()).await
+            }
+            r => r,
+        };
+        return put
+            .map(|_| ())
+            .map_err(|e| MirrorError::store(format!("writing {mkey}"), e));
+    }
+    Err(MirrorError::store(
+        format!("writing {mkey}"),
+        object_store::Error::Generic {
+            store: "origin",
+            source: "the manifest exists and is not found in turn".into(),
+        },
+    ))
 }
 
 /// Regular files under `dir`, with their `/`-separated relative paths. Symlinks are refused
@@ -424,6 +454,113 @@ mod tests {
             let part = part_size(size, piece);
             assert_eq!(part % piece, 0, "{size} {piece}");
             assert!(size.div_ceil(part) <= MAX_PARTS, "{size} {piece}: {part}");
+        }
+    }
+
+    /// A store whose reads take a while (a far-away origin): two publishers both find the
+    /// revision absent before either writes it.
+    #[derive(Debug)]
+    struct SlowReads(object_store::memory::InMemory);
+
+    impl std::fmt::Display for SlowReads {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "SlowReads")
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl ObjectStore for SlowReads {
+        async fn put_opts(
+            &self,
+            location: &StorePath,
+            payload: PutPayload,
+            opts: PutOptions,
+        ) -> object_store::Result<object_store::PutResult> {
+            self.0.put_opts(location, payload, opts).await
+        }
+
+        async fn put_multipart_opts(
+            &self,
+            location: &StorePath,
+            opts: object_store::PutMultipartOptions,
+        ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+            self.0.put_multipart_opts(location, opts).await
+        }
+
+        async fn get_opts(
+            &self,
+            location: &StorePath,
+            options: object_store::GetOptions,
+        ) -> object_store::Result<object_store::GetResult> {
+            // The answer is read now and arrives later.
+            let answer = self.0.get_opts(location, options).await;
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            answer
+        }
+
+        fn delete_stream(
+            &self,
+            locations: futures_util::stream::BoxStream<'static, object_store::Result<StorePath>>,
+        ) -> futures_util::stream::BoxStream<'static, object_store::Result<StorePath>> {
+            self.0.delete_stream(locations)
+        }
+
+        fn list(
+            &self,
+            prefix: Option<&StorePath>,
+        ) -> futures_util::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>
+        {
+            self.0.list(prefix)
+        }
+
+        async fn list_with_delimiter(
+            &self,
+            prefix: Option<&StorePath>,
+        ) -> object_store::Result<object_store::ListResult> {
+            self.0.list_with_delimiter(prefix).await
+        }
+
+        async fn copy_opts(
+            &self,
+            from: &StorePath,
+            to: &StorePath,
+            options: object_store::CopyOptions,
+        ) -> object_store::Result<()> {
+            self.0.copy_opts(from, to, options).await
+        }
+    }
+
+    fn manifest_of(revision: &str, config: &str) -> Manifest {
+        let data = config.as_bytes();
+        let g = DEFAULT_GROUP_SIZE;
+        let (hash, ob) = outboard::create(data, data.len() as u64, g).unwrap();
+        let size = data.len() as u64;
+        let entry = FileEntry::from_outboard("config.json", size, hash, DEFAULT_PIECE_SIZE, g, &ob);
+        Manifest {
+            format: MANIFEST_FORMAT,
+            model: "org/m".into(),
+            revision: revision.into(),
+            files: vec![entry.unwrap()],
+        }
+    }
+
+    #[tokio::test]
+    async fn two_publishers_racing_for_one_revision_cannot_both_win() {
+        let store = SlowReads(object_store::memory::InMemory::new());
+        for round in 0..4 {
+            let rev = format!("r{round}");
+            let (a, b) = (
+                manifest_of(&rev, "{\"a\":1}"),
+                manifest_of(&rev, "{\"b\":2}"),
+            );
+            let (ra, rb) = tokio::join!(put_manifest(&store, &a), put_manifest(&store, &b));
+            assert!(ra.is_ok() != rb.is_ok(), "round {round}: {ra:?} / {rb:?}");
+            let err = if ra.is_ok() { rb.as_ref() } else { ra.as_ref() }.unwrap_err();
+            assert!(matches!(err, MirrorError::RevisionExists { .. }), "{err}");
+            // Republishing the winner's files is a no-op; the loser's stay refused.
+            let (won, lost) = if ra.is_ok() { (&a, &b) } else { (&b, &a) };
+            put_manifest(&store, won).await.unwrap();
+            assert!(put_manifest(&store, lost).await.is_err());
         }
     }
 }

@@ -161,6 +161,29 @@ async fn publish_then_pull_is_byte_identical_and_repeats_are_free() {
 }
 
 #[tokio::test]
+async fn a_published_revision_is_not_replaced_by_other_files() {
+    let s = setup().await;
+    let opts = PublishOptions {
+        piece_size: PIECE,
+        parallel: 2,
+        ..Default::default()
+    };
+    let other = s._tmp.path().join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("config.json"), br#"{"hidden_size":128}"#).unwrap();
+    let err = publish(Arc::clone(&s.origin), &other, "org/tiny", "r1", None, &opts)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, tokenway_mirror::MirrorError::RevisionExists { .. }),
+        "{err}"
+    );
+    let key = s.origin_dir.join(manifest_key("org/tiny", "r1"));
+    let kept = Manifest::from_json(&std::fs::read(&key).unwrap()).unwrap();
+    assert!(kept.same_content(&s.manifest), "r1 is unchanged");
+}
+
+#[tokio::test]
 async fn interrupted_pull_resumes_refetching_at_most_the_pieces_in_flight() {
     let s = setup().await;
     let mref = ModelRef::parse("org/tiny:latest").unwrap();
