@@ -267,6 +267,8 @@ struct Blob {
     paths: Vec<String>,
     partial: PathBuf,
     progress_path: PathBuf,
+    /// The resume record, open for updates in place once this run has written it whole.
+    record: Option<Arc<std::fs::File>>,
     file: Option<Arc<PieceWriter>>,
     progress: PieceProgress,
     /// Tree hash of each verified piece (see [`FileEntry::verify_piece`]), for the root check.
@@ -435,6 +437,7 @@ pub async fn pull_from(
             paths,
             partial,
             progress_path,
+            record: None,
             file: Some(Arc::new(file)),
             progress,
             trees,
@@ -615,8 +618,7 @@ pub async fn pull_from(
                 }
                 let r = blob.entry.piece_range(o.piece);
                 prog.bytes_done += r.end - r.start;
-                let bytes = blob.progress.encode();
-                if let Err(e) = write_atomic(&blob.progress_path, &bytes).await {
+                if let Err(e) = save_record(blob, o.piece).await {
                     stop.internal.store(true, Ordering::Relaxed);
                     errors.push(e);
                 }
@@ -1092,6 +1094,7 @@ fn finish_work(
     blob: &mut Blob,
 ) -> impl std::future::Future<Output = (usize, Result<(), MirrorError>)> + Send + 'static {
     let file = blob.file.take();
+    blob.record = None;
     // Every piece verified and gave its tree hash: the root is merged from them. Otherwise
     // (format 1 with a piece size that is not a power of two) the file is hashed again.
     let trees: Option<Vec<Blake3Hash>> = blob.trees.iter().copied().collect();
@@ -1274,6 +1277,33 @@ fn place(src: &Path, dst: &Path) -> Result<(), MirrorError> {
 /// Writes `bytes` to `path` through a temporary file and a rename. A write that fails (disk
 /// full) removes its temporary file, so nothing is left behind in `.partial` but the last
 /// complete record.
+/// Brings the resume record of `blob` up to date after piece `i` changed: written whole (and
+/// renamed into place) the first time in a run, then only the two digits holding the piece's
+/// bit, in place: a single small write a crash cannot tear, where rewriting the whole record
+/// per piece would cost a pull of many small pieces time quadratic in their number.
+async fn save_record(blob: &mut Blob, i: u64) -> Result<(), MirrorError> {
+    let path = blob.progress_path.clone();
+    if let (Some(f), Some((at, digits))) = (&blob.record, blob.progress.patch(i)) {
+        let f = Arc::clone(f);
+        return blocking(move || {
+            f.write_all_at(&digits, at)
+                .map_err(|e| MirrorError::io(format!("updating {}", path.display()), e))
+        })
+        .await;
+    }
+    let bytes = blob.progress.encode();
+    write_atomic(&path, &bytes).await?;
+    let f = blocking(move || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(|e| MirrorError::io(format!("opening {}", path.display()), e))
+    })
+    .await?;
+    blob.record = Some(Arc::new(f));
+    Ok(())
+}
+
 async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), MirrorError> {
     let tmp = path.with_extension("progress.tmp");
     if let Err(e) = tokio::fs::write(&tmp, bytes).await {
