@@ -3,7 +3,7 @@
 //! Requests stream both ways: the request body is written to the QUIC stream as it is read,
 //! and every response DATA frame is handed on as it arrives. Nothing is buffered here.
 //!
-//! 0-RTT: when the shared rustls configuration holds a resumption ticket for the server, the
+//! 0-RTT: when the gateway's rustls configuration holds a resumption ticket from it, the
 //! connection is used at once (`Connecting::into_0rtt`) and the first requests travel as early
 //! data. If the server rejects the early data, quinn discards every stream opened so far and
 //! restarts stream numbering; the HTTP/3 session is then rebuilt on the same (now 1-RTT)

@@ -106,15 +106,56 @@ pub struct Target {
     pub server_name: String,
 }
 
+/// The TLS client configurations of the gateways, one pair (QUIC, TCP) per gateway name,
+/// each with its own resumption store. rustls keys its store by server name, and gateways
+/// often share one (a fleet behind one certificate): with one store an edge would offer a
+/// gateway the tickets another issued, which it cannot decrypt, and lose 0-RTT on about every
+/// other reconnect. The map holds one entry per configured gateway.
+#[derive(Debug)]
+pub struct GatewayTls {
+    quic: Arc<rustls::ClientConfig>,
+    tcp: Arc<rustls::ClientConfig>,
+    by_gateway: std::sync::Mutex<std::collections::HashMap<String, TlsPair>>,
+}
+
+type TlsPair = (Arc<rustls::ClientConfig>, Arc<rustls::ClientConfig>);
+
+impl GatewayTls {
+    /// Templates for QUIC and for the TCP fallback.
+    pub fn new(quic: Arc<rustls::ClientConfig>, tcp: Arc<rustls::ClientConfig>) -> Self {
+        Self {
+            quic,
+            tcp,
+            by_gateway: Default::default(),
+        }
+    }
+
+    /// The configurations of gateway `name`, made on first use.
+    pub fn for_gateway(&self, name: &str) -> TlsPair {
+        let mut map = self.by_gateway.lock().unwrap_or_else(|p| p.into_inner());
+        let pair = map.entry(name.to_string()).or_insert_with(|| {
+            let own = |template: &rustls::ClientConfig| {
+                let mut c = template.clone();
+                c.resumption = rustls::client::Resumption::in_memory_sessions(SESSIONS_PER_GATEWAY);
+                Arc::new(c)
+            };
+            (own(&self.quic), own(&self.tcp))
+        });
+        (pair.0.clone(), pair.1.clone())
+    }
+}
+
+/// Sessions a gateway's resumption store holds (rustls keeps a few tickets per server name).
+const SESSIONS_PER_GATEWAY: usize = 8;
+
 /// Builds connections to gateways.
 #[derive(Clone)]
 pub struct Dialer {
     /// The client endpoint shared by every QUIC connection.
     pub endpoint: quinn::Endpoint,
-    /// TLS for QUIC (ALPN h3, early data), shared so resumption tickets are reused.
-    pub quic_tls: Arc<rustls::ClientConfig>,
-    /// TLS for the TCP fallback (ALPN h2).
-    pub tcp_tls: Arc<rustls::ClientConfig>,
+    /// TLS for QUIC (ALPN h3, early data) and for the TCP fallback (ALPN h2): the templates
+    /// of [`GatewayTls`], which gives every gateway its own copies.
+    pub tls: Arc<GatewayTls>,
     /// QUIC settings.
     pub settings: QuicSettings,
     /// How long QUIC runs alone before TCP joins the race.
@@ -163,7 +204,7 @@ impl Dialer {
             endpoint: &self.endpoint,
             addr,
             server_name: &target.server_name,
-            tls: self.quic_tls.clone(),
+            tls: self.tls.for_gateway(&target.name).0,
             settings: &self.settings,
             initial_rtt,
             peer: &target.name,
@@ -189,7 +230,7 @@ impl Dialer {
         let client = TcpClient::connect(
             addr,
             &target.server_name,
-            self.tcp_tls.clone(),
+            self.tls.for_gateway(&target.name).1,
             self.connect_timeout,
             &target.name,
             self.metrics.as_ref(),

@@ -256,8 +256,10 @@ impl Tunnel {
         let trust = config.trust()?;
         let dialer = Dialer {
             endpoint,
-            quic_tls: crate::trust::client_tls(&trust, &[crate::ALPN_H3], config.quic.zero_rtt)?,
-            tcp_tls: crate::trust::client_tls(&trust, &[crate::ALPN_H2], false)?,
+            tls: Arc::new(crate::dial::GatewayTls::new(
+                crate::trust::client_tls(&trust, &[crate::ALPN_H3], config.quic.zero_rtt)?,
+                crate::trust::client_tls(&trust, &[crate::ALPN_H2], false)?,
+            )),
             settings: quic,
             head_start: config.head_start(),
             tcp_won_last: Default::default(),

@@ -233,6 +233,54 @@ async fn a_second_connection_resumes_with_0rtt() {
     );
 }
 
+#[tokio::test]
+async fn gateways_sharing_a_server_name_each_resume_with_their_own_tickets() {
+    // Both gateways answer to the default server name, "localhost".
+    let backends = [sim(FAST_SIM), sim(FAST_SIM)];
+    let gws = [
+        tunnel_gateway(&backends[0], "", ""),
+        tunnel_gateway(&backends[1], "", ""),
+    ];
+    let edge = edge_for_two(&gws, "");
+    let url = format!("{}/v1/chat/completions", edge.url());
+    let connections = |text: &str| {
+        metric_sum(
+            text,
+            "tokenway_tunnel_connections_total{peer=\"gw-a\",transport=\"quic\"}",
+        ) + metric_sum(
+            text,
+            "tokenway_tunnel_connections_total{peer=\"gw-b\",transport=\"quic\"}",
+        )
+    };
+    let zero_rtt = |text: &str, result: &str| {
+        metric_sum(
+            text,
+            &format!("tokenway_quic_0rtt_total{{result=\"{result}\""),
+        )
+    };
+    let mut expected = 2.0;
+    for round in 0..4 {
+        // Both links up (each gateway issued its tickets), then both redial at once.
+        let up = eventually(Duration::from_secs(10), || async {
+            connections(&metrics(&edge).await) >= expected
+        })
+        .await;
+        assert!(up, "round {round}: {}", metrics(&edge).await);
+        assert_eq!(post(&url, &chat("hi", true, 2), None).await.status, 200);
+        let r = post(&format!("{}/admin/reconnect", edge.url()), "", None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        expected += 2.0;
+    }
+    let settled = eventually(Duration::from_secs(10), || async {
+        let text = metrics(&edge).await;
+        zero_rtt(&text, "accepted") + zero_rtt(&text, "rejected") >= 8.0
+    })
+    .await;
+    let text = metrics(&edge).await;
+    assert!(settled, "{text}");
+    assert_eq!(zero_rtt(&text, "rejected"), 0.0, "{text}");
+}
+
 /// Opens a streaming chat through `base` and returns the response body.
 async fn open_stream(base: &str, prompt: &str, tokens: u32) -> hyper::body::Incoming {
     let req = http::Request::post(format!("{base}/v1/chat/completions"))
