@@ -132,7 +132,8 @@ pub struct SourceSet {
     /// Mirrors by RTT, then the origin, then mirrors that did not answer their RTT probes.
     fixed: Vec<Arc<SourceState>>,
     peers: Mutex<HashMap<String, Peer>>,
-    /// Every peer ever used, for the summary (bounded by churn of MAX_PEERS at a time).
+    /// Peers used and gone from the view: for the summary, and so that one that returns
+    /// gets its state back (the latest MAX_PEERS).
     retired: Mutex<Vec<Arc<SourceState>>>,
     rotate: AtomicUsize,
     /// Address of this node's own peer server, never used as a source.
@@ -327,9 +328,12 @@ impl SourceSet {
         })
     }
 
-    /// Replaces the peers with the mirror's latest view.
+    /// Replaces the peers with the mirror's latest view. A peer that leaves it and comes back
+    /// (the mirror hands out a random subset of a large region) gets back the state it left
+    /// with: a peer banned for corrupt pieces stays banned.
     pub fn set_peers(&self, views: Vec<PeerView>) {
         let mut peers = lock(&self.peers);
+        let mut retired = lock(&self.retired);
         let mut next = HashMap::new();
         for v in views.into_iter().take(MAX_PEERS) {
             // An unspecified address (from a mirror that does not replace it by the peer's
@@ -351,13 +355,17 @@ impl SourceSet {
                     .collect()
             };
             let (have, taking) = (bits(&v.have), bits(&v.taking));
+            let name = format!("peer {base}");
             let state = match peers.remove(&base) {
                 Some(p) => p.state,
-                None => SourceState::new(
-                    format!("peer {base}"),
-                    Source::http(SourceKind::Peer, base.clone(), self.client.clone()),
-                    None,
-                ),
+                None => match retired.iter().position(|r| r.name == name) {
+                    Some(i) => retired.remove(i),
+                    None => SourceState::new(
+                        name,
+                        Source::http(SourceKind::Peer, base.clone(), self.client.clone()),
+                        None,
+                    ),
+                },
             };
             next.insert(
                 base,
@@ -368,10 +376,10 @@ impl SourceSet {
                 },
             );
         }
-        let mut retired = lock(&self.retired);
         for (_, p) in peers.drain() {
             if p.state.bytes.load(Ordering::Relaxed) > 0
                 || p.state.corrupt.load(Ordering::Relaxed) > 0
+                || p.state.failures.load(Ordering::Relaxed) > 0
             {
                 if retired.len() >= MAX_PEERS {
                     retired.remove(0);
@@ -549,5 +557,40 @@ mod tests {
         let c = s.candidates(&h, 0, &[]);
         assert_eq!(names(&c)[0], "peer http://10.0.0.2:8701");
         assert_eq!(c.len(), 4);
+    }
+
+    #[test]
+    fn a_banned_peer_that_leaves_the_view_and_returns_is_still_banned() {
+        let s = set();
+        let h = Blake3Hash::of(b"blob");
+        let view = |addr: &str| PeerView {
+            id: addr.into(),
+            addr: addr.into(),
+            have: [(h, PieceBits::full(4).to_wire())].into_iter().collect(),
+            taking: HashMap::new(),
+        };
+        s.set_peers(vec![view("10.0.0.2:8701"), view("10.0.0.3:8701")]);
+        let bad = s.candidates(&h, 0, &[]);
+        assert_eq!(
+            names(&bad)[..2],
+            ["peer http://10.0.0.2:8701", "peer http://10.0.0.3:8701"]
+        );
+        for _ in 0..BAN_AFTER_CORRUPT {
+            bad[0].penalise();
+        }
+        // Out of the next view, back in the one after.
+        s.set_peers(vec![view("10.0.0.3:8701")]);
+        s.set_peers(vec![view("10.0.0.2:8701"), view("10.0.0.3:8701")]);
+        let c = s.candidates(&h, 0, &[]);
+        assert_eq!(names(&c)[0], "peer http://10.0.0.3:8701");
+        assert_eq!(names(&c).last(), Some(&"peer http://10.0.0.2:8701"));
+        // Counted once in the summary, with what it did.
+        let all = s.all();
+        let again: Vec<_> = all
+            .iter()
+            .filter(|x| x.name == "peer http://10.0.0.2:8701")
+            .collect();
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].corrupt.load(Ordering::Relaxed), BAN_AFTER_CORRUPT);
     }
 }
