@@ -54,12 +54,48 @@ pub struct Resolved {
     pub stale_tag: bool,
 }
 
+/// The manifests in memory, keyed by (model, revision): past [`MEMO_MANIFESTS`] the least
+/// recently used one makes room (reloading it costs a disk read and its outboards).
+#[derive(Default)]
+struct Memo {
+    entries: HashMap<(String, String), (Arc<Manifest>, u64)>,
+    clock: u64,
+}
+
+impl Memo {
+    fn get(&mut self, key: &(String, String)) -> Option<Arc<Manifest>> {
+        self.clock += 1;
+        let (m, used) = self.entries.get_mut(key)?;
+        *used = self.clock;
+        Some(Arc::clone(m))
+    }
+
+    fn insert(&mut self, key: (String, String), m: Arc<Manifest>) {
+        if self.entries.len() >= MEMO_MANIFESTS && !self.entries.contains_key(&key) {
+            let oldest = self
+                .entries
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                self.entries.remove(&k);
+            }
+        }
+        self.clock += 1;
+        self.entries.insert(key, (m, self.clock));
+    }
+
+    fn manifests(&self) -> impl Iterator<Item = &Arc<Manifest>> {
+        self.entries.values().map(|(m, _)| m)
+    }
+}
+
 /// Manifests and tags seen, on disk under `<cache>/manifests/` and in memory.
 pub struct ManifestCache {
     dir: PathBuf,
     /// Outboard bytes fetched from the origin (verified).
     outboard_from_origin: Counter,
-    memo: Mutex<HashMap<(String, String), Arc<Manifest>>>,
+    memo: Mutex<Memo>,
     /// Recent tag answers.
     tags: Mutex<HashMap<(String, String), TagAnswer>>,
     /// Revisions being loaded: the load lock callers of one revision queue on.
@@ -112,7 +148,7 @@ impl ManifestCache {
         Self {
             dir: dir.join("manifests"),
             outboard_from_origin,
-            memo: Mutex::new(HashMap::new()),
+            memo: Mutex::new(Memo::default()),
             tags: Mutex::new(HashMap::new()),
             loading: Mutex::new(HashMap::new()),
         }
@@ -202,7 +238,7 @@ impl ManifestCache {
     ) -> Result<Arc<Manifest>, ServeError> {
         let memo_key = (model.to_string(), revision.to_string());
         if let Some(m) = lock(&self.memo).get(&memo_key) {
-            return Ok(Arc::clone(m));
+            return Ok(m);
         }
         // Single flight: the first caller loads, the others wait on its lock and then find
         // the manifest in the memo (or, if its load failed, try in turn).
@@ -227,7 +263,7 @@ impl ManifestCache {
             None => None,
         };
         if let Some(m) = lock(&self.memo).get(&memo_key) {
-            return Ok(Arc::clone(m));
+            return Ok(m);
         }
         let key = manifest_key(model, revision);
         let local = self.dir.join(&key);
@@ -265,11 +301,7 @@ impl ManifestCache {
                 .expect("invariant: ManifestCache::outboard returns verified outboards");
         }
         let m = Arc::new(manifest);
-        let mut memo = lock(&self.memo);
-        if memo.len() >= MEMO_MANIFESTS {
-            memo.clear();
-        }
-        memo.insert(memo_key, Arc::clone(&m));
+        lock(&self.memo).insert(memo_key, Arc::clone(&m));
         Ok(m)
     }
 
@@ -330,7 +362,7 @@ impl ManifestCache {
         if wanted.is_empty() {
             return out;
         }
-        for m in lock(&self.memo).values() {
+        for m in lock(&self.memo).manifests() {
             for f in &m.files {
                 if wanted.contains(&f.hash) {
                     out.insert(f.hash, f.pieces.len() as u64);
@@ -343,7 +375,7 @@ impl ManifestCache {
     /// The layout of blob `hash` from any manifest in memory.
     pub fn find_blob(&self, hash: &Blake3Hash) -> Option<Arc<FileEntry>> {
         lock(&self.memo)
-            .values()
+            .manifests()
             .find_map(|m| m.files.iter().find(|f| f.hash == *hash).cloned())
             .map(Arc::new)
     }
@@ -469,5 +501,33 @@ mod tests {
         let again = tokio::time::Instant::now();
         assert!(cache.resolve(&hung, &mref).await.unwrap().stale_tag);
         assert_eq!(again.elapsed(), Duration::ZERO);
+    }
+
+    #[test]
+    fn the_memo_drops_the_least_recently_used_manifest_not_all_of_them() {
+        let mut memo = Memo::default();
+        let key = |i: usize| ("org/m".to_string(), format!("r{i}"));
+        let manifest = |i: usize| {
+            Arc::new(Manifest {
+                format: crate::manifest::MANIFEST_FORMAT,
+                model: "org/m".into(),
+                revision: format!("r{i}"),
+                files: Vec::new(),
+            })
+        };
+        for i in 0..MEMO_MANIFESTS {
+            memo.insert(key(i), manifest(i));
+        }
+        // r0 is in use; r1 is now the least recently used.
+        assert!(memo.get(&key(0)).is_some());
+        memo.insert(key(MEMO_MANIFESTS), manifest(MEMO_MANIFESTS));
+        assert_eq!(memo.entries.len(), MEMO_MANIFESTS);
+        assert!(memo.get(&key(1)).is_none());
+        for i in (0..=MEMO_MANIFESTS).filter(|i| *i != 1) {
+            assert!(memo.get(&key(i)).is_some(), "r{i}");
+        }
+        // Inserting one already there evicts nothing.
+        memo.insert(key(0), manifest(0));
+        assert_eq!(memo.entries.len(), MEMO_MANIFESTS);
     }
 }
