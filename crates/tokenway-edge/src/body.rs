@@ -12,13 +12,11 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http_body::{Body, Frame};
 use tokenway_telemetry::stream_clock::StreamClock;
 use tokenway_transport::client::{BoxError, ClientBody};
-
-/// Most bytes of an unfinished event held back; a longer one is passed on as it comes.
-const MAX_PARTIAL_EVENT: usize = 1 << 20;
+use tokenway_wire::sse_hold::EventHoldBack;
 
 /// See the module docs.
 pub struct EdgeBody {
@@ -26,7 +24,7 @@ pub struct EdgeBody {
     clock: StreamClock,
     finished: bool,
     /// Of an event stream, the start of an event whose end has not arrived yet.
-    partial: Option<Bytes>,
+    held: EventHoldBack,
 }
 
 impl EdgeBody {
@@ -36,28 +34,8 @@ impl EdgeBody {
             inner,
             clock,
             finished: false,
-            partial: None,
+            held: EventHoldBack::default(),
         }
-    }
-
-    /// Of an event stream's `data`, what can go to the client now (whole events); the rest
-    /// is held back. `None` when all of it was held.
-    fn whole_events(&mut self, data: Bytes) -> Option<Bytes> {
-        let data = match self.partial.take() {
-            None => data,
-            Some(held) => {
-                let mut joined = BytesMut::with_capacity(held.len() + data.len());
-                joined.extend_from_slice(&held);
-                joined.extend_from_slice(&data);
-                joined.freeze()
-            }
-        };
-        let whole = tokenway_wire::sse::complete_events_len(&data);
-        if whole == data.len() || data.len() - whole > MAX_PARTIAL_EVENT {
-            return Some(data);
-        }
-        self.partial = Some(data.slice(whole..));
-        (whole > 0).then(|| data.slice(..whole))
     }
 
     fn finish(&mut self) {
@@ -82,7 +60,7 @@ impl Body for EdgeBody {
                 Poll::Pending => Poll::Pending,
                 Poll::Ready(Some(Ok(frame))) => {
                     let frame = match frame.into_data() {
-                        Ok(d) if self.clock.sse() => match self.whole_events(d) {
+                        Ok(d) if self.clock.sse() => match self.held.whole_events(d) {
                             Some(d) => Frame::data(d),
                             None => continue,
                         },
@@ -98,7 +76,7 @@ impl Body for EdgeBody {
                 Poll::Ready(None) => {
                     self.finish();
                     // The stream ended inside an event: passed on as it is.
-                    match self.partial.take() {
+                    match self.held.take() {
                         Some(rest) => Poll::Ready(Some(Ok(Frame::data(rest)))),
                         None => Poll::Ready(None),
                     }
@@ -107,7 +85,7 @@ impl Body for EdgeBody {
                     self.finish();
                     // The unfinished event will never be finished: the error event takes its
                     // place.
-                    self.partial = None;
+                    self.held.discard();
                     tracing::warn!(error = %e, "tunnel stream failed after the first byte");
                     if self.clock.sse() {
                         let event = tokenway_wire::sse::error_event(

@@ -37,6 +37,7 @@ use http_body::{Body, Frame, SizeHint};
 use tokenway_router::Outcome;
 use tokenway_telemetry::stream_clock::StreamClock;
 use tokenway_wire::sse::StreamErrorCause;
+use tokenway_wire::sse_hold::EventHoldBack;
 use tokio::time::Sleep;
 
 use crate::error::BoxError;
@@ -74,7 +75,7 @@ pub struct RelayBody {
     /// Of an event stream, the start of an event whose end has not arrived yet: held back, so
     /// that an upstream failure's error event never lands inside it (the client would read
     /// the two as one event of broken JSON, not as an error).
-    partial: Option<Bytes>,
+    held: EventHoldBack,
     /// The backend sent an error event (`data: {"error": ...}`, how vLLM and SGLang report a
     /// generation that failed after the 200; llama.cpp's `error: {...}`): relayed as it is; one
     /// the backend calls its own
@@ -84,9 +85,6 @@ pub struct RelayBody {
 
 /// What one poll of the relay's body gives.
 type Polled = Poll<Option<Result<Frame<Bytes>, BoxError>>>;
-
-/// Most bytes of an unfinished event held back; a longer one is passed on as it comes.
-const MAX_PARTIAL_EVENT: usize = 1 << 20;
 
 impl RelayBody {
     /// Relays `upstream`, whose first frame (already read while the attempt could still be
@@ -110,7 +108,7 @@ impl RelayBody {
             tail: Tail::Open,
             unobserved: None,
             end_unreported: false,
-            partial: None,
+            held: EventHoldBack::default(),
             backend_error: None,
         }
     }
@@ -160,7 +158,7 @@ impl RelayBody {
     fn fail(&mut self, stalled: bool, why: &str) -> Polled {
         self.tail = Tail::Closed;
         // The unfinished event will never be finished: the error event takes its place.
-        self.partial = None;
+        self.held.discard();
         let backend = self.attempt.backend_name();
         let (outcome, message) = if stalled {
             (
@@ -193,7 +191,7 @@ impl RelayBody {
     }
 
     fn complete(&mut self) -> Polled {
-        if let Some(rest) = self.partial.take() {
+        if let Some(rest) = self.held.take() {
             // The backend ended inside an event: pass it on as it is, and end after it.
             self.tail = Tail::Pending(None);
             return self.pass(rest);
@@ -215,35 +213,9 @@ impl RelayBody {
     fn data(&mut self, data: Bytes) -> Option<Polled> {
         let ended = matches!(self.tail, Tail::Pending(None)) || self.upstream.is_end_stream();
         let data = if self.clock.sse() && !ended {
-            let data = match self.partial.take() {
-                None => data,
-                Some(held) => {
-                    let mut joined = BytesMut::with_capacity(held.len() + data.len());
-                    joined.extend_from_slice(&held);
-                    joined.extend_from_slice(&data);
-                    joined.freeze()
-                }
-            };
-            let whole = tokenway_wire::sse::complete_events_len(&data);
-            if whole == data.len() || data.len() - whole > MAX_PARTIAL_EVENT {
-                data
-            } else {
-                self.partial = Some(data.slice(whole..));
-                if whole == 0 {
-                    return None;
-                }
-                data.slice(..whole)
-            }
+            self.held.whole_events(data)?
         } else {
-            match self.partial.take() {
-                None => data,
-                Some(held) => {
-                    let mut joined = BytesMut::with_capacity(held.len() + data.len());
-                    joined.extend_from_slice(&held);
-                    joined.extend_from_slice(&data);
-                    joined.freeze()
-                }
-            }
+            self.held.all(data)
         };
         Some(self.pass(data))
     }
@@ -363,7 +335,7 @@ impl RelayBody {
             }
             Tail::Pending(None) => return Some(self.complete()),
             Tail::Pending(Some(Ok(trailers))) => {
-                if let Some(rest) = self.partial.take() {
+                if let Some(rest) = self.held.take() {
                     // Data never follows trailers: what was held back goes first.
                     self.tail = Tail::Pending(Some(Ok(trailers)));
                     return Some(Poll::Ready(Some(Ok(Frame::data(rest)))));
@@ -381,7 +353,7 @@ impl RelayBody {
                         let data = self.coalesce(cx, data);
                         return self.data(data);
                     }
-                    Err(trailers) => match self.partial.take() {
+                    Err(trailers) => match self.held.take() {
                         Some(rest) => {
                             self.tail = Tail::Pending(Some(Ok(trailers)));
                             Poll::Ready(Some(Ok(Frame::data(rest))))

@@ -2,7 +2,7 @@
 //!
 //! This crate holds the byte-level logic that the serving roles run on their hot paths:
 //! the incremental Server-Sent-Events scanner used by the gateway's streaming proxy
-//! ([`sse`]), the OpenAI request fields as the Python servers read them ([`openai_fields`]), and the tunnel's datagram layer below QUIC (`docs/datagram-layer.md`): its
+//! ([`sse`]) and the hold-back of unfinished events a relay needs ([`sse_hold`]), the OpenAI request fields as the Python servers read them ([`openai_fields`]), and the tunnel's datagram layer below QUIC (`docs/datagram-layer.md`): its
 //! framing ([`packet`]), forward error correction ([`fec`]), loss reports ([`loss_report`])
 //! and obfuscation ([`obfs`]). The `quinn` socket adapter that drives the datagram layer lives
 //! in `tokenway-transport`.
@@ -21,5 +21,6 @@ pub mod obfs;
 pub mod openai_fields;
 pub mod packet;
 pub mod sse;
+pub mod sse_hold;
 
 pub use error::WireError;
