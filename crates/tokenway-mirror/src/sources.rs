@@ -468,6 +468,16 @@ mod tests {
         }
     }
 
+    /// A peer at `addr` holding all 4 pieces of blob `h`.
+    fn holding_all(addr: &str, h: &Blake3Hash) -> PeerView {
+        PeerView {
+            id: addr.into(),
+            addr: addr.into(),
+            have: [(*h, PieceBits::full(4).to_wire())].into_iter().collect(),
+            taking: HashMap::new(),
+        }
+    }
+
     fn names(v: &[Arc<SourceState>]) -> Vec<&str> {
         v.iter().map(|s| s.name.as_str()).collect()
     }
@@ -543,12 +553,7 @@ mod tests {
         let mut s = set();
         s.own_addr = Some("0.0.0.0:8701".into());
         let h = Blake3Hash::of(b"blob");
-        let view = |addr: &str| PeerView {
-            id: addr.into(),
-            addr: addr.into(),
-            have: [(h, PieceBits::full(4).to_wire())].into_iter().collect(),
-            taking: HashMap::new(),
-        };
+        let view = |addr: &str| holding_all(addr, &h);
         s.set_peers(vec![
             view("0.0.0.0:8702"),
             view("[::]:8703"),
@@ -563,12 +568,7 @@ mod tests {
     fn a_banned_peer_that_leaves_the_view_and_returns_is_still_banned() {
         let s = set();
         let h = Blake3Hash::of(b"blob");
-        let view = |addr: &str| PeerView {
-            id: addr.into(),
-            addr: addr.into(),
-            have: [(h, PieceBits::full(4).to_wire())].into_iter().collect(),
-            taking: HashMap::new(),
-        };
+        let view = |addr: &str| holding_all(addr, &h);
         s.set_peers(vec![view("10.0.0.2:8701"), view("10.0.0.3:8701")]);
         let bad = s.candidates(&h, 0, &[]);
         assert_eq!(
