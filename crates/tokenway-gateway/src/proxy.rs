@@ -119,10 +119,7 @@ async fn try_backend(
         Ok(Ok(answer)) => answer,
     };
     let status = head.parts.status;
-    let elsewhere = status.is_server_error()
-        || status == StatusCode::TOO_MANY_REQUESTS
-        || status == StatusCode::NOT_FOUND;
-    let elsewhere = elsewhere && {
+    let elsewhere = another_may_serve(status) && {
         let router = shared.router();
         later.iter().any(|&c| router.has_room(c))
     };
@@ -156,6 +153,20 @@ async fn try_backend(
         ttfb,
         ready,
     }))
+}
+
+/// An answer another backend may do better on: a 5xx, 429 (busy) or 404 (no such model: the
+/// backend may have restarted with another one).
+fn another_may_serve(status: StatusCode) -> bool {
+    status.is_server_error()
+        || status == StatusCode::TOO_MANY_REQUESTS
+        || status == StatusCode::NOT_FOUND
+}
+
+/// Whether `tried` is an answer that [`another_may_serve`] on: in a race, the other leg's
+/// answer is awaited before it is taken.
+fn error_answer(tried: &Tried) -> bool {
+    matches!(tried, Tried::Answered(a) if another_may_serve(a.head.parts.status))
 }
 
 /// What [`forward`] answers the client with.
@@ -387,7 +398,10 @@ where
 
 /// Runs a primary attempt and its hedge side by side: the first to answer wins and the other
 /// is cancelled (dropped, which closes its upstream connection and frees its backend slot). If
-/// one fails the other is awaited.
+/// one fails the other is awaited, and so it is when one answers with an error another backend
+/// may not give (a 5xx, 429 or 404, which each leg takes as its answer when no later candidate
+/// has room, and the other leg holds one): that error goes to the client only if the other leg
+/// does no better.
 async fn race<P, H>(
     shared: &Arc<Shared>,
     mut primary: std::pin::Pin<&mut P>,
@@ -406,7 +420,7 @@ where
         t = &mut hedge => (t, false),
     };
     let outcome = match first {
-        answered @ Tried::Answered(_) => (answered, from_primary),
+        answered @ Tried::Answered(_) if !error_answer(&answered) => (answered, from_primary),
         Tried::Failed { backend, failure } => {
             *last_failure = Some((backend, failure));
             if from_primary {
@@ -415,8 +429,21 @@ where
                 (primary.await, true)
             }
         }
+        error => {
+            let other = if from_primary {
+                hedge.await
+            } else {
+                primary.await
+            };
+            match other {
+                good @ Tried::Answered(_) if !error_answer(&good) => (good, !from_primary),
+                // Both failed: the error answer (with its body and `Retry-After`) is the
+                // client's; the other's failure is dropped.
+                _ => (error, from_primary),
+            }
+        }
     };
-    if matches!(outcome.0, Tried::Answered(_)) {
+    if matches!(outcome.0, Tried::Answered(_)) && !error_answer(&outcome.0) {
         let winner = if outcome.1 {
             HedgeWinner::Primary
         } else {

@@ -118,6 +118,47 @@ async fn a_request_whose_first_token_is_late_is_hedged_to_the_next_backend() {
 }
 
 #[tokio::test]
+async fn a_hedge_answered_with_an_error_does_not_cancel_a_primary_that_then_answers() {
+    let mut b0 = sim(FAST_SIM);
+    let mut b1 = sim(FAST_SIM);
+    let (a0, a1) = (b0.addr, b1.addr);
+    let gw = gateway(
+        &[&b0, &b1],
+        "policy = \"round_robin\"",
+        "[routing]\nhedge = true\n",
+    );
+    let url = format!("{}/v1/chat/completions", gw.url());
+    // Enough fast answers from both for their recent times to first token to count.
+    for i in 0..60 {
+        let r = post(&url, &chat(&format!("warm {i}"), true, 2), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    // b0 turns slow (its first token is late: hedged), b1 fails every request with a 500.
+    b0.kill();
+    b1.kill();
+    let _slow = sim_at(
+        a0,
+        "base_latency_ms = 400.0\ntime_per_output_token_ms = 2.0\n",
+    );
+    let _failing = sim_at(a1, "base_latency_ms = 1.0\n[faults]\nerror_rate = 1.0\n");
+    // Two requests: one has b0 as its primary and b1 as its hedge, the other b1 first (its
+    // 500 is retried on b0). Both get b0's answer.
+    for i in 0..2 {
+        let r = post(&url, &chat(&format!("late {i}"), true, 2), None).await;
+        assert_eq!(r.status, 200, "request {i}: {}", r.body);
+        assert_eq!(backend_of(&r), "b0");
+        assert!(r.body.contains("data: [DONE]"), "{}", r.body);
+    }
+    let admin: serde_json::Value =
+        serde_json::from_str(&get(&format!("{}/admin/backends", gw.url())).await.body)
+            .expect("JSON");
+    assert!(
+        admin.pointer("/hedges_sent").and_then(|n| n.as_u64()) > Some(0),
+        "no hedge was sent: {admin}"
+    );
+}
+
+#[tokio::test]
 async fn a_session_stays_on_its_backend_and_the_gateway_says_why() {
     let sims: Vec<Proc> = (0..4).map(|_| sim(FAST_SIM)).collect();
     let refs: Vec<&Proc> = sims.iter().collect();
