@@ -17,6 +17,7 @@ use http::{Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
 use tokenway_router::{BackendId, HedgeWinner, Outcome, Route, RouteRequest};
+use tokenway_wire::sse::StreamErrorCause;
 
 use crate::error::{ApiError, ResponseBody};
 use crate::relay::RelayBody;
@@ -49,6 +50,8 @@ enum Failure {
     Connect(String),
     Reset(String),
     Status(StatusCode),
+    /// A 200 event stream that opened with the backend's own error event.
+    ErrorEvent,
     Timeout,
 }
 
@@ -135,9 +138,26 @@ async fn try_backend(
         Ok(Ok(f)) => f,
     };
     let ttfb = sent_at.elapsed();
+    // A stream that opens with the backend's own error event (vLLM and SGLang fail a request
+    // in prefill so, after their 200) has given the client nothing yet: it is retried like a
+    // 500 when another candidate has room.
+    let opens_with_error = status.is_success()
+        && head.event_stream
+        && first
+            .as_ref()
+            .and_then(Frame::data_ref)
+            .and_then(|d| tokenway_wire::sse::find_error_event(d))
+            == Some(StreamErrorCause::Server);
+    if opens_with_error && {
+        let router = shared.router();
+        later.iter().any(|&c| router.has_room(c))
+    } {
+        return fail(attempt, Failure::ErrorEvent);
+    }
     // An error answer's first bytes are not a first token: they must neither feed the TTFT
-    // estimates nor pass a trial (the last candidate's 5xx below fails it).
-    if status.is_success() {
+    // estimates (a failing backend would look the fastest) nor pass a trial (the last
+    // candidate's 5xx below fails it; an error event, at the end of its relay).
+    if status.is_success() && !opens_with_error {
         attempt.first_byte(ttfb);
     }
     if status.is_server_error() {
@@ -524,6 +544,7 @@ impl Failure {
             Failure::Status(s) if s.is_server_error() => Outcome::ServerError,
             // A busy or model-less backend answered; that says nothing about its health.
             Failure::Status(_) => Outcome::Success,
+            Failure::ErrorEvent => Outcome::ServerError,
             Failure::Timeout => Outcome::Timeout,
         }
     }
@@ -533,6 +554,7 @@ impl Failure {
             Failure::Connect(e) => format!("connect failed: {e}"),
             Failure::Reset(e) => format!("connection failed: {e}"),
             Failure::Status(s) => format!("answered {s}"),
+            Failure::ErrorEvent => "its stream opened with an error event".to_string(),
             Failure::Timeout => "timed out before the first byte".to_string(),
         }
     }

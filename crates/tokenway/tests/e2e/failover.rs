@@ -114,6 +114,41 @@ async fn a_backends_own_error_event_is_relayed_and_counted_as_its_failure() {
 }
 
 #[tokio::test]
+async fn a_stream_that_opens_with_the_backends_error_event_is_retried_on_another_backend() {
+    // b0 fails every request in prefill as vLLM does: a 200, then only an error event.
+    let failing = sim(&format!("{FAST_SIM}[faults]\nerror_after_tokens = 0\n"));
+    let good = sim(FAST_SIM);
+    let gw = gateway(&[&failing, &good], "policy = \"round_robin\"", "");
+    for i in 0..4 {
+        let r = post(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(&format!("prefill fails {i}"), true, 4),
+            None,
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(!r.body.contains("\"error\""), "request {i}: {}", r.body);
+        assert!(r.body.trim_end().ends_with("data: [DONE]"), "{}", r.body);
+        assert_eq!(
+            r.headers
+                .get("x-tokenway-backend")
+                .and_then(|v| v.to_str().ok()),
+            Some("b1")
+        );
+    }
+    // The failures count against b0, and its instant errors never passed for first tokens.
+    let text = get(&format!("{}/metrics", gw.url())).await.body;
+    assert_eq!(
+        metric_sum(
+            &text,
+            "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"b0\""
+        ),
+        0.0,
+        "{text}"
+    );
+}
+
+#[tokio::test]
 async fn probes_eject_a_dead_backend_and_readmit_it_when_it_returns() {
     let mut a = sim(FAST_SIM);
     let addr = a.addr;
