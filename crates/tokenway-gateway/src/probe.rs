@@ -13,6 +13,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use tokenway_router::{BackendId, LoadSignal};
 
 use crate::state::Shared;
+use crate::upstream_h1::is_local_failure;
 
 /// How often a backend's learned model list is fetched again (sooner after it was
 /// re-admitted or answered 404: see `Upstream::models_stale`).
@@ -43,7 +44,10 @@ pub async fn run(
             return;
         }
         let sent = Instant::now();
-        let ok = probe_once(&shared, id).await;
+        let Some(ok) = probe_once(&shared, id).await else {
+            tracing::warn!(backend = %shared.upstream(id).name, "this gateway could not open a probe connection (out of file descriptors or ports?)");
+            continue;
+        };
         let now = Instant::now();
         let transition = {
             let mut router = shared.router();
@@ -83,37 +87,62 @@ async fn get(
     id: BackendId,
     path: &str,
 ) -> Option<http::Response<hyper::body::Incoming>> {
+    request(shared, id, path).await.ok()
+}
+
+/// `GET path` on backend `id`: the answer, or whether the failure was this host's own (see
+/// [`is_local_failure`]: out of descriptors or ports), which is no verdict on the backend.
+async fn request(
+    shared: &Shared,
+    id: BackendId,
+    path: &str,
+) -> Result<http::Response<hyper::body::Incoming>, bool> {
     let u = shared.upstream(id);
     let mut parts = u.base.clone().into_parts();
     parts.path_and_query = format!("{}{path}", u.path_prefix).parse().ok();
-    let uri = Uri::from_parts(parts).ok()?;
-    let mut req = Request::get(uri).body(Full::new(Bytes::new())).ok()?;
+    let uri = Uri::from_parts(parts).map_err(|_| false)?;
+    let mut req = Request::get(uri)
+        .body(Full::new(Bytes::new()))
+        .map_err(|_| false)?;
     if let Some(auth) = &u.authorization {
         req.headers_mut()
             .insert(http::header::AUTHORIZATION, auth.clone());
     }
     let timeout = std::time::Duration::from_millis(shared.config.health.probe_timeout_ms);
-    tokio::time::timeout(timeout, shared.client.request(req))
-        .await
-        .ok()?
-        .ok()
+    match tokio::time::timeout(timeout, shared.client.request(req)).await {
+        Err(_) => Err(false),
+        Ok(Ok(resp)) => Ok(resp),
+        Ok(Err(e)) => {
+            let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+            while let Some(c) = cause {
+                if let Some(io) = c.downcast_ref::<std::io::Error>() {
+                    return Err(is_local_failure(io));
+                }
+                cause = c.source();
+            }
+            Err(false)
+        }
+    }
 }
 
-async fn probe_once(shared: &Shared, id: BackendId) -> bool {
+/// Whether backend `id` answered its health probe; `None` when this host could not even try
+/// (out of descriptors or ports), which says nothing about the backend.
+async fn probe_once(shared: &Shared, id: BackendId) -> Option<bool> {
     let timeout = std::time::Duration::from_millis(shared.config.health.probe_timeout_ms);
     let u = shared.upstream(id);
     let path = u
         .health_path
         .as_deref()
         .unwrap_or(&shared.config.health.probe_path);
-    let Some(resp) = get(shared, id, path).await else {
-        return false;
+    let resp = match request(shared, id, path).await {
+        Ok(resp) => resp,
+        Err(local) => return (!local).then_some(false),
     };
     let ok = resp.status().is_success();
     // Drain the (small) body so the pooled connection can be reused.
     let _ =
         tokio::time::timeout(timeout, Limited::new(resp.into_body(), 64 * 1024).collect()).await;
-    ok
+    Some(ok)
 }
 
 /// Largest `/metrics` answer read from a backend.

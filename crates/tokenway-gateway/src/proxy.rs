@@ -48,6 +48,8 @@ pub struct ProxyRequest<'a> {
 /// Why an attempt failed before its first byte.
 enum Failure {
     Connect(String),
+    /// This gateway could not open a connection (no health effect on the backend).
+    Local(String),
     Reset(String),
     Status(StatusCode),
     /// A 200 event stream that opened with the backend's own error event.
@@ -111,6 +113,7 @@ async fn try_backend(
     let sent = match written {
         Err(_) => return fail(attempt, Failure::Timeout),
         Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
+        Ok(Err(H1Error::Local(e))) => return fail(attempt, Failure::Local(e)),
         Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
         Ok(Ok(sent)) => sent,
     };
@@ -118,6 +121,7 @@ async fn try_backend(
     let (head, mut body) = match tokio::time::timeout_at(deadline, sent.response()).await {
         Err(_) => return fail(attempt, Failure::Timeout),
         Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
+        Ok(Err(H1Error::Local(e))) => return fail(attempt, Failure::Local(e)),
         Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
         Ok(Ok(answer)) => answer,
     };
@@ -540,6 +544,7 @@ impl Failure {
     fn outcome(&self) -> Outcome {
         match self {
             Failure::Connect(_) => Outcome::ConnectError,
+            Failure::Local(_) => Outcome::ClientCancelled,
             Failure::Reset(_) => Outcome::ServerError,
             Failure::Status(s) if s.is_server_error() => Outcome::ServerError,
             // A busy or model-less backend answered; that says nothing about its health.
@@ -552,6 +557,7 @@ impl Failure {
     fn describe(&self) -> String {
         match self {
             Failure::Connect(e) => format!("connect failed: {e}"),
+            Failure::Local(e) => e.clone(),
             Failure::Reset(e) => format!("connection failed: {e}"),
             Failure::Status(s) => format!("answered {s}"),
             Failure::ErrorEvent => "its stream opened with an error event".to_string(),

@@ -55,12 +55,29 @@ pub enum H1Error {
     /// No TCP connection could be made.
     #[error("connect: {0}")]
     Connect(String),
+    /// This host could not open a connection (out of file descriptors, ephemeral ports or
+    /// buffers): the gateway's trouble, not the backend's.
+    #[error("this gateway cannot open a connection: {0}")]
+    Local(String),
     /// The connection failed or closed early.
     #[error("{0}")]
     Io(String),
     /// The backend sent something that is not HTTP/1.1.
     #[error("malformed response: {0}")]
     Protocol(String),
+}
+
+/// Whether a failed connect is this host's own trouble (EMFILE, ENFILE, ENOBUFS, ENOMEM,
+/// EADDRNOTAVAIL: out of descriptors, memory or ephemeral ports), which says nothing about the
+/// backend: counted against it, a burst would eject every backend at once.
+pub fn is_local_failure(e: &std::io::Error) -> bool {
+    use nix::errno::Errno;
+    e.raw_os_error().is_some_and(|code| {
+        matches!(
+            Errno::from_raw(code),
+            Errno::EMFILE | Errno::ENFILE | Errno::ENOBUFS | Errno::ENOMEM | Errno::EADDRNOTAVAIL
+        )
+    })
 }
 
 thread_local! {
@@ -191,7 +208,13 @@ impl H1Pool {
         let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(authority))
             .await
             .map_err(|_| H1Error::Connect(format!("{authority}: timed out")))?
-            .map_err(|e| H1Error::Connect(format!("{authority}: {e}")))?;
+            .map_err(|e| {
+                if is_local_failure(&e) {
+                    H1Error::Local(format!("{authority}: {e}"))
+                } else {
+                    H1Error::Connect(format!("{authority}: {e}"))
+                }
+            })?;
         let _ = stream.set_nodelay(true);
         Ok(stream)
     }
@@ -876,6 +899,26 @@ impl Body for H1Body {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn running_out_of_descriptors_or_ports_is_this_hosts_failure_a_refusal_the_backends() {
+        let os = std::io::Error::from_raw_os_error;
+        for local in [
+            nix::errno::Errno::EMFILE,
+            nix::errno::Errno::ENFILE,
+            nix::errno::Errno::EADDRNOTAVAIL,
+        ] {
+            assert!(is_local_failure(&os(local as i32)), "{local}");
+        }
+        for theirs in [
+            nix::errno::Errno::ECONNREFUSED,
+            nix::errno::Errno::EHOSTUNREACH,
+            nix::errno::Errno::ETIMEDOUT,
+        ] {
+            assert!(!is_local_failure(&os(theirs as i32)), "{theirs}");
+        }
+        assert!(!is_local_failure(&std::io::Error::other("no errno")));
+    }
 
     fn body_with(bytes: &[u8], framing: Framing) -> H1Body {
         H1Body {

@@ -43,9 +43,28 @@ enum Command {
     Preheat(cmd::preheat::PreheatArgs),
 }
 
+/// Raises the soft limit on open files to the hard one (at most 2^20), as Go's runtime does: a
+/// proxy holds two sockets per request besides its pools, and the usual soft limit of 1024
+/// would run out in a burst the hard limit allows (the gateway then refuses connections and
+/// fails requests it could serve).
+fn raise_open_files_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return;
+    };
+    let want = hard.min(1 << 20);
+    if soft < want {
+        match setrlimit(Resource::RLIMIT_NOFILE, want, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = want, "raised the open files limit"),
+            Err(e) => tracing::debug!(error = %e, "could not raise the open files limit"),
+        }
+    }
+}
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     tokenway_telemetry::init_tracing();
+    raise_open_files_limit();
     if matches!(cli.command, Command::Gateway(_) | Command::Edge(_)) {
         // Before any other thread exists (huge_text::remap).
         match huge_text::remap() {

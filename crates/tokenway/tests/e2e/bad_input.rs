@@ -272,3 +272,47 @@ async fn a_browser_app_from_an_allowed_origin_passes_cors_and_others_do_not() {
     assert_eq!(other.status(), 405);
     assert!(!other.headers().contains_key("access-control-allow-origin"));
 }
+
+/// `Max open files` of process `pid`: (soft, hard).
+fn open_files_limit(pid: u32) -> Option<(u64, u64)> {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    let mut n = line["Max open files".len()..].split_whitespace();
+    Some((n.next()?.parse().ok()?, n.next()?.parse().ok()?))
+}
+
+#[tokio::test]
+async fn a_process_started_with_a_low_open_files_limit_raises_it_to_the_hard_one() {
+    // A shell lowers the soft limit (a common default is 1024), then becomes the sim.
+    let mut child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -Sn 256 && exec {} sim --listen 127.0.0.1:0",
+            bin()
+        ))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("sh runs");
+    let pid = child.id();
+    let hard = open_files_limit(std::process::id())
+        .expect("this process's limits")
+        .1;
+    let want = hard.min(1 << 20);
+    // Once the shell has become the sim and the sim is serving (its limit is set first thing).
+    let comm = || std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    let serving = eventually(Duration::from_secs(10), || async {
+        comm().trim() == "tokenway"
+            && std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count()) > 1
+    })
+    .await;
+    assert!(serving, "the sim did not start: {}", comm());
+    let raised = open_files_limit(pid).is_some_and(|(soft, _)| soft == want);
+    let seen = open_files_limit(pid);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        raised,
+        "soft limit {seen:?}, hard {hard}: not raised to {want}"
+    );
+}

@@ -91,7 +91,7 @@ impl Drop for TempDir {
     }
 }
 
-fn bin() -> &'static str {
+pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_tokenway")
 }
 
