@@ -16,6 +16,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame};
 use tokenway_telemetry::stream_clock::StreamClock;
 use tokenway_transport::client::{BoxError, ClientBody};
+use tokenway_wire::sse::ErrorEventStyle;
 use tokenway_wire::sse_hold::EventHoldBack;
 
 /// See the module docs.
@@ -25,6 +26,8 @@ pub struct EdgeBody {
     finished: bool,
     /// Of an event stream, the start of an event whose end has not arrived yet.
     held: EventHoldBack,
+    /// The shape of the edge's own error event (the route's API).
+    error_style: ErrorEventStyle,
 }
 
 impl EdgeBody {
@@ -35,7 +38,14 @@ impl EdgeBody {
             clock,
             finished: false,
             held: EventHoldBack::default(),
+            error_style: ErrorEventStyle::OpenAi,
         }
+    }
+
+    /// Shapes the edge's own error event as the route's API does.
+    pub fn with_error_style(mut self, style: ErrorEventStyle) -> Self {
+        self.error_style = style;
+        self
     }
 
     fn finish(&mut self) {
@@ -88,7 +98,7 @@ impl Body for EdgeBody {
                     self.held.discard();
                     tracing::warn!(error = %e, "tunnel stream failed after the first byte");
                     if self.clock.sse() {
-                        let event = tokenway_wire::sse::error_event(
+                        let event = self.error_style.event(
                             &format!(
                                 "the tunnel to the gateway failed in the middle of the response: {e}"
                             ),

@@ -24,6 +24,7 @@ use crate::body::EdgeBody;
 use crate::metrics::EdgeMetrics;
 use tokenway_telemetry::stream_clock::StreamClock;
 use tokenway_transport::tunnel::{Outgoing, Tunnel};
+use tokenway_wire::sse::ErrorEventStyle;
 
 /// The body of every local response.
 pub type LocalBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -231,6 +232,7 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
         .copied()
         .find(|r| *r == req.uri().path())
         .unwrap_or("other");
+    let error_style = ErrorEventStyle::for_path(req.uri().path());
     let (mut parts, body) = req.into_parts();
     let version = parts.version;
     let limit = local.max_body_bytes;
@@ -324,7 +326,9 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             parts.version = version;
             let resp = Response::from_parts(
                 parts,
-                EdgeBody::new(body, StreamClock::new(histograms, start, sse)).boxed_unsync(),
+                EdgeBody::new(body, StreamClock::new(histograms, start, sse))
+                    .with_error_style(error_style)
+                    .boxed_unsync(),
             );
             count(local, route, &answer.gateway, resp)
         }

@@ -17,7 +17,7 @@ use http::{Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
 use tokenway_router::{BackendId, HedgeWinner, Outcome, Route, RouteRequest};
-use tokenway_wire::sse::StreamErrorCause;
+use tokenway_wire::sse::{ErrorEventStyle, StreamErrorCause};
 
 use crate::error::{ApiError, ResponseBody};
 use crate::relay::RelayBody;
@@ -510,7 +510,8 @@ fn respond(shared: &Arc<Shared>, req: &ProxyRequest<'_>, answer: Answer) -> Resp
         attempt,
         clock,
         shared.config.timeouts.stream_idle(),
-    );
+    )
+    .with_error_style(ErrorEventStyle::for_path(req.route));
     let mut resp = Response::new(BodyExt::boxed(body));
     *resp.status_mut() = parts.status;
     // The backend's headers move over as they are (their values share the response head's

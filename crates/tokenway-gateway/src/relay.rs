@@ -36,7 +36,7 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use tokenway_router::Outcome;
 use tokenway_telemetry::stream_clock::StreamClock;
-use tokenway_wire::sse::StreamErrorCause;
+use tokenway_wire::sse::{ErrorEventStyle, StreamErrorCause};
 use tokenway_wire::sse_hold::EventHoldBack;
 use tokio::time::Sleep;
 
@@ -81,6 +81,8 @@ pub struct RelayBody {
     /// the backend calls its own
     /// fault makes the answer a failure of the backend.
     backend_error: Option<StreamErrorCause>,
+    /// The shape of the gateway's own error event (the route's API).
+    error_style: ErrorEventStyle,
 }
 
 /// What one poll of the relay's body gives.
@@ -110,7 +112,14 @@ impl RelayBody {
             end_unreported: false,
             held: EventHoldBack::default(),
             backend_error: None,
+            error_style: ErrorEventStyle::OpenAi,
         }
+    }
+
+    /// Shapes the gateway's own error event as the route's API does.
+    pub fn with_error_style(mut self, style: ErrorEventStyle) -> Self {
+        self.error_style = style;
+        self
     }
 
     /// How the upstream's clean end counts: a failure if the backend reported one of its own
@@ -183,7 +192,7 @@ impl RelayBody {
         self.attempt.finish(outcome);
         self.clock.finish();
         if self.clock.sse() {
-            let event = tokenway_wire::sse::error_event(&message, "upstream_error");
+            let event = self.error_style.event(&message, "upstream_error");
             Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
         } else {
             Poll::Ready(Some(Err(message.into())))
@@ -537,5 +546,18 @@ mod tests {
         assert!(error.ends_with(b"\n\n"));
         let end = poll_fn(|cx| Pin::new(&mut relay).poll_frame(cx)).await;
         assert!(end.is_none());
+    }
+
+    #[tokio::test]
+    async fn on_the_messages_api_the_cut_ends_with_an_event_named_error() {
+        let (_shared, relay, backend) = relay().await;
+        let mut relay = relay.with_error_style(ErrorEventStyle::Anthropic);
+        next(&mut relay).await;
+        drop(backend);
+        let error = next(&mut relay).await;
+        assert!(
+            error.starts_with(b"event: error\ndata: {\"type\":\"error\""),
+            "{error:?}"
+        );
     }
 }

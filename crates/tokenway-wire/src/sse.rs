@@ -413,6 +413,47 @@ pub fn error_event(message: &str, code: &str) -> Vec<u8> {
     out
 }
 
+/// The API whose shape a relay's own error event takes: the Anthropic SDKs raise only on an
+/// event named `error` (`event: error`) and ignore an unnamed one, so on `/v1/messages` the
+/// OpenAI-shaped event would leave a cut answer looking complete.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ErrorEventStyle {
+    /// [`error_event`]: an unnamed event with an OpenAI error object.
+    #[default]
+    OpenAi,
+    /// `event: error` with `{"type":"error","error":{"type":"api_error","message":...}}`, as
+    /// the Messages API streams an error.
+    Anthropic,
+}
+
+impl ErrorEventStyle {
+    /// The style of the API served at `path` (a route label or a request path).
+    pub fn for_path(path: &str) -> Self {
+        if path == "/v1/messages" || path.starts_with("/v1/messages?") {
+            Self::Anthropic
+        } else {
+            Self::OpenAi
+        }
+    }
+
+    /// The error event for `message` (`code` is the OpenAI error code; the Anthropic shape
+    /// has none).
+    pub fn event(self, message: &str, code: &str) -> Vec<u8> {
+        match self {
+            Self::OpenAi => error_event(message, code),
+            Self::Anthropic => {
+                let mut out = Vec::with_capacity(96 + message.len());
+                out.extend_from_slice(
+                    b"event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\",\"message\":",
+                );
+                push_json_string(&mut out, message);
+                out.extend_from_slice(b"}}\n\n");
+                out
+            }
+        }
+    }
+}
+
 /// Append `s` as a JSON string literal (RFC 8259 section 7). Control characters are escaped,
 /// so the result never contains a raw CR or LF that would break the SSE line.
 fn push_json_string(out: &mut Vec<u8>, s: &str) {
@@ -728,6 +769,28 @@ mod tests {
         assert_eq!(v["error"]["message"], message);
         assert_eq!(v["error"]["type"], "upstream_error");
         assert_eq!(v["error"]["code"], "backend_down");
+        assert_eq!(scan_whole(&ev), (1, 0, false));
+    }
+
+    #[test]
+    fn on_the_messages_api_the_error_event_is_named_error_with_an_anthropic_error() {
+        assert_eq!(
+            ErrorEventStyle::for_path("/v1/chat/completions"),
+            ErrorEventStyle::OpenAi
+        );
+        let style = ErrorEventStyle::for_path("/v1/messages");
+        assert_eq!(style, ErrorEventStyle::Anthropic);
+        let message = "cut \"here\"\n";
+        let ev = style.event(message, "upstream_error");
+        let text = std::str::from_utf8(&ev).expect("UTF-8");
+        let data = text
+            .strip_prefix("event: error\ndata: ")
+            .and_then(|t| t.strip_suffix("\n\n"))
+            .expect("an event named error with one data line");
+        let v: serde_json::Value = serde_json::from_str(data).expect("valid JSON");
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["error"]["type"], "api_error");
+        assert_eq!(v["error"]["message"], message);
         assert_eq!(scan_whole(&ev), (1, 0, false));
     }
 
