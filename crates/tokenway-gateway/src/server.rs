@@ -577,8 +577,15 @@ async fn serve_h2<S>(
         .max_concurrent_streams(1024)
         .keep_alive_interval(Some(Duration::from_secs(20)));
     let stream = StallGuard::new(stream, shared.config.timeouts.client_write());
+    let write_deadline = shared.config.timeouts.client_write();
     let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
-        service::handle(shared.clone(), req, peer, front)
+        let answer = service::handle(shared.clone(), req, peer, front);
+        async move {
+            let resp = answer.await?;
+            Ok::<_, std::convert::Infallible>(
+                resp.map(|body| crate::h2_stall::with_write_deadline(body, write_deadline)),
+            )
+        }
     });
     // With upgrades: CONNECT port forwarding from edges on their TCP fallback.
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);

@@ -119,6 +119,54 @@ async fn a_client_that_never_reads_is_cut_off_and_others_are_served_meanwhile() 
 }
 
 #[tokio::test]
+async fn an_http2_stream_whose_client_stops_reading_gives_back_its_slot_and_the_connection_lives() {
+    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 0.0\n");
+    let gw = gateway(&[&backend], "", "[timeouts]\nclient_write_ms = 500\n");
+    // HTTP/2 with prior knowledge, and a 1 KiB stream window: the stream stops as soon as the
+    // client stops reading, while the connection (PINGs, other streams) goes on.
+    let tcp = TcpStream::connect(gw.addr).await.expect("connect");
+    let (mut send, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(1024)
+            .handshake::<_, http_body_util::Full<bytes::Bytes>>(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .expect("h2 handshake");
+    tokio::spawn(conn);
+    let request = |prompt: &str, tokens: u32| {
+        http::Request::post(format!("{}/v1/chat/completions", gw.url()))
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(chat(
+                prompt, true, tokens,
+            ))))
+            .expect("request")
+    };
+    let stalled = send
+        .send_request(request("flood me", 400_000))
+        .await
+        .expect("response head");
+    assert_eq!(stalled.status(), 200);
+    // Never read `stalled`'s body. Its backend slot is given back after the write deadline.
+    assert!(
+        b0_released(&gw, Duration::from_secs(15)).await,
+        "the stalled HTTP/2 stream still holds a backend slot"
+    );
+    // The same connection still serves.
+    let other = send
+        .send_request(request("other", 4))
+        .await
+        .expect("a second stream");
+    assert_eq!(other.status(), 200);
+    let body = http_body_util::BodyExt::collect(other.into_body())
+        .await
+        .expect("whole body")
+        .to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("data: [DONE]"));
+    // The stalled stream was reset, not ended as if complete.
+    let rest = http_body_util::BodyExt::collect(stalled.into_body()).await;
+    assert!(rest.is_err(), "the stalled stream ended cleanly");
+}
+
+#[tokio::test]
 async fn a_client_that_sends_its_request_too_slowly_is_timed_out() {
     let backend = sim(FAST_SIM);
     let gw = gateway(&[&backend], "", "[timeouts]\nclient_read_ms = 500\n");
