@@ -78,6 +78,9 @@ struct Link {
     wake: Notify,
     /// A background QUIC re-probe (while on the TCP fallback) is running.
     probing: std::sync::atomic::AtomicBool,
+    /// Bumped by [`Tunnel::reconnect`]: a dial that started before is stale when it completes
+    /// (its connection may have been set up over a path that has changed since).
+    generation: std::sync::atomic::AtomicU64,
 }
 
 impl Link {
@@ -301,6 +304,7 @@ impl Tunnel {
                     last_rtt: Mutex::new(None),
                     wake: Notify::new(),
                     probing: std::sync::atomic::AtomicBool::new(false),
+                    generation: std::sync::atomic::AtomicU64::new(0),
                 })
             })
             .collect();
@@ -348,10 +352,18 @@ impl Tunnel {
         Ok(now)
     }
 
-    /// Closes every connection; the links redial (a test knob for 0-RTT resumption).
+    /// Closes every connection; the links redial (a test knob for 0-RTT resumption). A dial
+    /// under way is superseded too: its connection is closed when it completes, and the link
+    /// dials again.
     pub fn reconnect(&self) {
-        for l in &self.links {
-            if let Some(c) = lock(&l.conn).take() {
+        for (i, l) in self.links.iter().enumerate() {
+            l.generation
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            let old = lock(&l.conn).take();
+            // The gateway is down until the redial: a 0-RTT connection of that redial may
+            // carry requests meanwhile ([`Self::set_early_conn`]).
+            self.set_conn(i, None);
+            if let Some(c) = old {
                 c.close();
             }
             l.wake.notify_one();
@@ -662,6 +674,7 @@ async fn reprobe_quic(tunnel: std::sync::Weak<Tunnel>, i: usize) {
     let Some(t) = tunnel.upgrade() else { return };
     let link = t.links[i].clone();
     let last_rtt = *lock(&link.last_rtt);
+    let generation = link.generation.load(std::sync::atomic::Ordering::Acquire);
     // `quic` returns once the gateway has answered (a 0-RTT connection's handshake completed).
     let dialed = t.dialer.quic(&link.target(), last_rtt).await;
     // Why QUIC keeps failing is told once per new reason (a wrong `[datagram] obfs.psk` looks
@@ -674,7 +687,10 @@ async fn reprobe_quic(tunnel: std::sync::Weak<Tunnel>, i: usize) {
     if let Ok(q) = dialed {
         // Only replace a TCP connection (or none); a link that meanwhile got QUIC keeps it.
         let on_tcp = link.current().is_none_or(|c| !c.is_quic());
-        if on_tcp && !q.is_closed() {
+        let stale = link.generation.load(std::sync::atomic::Ordering::Acquire) != generation;
+        if stale {
+            q.close();
+        } else if on_tcp && !q.is_closed() {
             tracing::info!(gateway = %link.name, "QUIC works again; new requests move back to it");
             t.set_conn(i, Some(q));
         }
@@ -722,6 +738,7 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                 // race goes on: it wins only when the gateway answers its handshake, and TCP
                 // still joins after the head start.
                 let mut early = None;
+                let generation = link.generation.load(std::sync::atomic::Ordering::Acquire);
                 let raced = t
                     .dialer
                     .race_early(&target, last_rtt, |c| {
@@ -732,6 +749,18 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                     .await;
                 *lock(&link.dial_error) = raced.as_ref().err().map(ToString::to_string);
                 match raced {
+                    Ok(c)
+                        if link.generation.load(std::sync::atomic::Ordering::Acquire)
+                            != generation =>
+                    {
+                        // Reconnected while this dial was under way: dial again.
+                        c.close();
+                        if let Some(e) = early {
+                            e.close();
+                            t.report_failure(i, &e);
+                        }
+                        continue;
+                    }
                     Ok(c) => {
                         tracing::info!(gateway = %link.name, transport = c.transport_label(), "tunnel connected");
                         if !c.is_quic() {

@@ -134,7 +134,12 @@ pub fn start_in(
         .arg(role)
         .args(&config_args)
         .args(extra)
-        .env("RUST_LOG", "warn")
+        // TOKENWAY_TEST_LOG (a RUST_LOG filter) makes the processes say more when a test is
+        // being looked into.
+        .env(
+            "RUST_LOG",
+            std::env::var("TOKENWAY_TEST_LOG").unwrap_or_else(|_| "warn".to_string()),
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
