@@ -68,6 +68,9 @@ pub struct QuicMetrics {
     pub zero_rtt: Family<ZeroRttLabels, Counter>,
     /// `tokenway_tcp_fallback_total{peer}`: dials won by the TCP fallback.
     pub tcp_fallback: Family<PeerLabels, Counter>,
+    /// `tokenway_tunnel_dead_paths_total{peer}`: QUIC connections closed because their path
+    /// went silent (sent datagrams unanswered), long before the idle timeout would have.
+    pub dead_paths: Family<PeerLabels, Counter>,
     /// `tokenway_tunnel_connections_total{peer,transport}`: connections established.
     pub connections: Family<ConnectLabels, Counter>,
     /// The tunnel's datagram layer (FEC, obfuscation), registered with the QUIC series so
@@ -90,6 +93,7 @@ impl QuicMetrics {
             congestion_events: Family::default(),
             zero_rtt: Family::default(),
             tcp_fallback: Family::default(),
+            dead_paths: Family::default(),
             connections: Family::default(),
             datagram: crate::datagram::DatagramMetrics::register(registry),
         };
@@ -139,6 +143,11 @@ impl QuicMetrics {
             "tcp_fallback",
             "Dials where HTTP/2 over TCP won the race against QUIC",
             m.tcp_fallback.clone(),
+        );
+        registry.register(
+            "tunnel_dead_paths",
+            "QUIC connections closed because their path went silent",
+            m.dead_paths.clone(),
         );
         registry.register(
             "tunnel_connections",

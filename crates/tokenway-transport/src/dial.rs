@@ -164,9 +164,9 @@ pub struct Dialer {
     pub connect_timeout: Duration,
     /// Metrics.
     pub metrics: Option<QuicMetrics>,
-    /// Gateways where TCP won the last race: the next race starts both at once instead of
-    /// giving QUIC its head start again (Happy Eyeballs remembers, RFC 8305 §4). A QUIC
-    /// success clears the mark.
+    /// Gateways where TCP won the last race (or whose QUIC path went silent): the next race
+    /// starts both at once instead of giving QUIC its head start again (Happy Eyeballs
+    /// remembers, RFC 8305 §4). A QUIC success clears the mark.
     pub tcp_won_last: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
@@ -237,6 +237,12 @@ impl Dialer {
         )
         .await?;
         Ok(Conn::Tcp(Arc::new(client)))
+    }
+
+    /// Has the next race to `target` start TCP at once, as after a race TCP won: its QUIC path
+    /// just went silent.
+    pub fn prefer_tcp_next(&self, target: &Target) {
+        self.mark(target, true);
     }
 
     /// Races QUIC and TCP to `target`; returns the winner.

@@ -6,7 +6,7 @@
 //! OpenAI requests. Server side: [`endpoint::server_endpoint`]; client side:
 //! [`client`], [`dial`], [`fallback`]. Certificates and trust: [`certs`], [`trust`]. The
 //! tunnel's datagram layer (FEC, obfuscation) is [`datagram`]; its congestion control is
-//! [`cc`] and [`brutal`]. The tunnel client that the edge and a gateway's overflow share (its
+//! [`cc`] and [`brutal`]; a QUIC path gone silent is noticed by [`liveness`]. The tunnel client that the edge and a gateway's overflow share (its
 //! connection per gateway, the RTT choice among them, retries) is [`tunnel`], configured by
 //! [`tunnel_config`], choosing with [`select`].
 
@@ -20,6 +20,7 @@ pub mod endpoint;
 pub mod error;
 pub mod fallback;
 pub mod h3_quinn_prio;
+pub mod liveness;
 pub mod select;
 pub mod settings;
 pub mod socket;

@@ -4,12 +4,13 @@
 //!
 //! Each gateway has a link task that keeps a connection up: it dials (QUIC raced against the TCP
 //! fallback), measures RTT (QUIC's own estimate, or a timed `GET /health` over TCP), feeds the
-//! [`Selector`], redials at once when the connection dies, and while on TCP tries QUIC again
-//! every `quic_retry`, moving new requests back to QUIC when it works. Requests already running
-//! on the old connection finish there.
+//! [`Selector`], redials at once when the connection dies or its QUIC path goes silent
+//! ([`crate::liveness`]: seconds, where the idle timeout would take 30), and while on TCP
+//! tries QUIC again every `quic_retry`, moving new requests back to QUIC when it works.
+//! Requests already running on the old connection finish there.
 //!
 //! A request that fails before its response head because the connection died (or its 0-RTT
-//! data was refused) is sent once more, on a fresh connection, to another gateway if one is up.
+//! data was refused) is sent again, on a fresh connection, to another gateway if one is up.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -19,11 +20,12 @@ use bytes::Bytes;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri};
 use http_body_util::{BodyExt, Empty, Full};
-use tokenway_telemetry::quic::QuicMetrics;
+use tokenway_telemetry::quic::{PeerLabels, QuicMetrics};
 use tokio::sync::{watch, Notify};
 
 use crate::client::{ClientBody, RequestError};
 use crate::dial::{Conn, Dialer, Target};
+use crate::liveness::{Liveness, Verdict};
 use crate::select::Selector;
 use crate::tunnel_config::{GatewayEntry, TunnelClientConfig};
 use crate::TransportError;
@@ -531,9 +533,11 @@ impl Tunnel {
     pub async fn send(&self, out: &Outgoing) -> Result<Answer, SendError> {
         let mut avoid = None;
         let mut last = None;
-        // One retry after a dead connection; one more after a failure on a connection that is
-        // still open (0-RTT data refused: the same connection carries the retry as 1-RTT).
-        let (mut fresh_retries, mut same_retries) = (1, 1);
+        // Two retries after a dead connection (the first fresh connection after a QUIC path
+        // went silent may be an unanswered 0-RTT one that loses its race against TCP); one
+        // more after a failure on a connection that is still open (0-RTT data refused: the
+        // same connection carries the retry as 1-RTT).
+        let (mut fresh_retries, mut same_retries) = (2, 1);
         loop {
             let Some((i, conn)) = self.acquire(avoid).await else {
                 return Err(last
@@ -699,8 +703,16 @@ async fn reprobe_quic(tunnel: std::sync::Weak<Tunnel>, i: usize) {
         .store(false, std::sync::atomic::Ordering::Release);
 }
 
+/// The datagrams a QUIC connection has received and sent.
+fn datagram_counts(q: &crate::client::QuicClient) -> (u64, u64) {
+    let stats = q.connection().stats();
+    (stats.udp_rx.datagrams, stats.udp_tx.datagrams)
+}
+
 async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
     let mut backoff = Duration::from_millis(100);
+    // The path liveness of the current QUIC connection (which one it is, and its counters).
+    let mut liveness: Option<(Conn, Liveness)> = None;
     let mut next_quic_try = Instant::now();
     let mut tcp_misses = 0;
     let mut token_checked = Instant::now();
@@ -803,6 +815,29 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                 continue;
             }
             Some(c) => {
+                if let Conn::Quic(q) = &c {
+                    let (rx, tx) = datagram_counts(q);
+                    if !liveness.as_ref().is_some_and(|(lc, _)| lc.same(&c)) {
+                        liveness = Some((c.clone(), Liveness::new(rx, tx)));
+                    }
+                    let verdict = liveness
+                        .as_mut()
+                        .map(|(_, l)| l.observe(Instant::now(), rx, tx, q.rtt()));
+                    if let Some(Verdict::Dead(silent)) = verdict {
+                        tracing::warn!(gateway = %link.name, silent_ms = silent.as_millis() as u64, "the QUIC path went silent (datagrams sent, none received); closing the connection and redialing, TCP joining at once");
+                        if let Some(m) = &t.dialer.metrics {
+                            m.dead_paths
+                                .get_or_create(&PeerLabels {
+                                    peer: link.name.to_string(),
+                                })
+                                .inc();
+                        }
+                        liveness = None;
+                        t.dialer.prefer_tcp_next(&link.target());
+                        t.retire(i, &c);
+                        continue;
+                    }
+                }
                 let rtt = match &c {
                     Conn::Quic(q) => Some(q.rtt()),
                     Conn::Tcp(_) => health_rtt(&t, &c).await,

@@ -912,6 +912,47 @@ async fn with_udp_blocked_a_resumption_ticket_does_not_keep_the_edge_off_tcp() {
 }
 
 #[tokio::test]
+async fn a_quic_path_that_goes_silent_is_left_for_tcp_long_before_the_idle_timeout() {
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", "");
+    let (relay, blocked) = udp_relay(tunnel_addr(&gw)).await;
+    let edge = edge(&edge_config(
+        &fingerprint(&gw),
+        relay,
+        gw.tls_addr,
+        "connect_timeout_ms = 1000",
+        "",
+    ));
+    let url = format!("{}/v1/chat/completions", edge.url());
+    let r = post(&url, &chat("over quic", true, 4), None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // UDP starts going nowhere under an established connection (no reconnect): quinn alone
+    // would keep it for its 30 s idle timeout, past this client's 20 s patience.
+    blocked.store(true, std::sync::atomic::Ordering::Relaxed);
+    let start = std::time::Instant::now();
+    let r = post(&url, &chat("path gone", true, 4), None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    eprintln!(
+        "answered over TCP {:?} after UDP was blocked",
+        start.elapsed()
+    );
+    let text = metrics(&edge).await;
+    assert_eq!(
+        metric_sum(&text, "tokenway_tunnel_dead_paths_total"),
+        1.0,
+        "{text}"
+    );
+    assert!(
+        metric_sum(&text, "tokenway_tcp_fallback_total") >= 1.0,
+        "{text}"
+    );
+    let over_tcp = "tokenway_ttft_seconds_count{route=\"/v1/chat/completions\",backend=\"gw\",\
+                    transport=\"tunnel-tcp\",";
+    assert_eq!(metric_sum(&text, over_tcp), 1.0, "{text}");
+}
+
+#[tokio::test]
 async fn an_edge_with_a_token_shorter_than_the_gateway_accepts_does_not_start() {
     let dir = TempDir::new("short-token");
     let path = dir.0.join("edge.toml");
