@@ -4,7 +4,13 @@
 //!
 //! A connection whose client reads nothing for [`WRITE_STALL_TIMEOUT`] while the server has
 //! bytes to send is closed ([`StallGuard`]): otherwise a client that stops reading keeps the
-//! piece it was being sent in memory for as long as it likes.
+//! piece it was being sent in memory for as long as it likes. And every connection ends once
+//! nothing has moved on it for [`Limits::idle`] (two minutes by default; an HTTP/1 request head
+//! must arrive within [`HEADER_READ_TIMEOUT`], HTTP/2 connections are pinged every
+//! [`H2_KEEP_ALIVE`]): a connection slot is otherwise held for good by a client that connects
+//! and sends nothing, or by a puller that vanished without a FIN (spot termination, power-off, a
+//! dropped NAT entry) while its pooled connection was idle, and once all slots are held the
+//! server closes every new connection.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -15,7 +21,7 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
@@ -37,22 +43,58 @@ pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest a TLS handshake may take before the connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Longest an HTTP/1 request head may take to arrive, idle keep-alive time included: longer
+/// than the pullers' own pool idle timeout (30 s), so they drop an idle connection first and
+/// never send on one the server is closing.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How often an HTTP/2 connection is pinged (an unanswered ping closes it after as long).
+pub const H2_KEEP_ALIVE: Duration = Duration::from_secs(20);
+
+/// The default of [`Limits::idle`]: longer than a cold mirror may keep a response waiting on
+/// its origin without writing a byte.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The bounds of a server's connections.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Connections open at once; a further one is closed at accept.
+    pub max_connections: usize,
+    /// How long open connections may finish after shutdown.
+    pub grace: Duration,
+    /// A connection on which nothing has moved either way for this long is closed.
+    pub idle: Duration,
+}
+
 /// Serves `handler` on `listener` (over TLS with `tls`) until `shutdown` resolves; `what` names
 /// the server in logs.
 pub async fn serve<H, Fut>(
     listener: TcpListener,
     tls: Option<Arc<rustls::ServerConfig>>,
     what: &'static str,
-    max_connections: usize,
-    grace: Duration,
+    limits: Limits,
     handler: H,
     shutdown: impl Future<Output = ()>,
 ) where
     H: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<Body>> + Send + 'static,
 {
+    let Limits {
+        max_connections,
+        grace,
+        idle,
+    } = limits;
     let graceful = GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT.min(idle));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(H2_KEEP_ALIVE)
+        .keep_alive_timeout(H2_KEEP_ALIVE);
     let acceptor = tls.map(TlsAcceptor::from);
     let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
     tokio::pin!(shutdown);
@@ -80,7 +122,7 @@ pub async fn serve<H, Fut>(
             async move { Ok::<_, Infallible>(response.await) }
         });
         let Some(acceptor) = acceptor.clone() else {
-            let io = TokioIo::new(StallGuard::new(stream, WRITE_STALL_TIMEOUT));
+            let io = TokioIo::new(guarded(stream, idle));
             let conn = builder.serve_connection(io, svc).into_owned();
             let conn = graceful.watch(conn);
             tokio::spawn(async move {
@@ -109,7 +151,7 @@ pub async fn serve<H, Fut>(
                         return;
                     }
                 };
-            let io = TokioIo::new(StallGuard::new(stream, WRITE_STALL_TIMEOUT));
+            let io = TokioIo::new(guarded(stream, idle));
             let conn = builder.serve_connection(io, svc).into_owned();
             if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(error = %e, "{what}: connection ended with an error");
@@ -118,6 +160,11 @@ pub async fn serve<H, Fut>(
         });
     }
     let _ = tokio::time::timeout(grace, graceful.shutdown()).await;
+}
+
+/// A connection's stream with its write-stall and idle bounds.
+fn guarded<T>(stream: T, idle: Duration) -> StallGuard<T> {
+    StallGuard::new(stream, WRITE_STALL_TIMEOUT).with_idle_limit(idle)
 }
 
 #[cfg(test)]
@@ -147,5 +194,55 @@ mod tests {
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
         assert!(t.elapsed() >= WRITE_STALL_TIMEOUT);
         drop(client);
+    }
+
+    /// Reads what the server sends until it closes the connection (or 10 s pass: a hang).
+    async fn read_to_close(stream: &mut tokio::net::TcpStream) -> Result<Vec<u8>, &'static str> {
+        let mut got = Vec::new();
+        match tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut got)).await {
+            Ok(_) => Ok(got),
+            Err(_) => Err("the server kept the connection open"),
+        }
+    }
+
+    #[tokio::test]
+    async fn connections_idle_past_the_limit_are_closed_and_free_their_slots() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = Limits {
+            max_connections: 2,
+            grace: Duration::from_secs(1),
+            idle: Duration::from_millis(300),
+        };
+        let handler = |_req| async { Response::new(crate::range_server::full("ok")) };
+        tokio::spawn(serve(
+            listener,
+            None,
+            "test",
+            limits,
+            handler,
+            std::future::pending(),
+        ));
+        // One client connects and never says a word; another makes a request and then keeps
+        // its connection idle. Together they hold both slots.
+        let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut kept = tokio::net::TcpStream::connect(addr).await.unwrap();
+        kept.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut head = [0u8; 12];
+        kept.read_exact(&mut head).await.unwrap();
+        assert_eq!(&head, b"HTTP/1.1 200");
+        // Both are closed once idle past the limit, which frees their slots.
+        assert!(read_to_close(&mut silent).await.unwrap().is_empty());
+        read_to_close(&mut kept).await.unwrap();
+        let mut next = tokio::net::TcpStream::connect(addr).await.unwrap();
+        next.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = read_to_close(&mut next).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("ok"), "{answer}");
     }
 }

@@ -149,8 +149,11 @@ impl PeerServer {
             listener,
             None,
             "peer",
-            MAX_CONNECTIONS,
-            Duration::from_secs(2),
+            crate::http_serve::Limits {
+                max_connections: MAX_CONNECTIONS,
+                grace: Duration::from_secs(2),
+                idle: crate::http_serve::IDLE_TIMEOUT,
+            },
             handler,
             shutdown,
         )

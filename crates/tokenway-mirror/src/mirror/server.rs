@@ -51,8 +51,11 @@ pub async fn serve(
         listener,
         tls,
         "mirror",
-        MAX_CONNECTIONS,
-        SHUTDOWN_GRACE,
+        crate::http_serve::Limits {
+            max_connections: MAX_CONNECTIONS,
+            grace: SHUTDOWN_GRACE,
+            idle: crate::http_serve::IDLE_TIMEOUT,
+        },
         handler,
         shutdown,
     )
