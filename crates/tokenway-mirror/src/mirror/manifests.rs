@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
 use tokenway_telemetry::Counter;
@@ -37,6 +38,8 @@ pub const MEMO_MANIFESTS: usize = 256;
 pub const MAX_LOADS: usize = 1024;
 /// How long one origin request may take.
 pub const ORIGIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Outboards of one revision fetched from the origin at once while it loads.
+pub const OUTBOARD_LOADS: usize = 16;
 /// How long a tag lookup waits for the origin when this mirror has a copy of the tag: then
 /// the copy answers (marked stale), well inside a puller's 10 s wait for a manifest.
 pub const STALE_TAG_AFTER: Duration = Duration::from_secs(3);
@@ -295,9 +298,22 @@ impl ManifestCache {
             },
         };
         let mut manifest = manifest;
-        for f in manifest.files.iter_mut().filter(|f| f.needs_outboard()) {
-            let ob = self.outboard(origin, f).await?;
-            f.attach_outboard(&ob)
+        // The outboards come from the origin side by side: one after another, a model of many
+        // shards on a far origin kept the first request for it waiting past a puller's 10 s
+        // head timeout (which then demotes this mirror and goes to the origin itself).
+        let wanted: Vec<(usize, FileEntry)> = manifest
+            .files
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.needs_outboard())
+            .map(|(i, f)| (i, f.clone()))
+            .collect();
+        let mut loads = futures_util::stream::iter(wanted)
+            .map(|(i, f)| async move { (i, self.outboard(origin, &f).await) })
+            .buffer_unordered(OUTBOARD_LOADS);
+        while let Some((i, ob)) = loads.next().await {
+            manifest.files[i]
+                .attach_outboard(&ob?)
                 .expect("invariant: ManifestCache::outboard returns verified outboards");
         }
         let m = Arc::new(manifest);
@@ -501,6 +517,46 @@ mod tests {
         let again = tokio::time::Instant::now();
         assert!(cache.resolve(&hung, &mref).await.unwrap().stale_tag);
         assert_eq!(again.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cold_mirror_fetches_the_outboards_of_a_revision_side_by_side() {
+        use object_store::throttle::{ThrottleConfig, ThrottledStore};
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        const SHARDS: usize = 8;
+        for i in 0..SHARDS {
+            std::fs::write(src.join(format!("shard-{i}.bin")), vec![i as u8; 300 << 10]).unwrap();
+        }
+        // Every GET takes a second: an origin far away.
+        let origin = ThrottledStore::new(
+            object_store::memory::InMemory::new(),
+            ThrottleConfig {
+                wait_get_per_call: Duration::from_secs(1),
+                ..ThrottleConfig::default()
+            },
+        );
+        let origin: Arc<dyn ObjectStore> = Arc::new(origin);
+        let opts = PublishOptions {
+            piece_size: 256 << 10,
+            ..Default::default()
+        };
+        publish(Arc::clone(&origin), &src, "org/sharded", "r1", None, &opts)
+            .await
+            .unwrap();
+        let fetched = Counter::default();
+        let cache = ManifestCache::new(&tmp.path().join("c"), fetched.clone());
+        let started = tokio::time::Instant::now();
+        let m = cache
+            .revision(origin.as_ref(), "org/sharded", "r1")
+            .await
+            .unwrap();
+        assert_eq!(m.files.iter().filter(|f| f.needs_outboard()).count(), 0);
+        assert!(fetched.get() > 0);
+        // The manifest, then all eight outboards at once: two seconds, where one outboard
+        // after another took nine (past a puller's 10 s head timeout with a few more).
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
     }
 
     #[test]
