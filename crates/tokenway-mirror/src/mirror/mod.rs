@@ -25,8 +25,8 @@ pub mod server;
 pub mod single_flight;
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use object_store::path::Path as StorePath;
@@ -36,7 +36,7 @@ use tokenway_telemetry::Registry;
 use crate::faults::Faults;
 use crate::http_error::ServeError;
 use crate::manifest::{blob_key, FileEntry};
-use crate::rate_limit::RateLimit;
+use crate::rate_limit::Pacer;
 use crate::MirrorError;
 use cache::{CachedPiece, PieceCache, PieceKey};
 use manifests::{ManifestCache, ORIGIN_TIMEOUT};
@@ -126,7 +126,7 @@ pub struct Mirror {
     faults: Faults,
     preheat_parallel: usize,
     preheats: Arc<tokio::sync::Semaphore>,
-    uplink: Option<Mutex<RateLimit>>,
+    uplink: Option<Pacer>,
     token: Option<crate::auth::AccessToken>,
     serving: ServeBudget,
 }
@@ -191,7 +191,7 @@ impl Mirror {
             ),
             preheat_parallel: config.preheat_parallel,
             preheats: Arc::new(tokio::sync::Semaphore::new(MAX_PREHEATS)),
-            uplink: config.limit_rate.map(|r| Mutex::new(RateLimit::new(r))),
+            uplink: config.limit_rate.map(Pacer::new),
             token: config.token.clone(),
             serving,
         }))
@@ -433,14 +433,7 @@ impl Mirror {
     /// Waits for `bytes` worth of the uplink (`--limit-rate`), if it is limited.
     async fn pace(&self, bytes: u64) {
         if let Some(up) = &self.uplink {
-            let now = Instant::now();
-            let start = up
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .reserve(bytes, now);
-            if start > now {
-                tokio::time::sleep_until(start.into()).await;
-            }
+            up.pace(bytes).await;
         }
     }
 
