@@ -69,6 +69,8 @@ pub struct NoRoom;
 /// Sizes, recency and pins of cached items; decides evictions. Sans-IO.
 #[derive(Debug)]
 pub struct LruIndex<K> {
+    /// The bound asked for; `max_bytes` is below it while the disk holds less.
+    configured: u64,
     max_bytes: u64,
     used: u64,
     tick: u64,
@@ -80,6 +82,7 @@ impl<K: Clone + Eq + Hash> LruIndex<K> {
     /// An empty index holding at most `max_bytes`.
     pub fn new(max_bytes: u64) -> Self {
         Self {
+            configured: max_bytes,
             max_bytes,
             used: 0,
             tick: 0,
@@ -200,9 +203,8 @@ impl<K: Clone + Eq + Hash> LruIndex<K> {
         self.remove(k);
     }
 
-    /// Lowers the bound to `max` (never raises it) and evicts least recently used items
-    /// (not pinned, not in progress) until what is held fits, as far as they allow; returns
-    /// them.
+    /// Lowers the bound to `max` and evicts least recently used items (not pinned, not in
+    /// progress) until what is held fits, as far as they allow; returns them.
     pub fn shrink_to(&mut self, max: u64) -> Vec<K> {
         self.max_bytes = self.max_bytes.min(max);
         let mut victims = Vec::new();
@@ -223,9 +225,19 @@ impl<K: Clone + Eq + Hash> LruIndex<K> {
         victims
     }
 
+    /// Raises a lowered bound towards the configured one, to `max` at most.
+    pub fn grow_to(&mut self, max: u64) {
+        self.max_bytes = self.max_bytes.max(max.min(self.configured));
+    }
+
     /// The bound.
     pub fn max_bytes(&self) -> u64 {
         self.max_bytes
+    }
+
+    /// Whether the bound is below the configured one.
+    pub fn lowered(&self) -> bool {
+        self.max_bytes < self.configured
     }
 }
 
@@ -489,14 +501,27 @@ impl PieceCache {
     /// disk is full (or the quota reached) before the bound is, the bound comes down to what
     /// fits: least recently used pieces are evicted to make room for this one, and it is
     /// written once more; the cache stays a cache instead of every later miss going to the
-    /// origin.
+    /// origin. A lowered bound grows back, up to `--max-size`, as the disk has room again (it
+    /// may have been filled by something else for a while).
     pub async fn store(&self, k: PieceKey, bytes: &Bytes) -> std::io::Result<Stored> {
+        let len = bytes.len() as u64;
+        if lock(&self.index).lowered() {
+            // What is cached, and what the disk could take beside this piece.
+            if let Some(free) = crate::disk_space::available(&self.dir) {
+                let mut idx = lock(&self.index);
+                let fits = idx.used() + free.saturating_sub(len);
+                idx.grow_to(fits);
+            }
+        }
         match self.store_once(k, bytes).await {
             Err(e) if is_disk_full(&e) => {
+                let free = crate::disk_space::available(&self.dir).unwrap_or(0);
                 let (victims, from, to) = {
                     let mut idx = lock(&self.index);
                     let from = idx.max_bytes();
-                    let to = idx.used().saturating_sub(bytes.len() as u64);
+                    // What is cached and what is free, less room for this piece (whatever
+                    // else is being written counts as cached: it was reserved).
+                    let to = (idx.used() + free).saturating_sub(len);
                     (idx.shrink_to(to), from, to)
                 };
                 tracing::warn!(
@@ -592,49 +617,98 @@ mod tests {
         assert!(lru.pin(&"a")); // being read: stays
         assert_eq!(lru.shrink_to(40), vec!["b", "c"]);
         assert_eq!((lru.used(), lru.max_bytes()), (30, 40));
-        // The lower bound holds from now on, and is never raised.
+        // The lower bound holds until raised.
         assert_eq!(lru.reserve("d", 20), Err(NoRoom));
         lru.unpin(&"a");
         assert_eq!(lru.reserve("d", 20), Ok(vec!["a"]));
         lru.shrink_to(1000);
         assert_eq!(lru.max_bytes(), 40);
+        assert!(lru.lowered());
+        // Growing goes back up to the configured bound, never past it.
+        lru.grow_to(70);
+        assert_eq!(lru.max_bytes(), 70);
+        lru.grow_to(1000);
+        assert_eq!(lru.max_bytes(), 100);
+        assert!(!lru.lowered());
+    }
+
+    /// A tmpfs of `size` mounted on a fresh directory (unmounted on drop); `None`, after
+    /// saying so, when mounting is not allowed (it needs root; CI runs as root).
+    fn small_tmpfs(size: &str) -> Option<SmallTmpfs> {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            eprintln!("skipped: mounting a small tmpfs needs root (CI runs as root)");
+            return None;
+        }
+        Some(SmallTmpfs(dir))
+    }
+
+    struct SmallTmpfs(tempfile::TempDir);
+
+    impl Drop for SmallTmpfs {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg(self.0.path())
+                .status();
+        }
+    }
+
+    fn piece_key(index: u64) -> PieceKey {
+        PieceKey {
+            hash: Blake3Hash::of(b"blob"),
+            piece_size: 64 << 10,
+            index,
+        }
     }
 
     /// A 1 MiB tmpfs under a cache bounded at 16 MiB: every piece is still cached (the bound
     /// comes down to what the disk holds), never over what the disk holds. Needs root (mount).
     #[tokio::test]
     async fn a_full_disk_lowers_the_bound_and_the_cache_keeps_caching() {
-        let dir = tempfile::tempdir().unwrap();
-        let mounted = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
-            .arg(dir.path())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !mounted {
-            eprintln!("skipped: mounting a small tmpfs needs root (CI runs as root)");
+        let Some(disk) = small_tmpfs("1m") else {
             return;
-        }
-        struct Unmount(PathBuf);
-        impl Drop for Unmount {
-            fn drop(&mut self) {
-                let _ = std::process::Command::new("umount").arg(&self.0).status();
-            }
-        }
-        let _unmount = Unmount(dir.path().to_path_buf());
-        let cache = PieceCache::open(dir.path(), 16 << 20).unwrap();
+        };
+        let cache = PieceCache::open(disk.0.path(), 16 << 20).unwrap();
         let piece = Bytes::from(vec![7u8; 64 << 10]);
         for index in 0..40 {
-            let k = PieceKey {
-                hash: Blake3Hash::of(b"blob"),
-                piece_size: 64 << 10,
-                index,
-            };
+            let k = piece_key(index);
             let stored = cache.store(k, &piece).await.expect("stored");
             assert!(stored.cached, "piece {index}");
             assert!(cache.contains(&k));
         }
         assert!(cache.max_bytes() < 1 << 20, "{}", cache.max_bytes());
         assert!(cache.used() <= cache.max_bytes());
+    }
+
+    /// Something else fills the disk while the cache is empty: the first piece finds no room
+    /// (the bound comes down to nothing), and once that space is freed the cache grows back
+    /// and caches again. Needs root (mount).
+    #[tokio::test]
+    async fn a_disk_full_for_a_while_does_not_stop_the_cache_for_good() {
+        let Some(disk) = small_tmpfs("1m") else {
+            return;
+        };
+        let cache = PieceCache::open(disk.0.path(), 16 << 20).unwrap();
+        let filler = disk.0.path().join("someone-elses.log");
+        let free = crate::disk_space::available(disk.0.path()).unwrap();
+        std::fs::write(&filler, vec![1u8; (free - (16 << 10)) as usize]).unwrap();
+        let piece = Bytes::from(vec![7u8; 64 << 10]);
+        let stored = cache.store(piece_key(0), &piece).await.expect("no error");
+        assert!(!stored.cached);
+        assert_eq!(cache.max_bytes(), 0);
+
+        std::fs::remove_file(&filler).unwrap();
+        for index in 1..8 {
+            let stored = cache.store(piece_key(index), &piece).await.expect("stored");
+            assert!(stored.cached, "piece {index}");
+        }
+        assert_eq!(cache.used(), 7 * (64 << 10));
+        assert!(cache.max_bytes() >= 7 * (64 << 10), "{}", cache.max_bytes());
     }
 
     #[test]

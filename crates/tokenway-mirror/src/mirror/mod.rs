@@ -222,6 +222,10 @@ impl Mirror {
         self.metrics
             .cache_bytes
             .set(i64::try_from(self.cache.used()).unwrap_or(i64::MAX));
+        // Below `--max-size` while the disk under the cache is fuller than that.
+        self.metrics
+            .cache_max_bytes
+            .set(i64::try_from(self.cache.max_bytes()).unwrap_or(i64::MAX));
         MirrorMetrics::render(&self.registry)
     }
 
