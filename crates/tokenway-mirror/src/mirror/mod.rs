@@ -3,6 +3,7 @@
 //! - [`server`]: the HTTP API (manifests, blob ranges, preheat, peers, metrics).
 //! - [`cache`]: verified pieces on disk, LRU by bytes, never evicting what is in use.
 //! - [`single_flight`]: one origin fetch per piece however many requests want it.
+//! - [`origin_reads`]: the origin reads of those flights, a bounded number at once.
 //! - [`recent`]: the pieces fetched last, in memory, for requests just after their flight.
 //! - [`manifests`]: manifests and tags, kept so they are served with the origin down.
 //! - [`peers`]: which pullers of a region hold which pieces.
@@ -17,6 +18,7 @@
 pub mod cache;
 pub mod manifests;
 pub mod metrics;
+pub mod origin_reads;
 pub mod peers;
 pub mod preheat;
 pub mod recent;
@@ -30,7 +32,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use object_store::path::Path as StorePath;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::ObjectStore;
 use tokenway_telemetry::Registry;
 
 use crate::faults::Faults;
@@ -39,8 +41,9 @@ use crate::manifest::{blob_key, FileEntry};
 use crate::rate_limit::Pacer;
 use crate::MirrorError;
 use cache::{CachedPiece, PieceCache, PieceKey};
-use manifests::{ManifestCache, ORIGIN_TIMEOUT};
+use manifests::ManifestCache;
 use metrics::MirrorMetrics;
+use origin_reads::{OriginReads, ReadError};
 use peers::PeerDirectory;
 use recent::{RecentPieces, RECENT_BYTES};
 use serve_budget::{ServeBudget, BUDGET_WAIT, MAX_SERVING_BYTES};
@@ -127,6 +130,7 @@ pub struct Mirror {
     preheat_parallel: usize,
     preheats: Arc<tokio::sync::Semaphore>,
     uplink: Option<Pacer>,
+    origin_reads: OriginReads,
     token: Option<crate::auth::AccessToken>,
     serving: ServeBudget,
 }
@@ -175,6 +179,7 @@ impl Mirror {
             origin,
             cache,
             flights: SingleFlight::new(MAX_FLIGHTS),
+            origin_reads: OriginReads::default(),
             recent: Mutex::new(RecentPieces::new(RECENT_BYTES)),
             manifests: ManifestCache::new(
                 &config.cache_dir,
@@ -358,26 +363,22 @@ impl Mirror {
                 tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
             }
             self.metrics.origin_fetches.inc();
-            let got =
-                tokio::time::timeout(ORIGIN_TIMEOUT, self.origin.get_range(&path, range.clone()))
-                    .await;
+            let got = self
+                .origin_reads
+                .read(self.origin.as_ref(), &path, range.clone())
+                .await;
             let bytes = match got {
-                Ok(Ok(b)) => b,
-                Ok(Err(object_store::Error::NotFound { .. })) => {
+                Ok(b) => b,
+                Err(ReadError::NotFound) => {
                     self.metrics.origin_errors.inc();
                     return Err(ServeError::not_found(format!(
                         "blob {} is missing in the origin",
                         entry.hash
                     )));
                 }
-                Ok(Err(e)) => {
+                Err(ReadError::Failed(why)) => {
                     self.metrics.origin_errors.inc();
-                    last = format!("origin unavailable: {e}");
-                    continue;
-                }
-                Err(_) => {
-                    self.metrics.origin_errors.inc();
-                    last = format!("origin unavailable: no answer within {ORIGIN_TIMEOUT:?}");
+                    last = why;
                     continue;
                 }
             };

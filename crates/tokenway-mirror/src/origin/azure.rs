@@ -9,8 +9,8 @@ use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 
 use super::{
-    bounded_retry, innermost, parse_cloud_url, refuse_plain_http, truthy, under_prefix, xml_field,
-    CheckedOrigin, Provider,
+    bounded_retry, innermost, parse_cloud_url, refuse_plain_http, transfer_timeouts, truthy,
+    under_prefix, xml_field, CheckedOrigin, Provider,
 };
 use crate::MirrorError;
 
@@ -98,6 +98,11 @@ pub(super) fn open(
     let builder = MicrosoftAzureBuilder::from_env()
         .with_url(url)
         .with_retry(bounded_retry());
+    let builder = transfer_timeouts(|k| builder.get_config_value(&AzureConfigKey::Client(k)))
+        .into_iter()
+        .fold(builder, |b, (k, v)| {
+            b.with_config(AzureConfigKey::Client(k), v)
+        });
     let endpoint = builder.get_config_value(&AzureConfigKey::Endpoint);
     let allow_http = builder
         .get_config_value(&AzureConfigKey::Client(ClientConfigKey::AllowHttp))

@@ -34,9 +34,10 @@ use futures_util::stream::BoxStream;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as StorePath;
 use object_store::{
-    BackoffConfig, CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta,
-    ObjectStore, ObjectStoreExt as _, ObjectStoreScheme, PutMultipartOptions, PutOptions,
-    PutPayload, PutPayloadMut, PutResult, RenameOptions, RetryConfig, UploadPart,
+    BackoffConfig, ClientConfigKey, CopyOptions, GetOptions, GetResult, ListResult,
+    MultipartUpload, ObjectMeta, ObjectStore, ObjectStoreExt as _, ObjectStoreScheme,
+    PutMultipartOptions, PutOptions, PutPayload, PutPayloadMut, PutResult, RenameOptions,
+    RetryConfig, UploadPart,
 };
 
 use crate::MirrorError;
@@ -113,6 +114,22 @@ fn bounded_retry() -> RetryConfig {
         max_retries: 5,
         retry_timeout: std::time::Duration::from_secs(60),
     }
+}
+
+/// The request timeouts of a cloud origin, where the environment does not set them: a request
+/// may take 10 minutes in all (object_store's default of 30 s for the whole request, body
+/// included, failed every piece or part over 30 s, so every 64 MiB transfer on a link below
+/// about 2 MB/s), and fails after 30 s without a byte.
+fn transfer_timeouts(
+    configured: impl Fn(ClientConfigKey) -> Option<String>,
+) -> Vec<(ClientConfigKey, &'static str)> {
+    [
+        (ClientConfigKey::Timeout, "10m"),
+        (ClientConfigKey::ReadTimeout, "30s"),
+    ]
+    .into_iter()
+    .filter(|(k, _)| configured(*k).is_none())
+    .collect()
 }
 
 /// Refuses a plain `http://` endpoint unless `allowed`; the message names the variable
@@ -417,6 +434,30 @@ impl MultipartUpload for CoalescingUpload {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    #[test]
+    fn cloud_origins_get_transfer_timeouts_unless_the_environment_sets_them() {
+        let none = transfer_timeouts(|_| None);
+        assert_eq!(
+            none,
+            vec![
+                (ClientConfigKey::Timeout, "10m"),
+                (ClientConfigKey::ReadTimeout, "30s")
+            ]
+        );
+        let own = transfer_timeouts(|k| (k == ClientConfigKey::Timeout).then(|| "2m".to_string()));
+        assert_eq!(own, vec![(ClientConfigKey::ReadTimeout, "30s")]);
+        // The values are durations object_store accepts.
+        use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+        let built = none
+            .into_iter()
+            .fold(AmazonS3Builder::new().with_bucket_name("b"), |b, (k, v)| {
+                b.with_config(AmazonS3ConfigKey::Client(k), v)
+            })
+            .with_region("us-east-1")
+            .build();
+        assert!(built.is_ok(), "{:?}", built.err());
+    }
 
     /// An environment of fixed variables, for the providers' configuration checks.
     pub(crate) fn env_of(
