@@ -1,16 +1,21 @@
-//! The accept loop the mirror and the peer server share: HTTP/1.1 and HTTP/2 on one port,
-//! optionally over TLS, TCP_NODELAY, at most `max_connections` open (a further one is closed at
-//! once, not queued), and on shutdown a drain of open connections for at most `grace`.
+//! The accept loop the mirror and the peer server share: HTTP/1.1, optionally over TLS,
+//! TCP_NODELAY, at most `max_connections` open (a further one is closed at once, not queued),
+//! and on shutdown a drain of open connections for at most `grace`.
 //!
-//! A connection whose client reads nothing for [`WRITE_STALL_TIMEOUT`] while the server has
-//! bytes to send is closed ([`StallGuard`]): otherwise a client that stops reading keeps the
-//! piece it was being sent in memory for as long as it likes. And every connection ends once
-//! nothing has moved on it for [`Limits::idle`] (two minutes by default; an HTTP/1 request head
-//! must arrive within [`HEADER_READ_TIMEOUT`], HTTP/2 connections are pinged every
-//! [`H2_KEEP_ALIVE`]): a connection slot is otherwise held for good by a client that connects
-//! and sends nothing, or by a puller that vanished without a FIN (spot termination, power-off, a
-//! dropped NAT entry) while its pooled connection was idle, and once all slots are held the
-//! server closes every new connection.
+//! HTTP/1.1 only: pullers fetch pieces over several connections at once (no head-of-line
+//! blocking of one TCP connection, no flow-control windows to tune), and an HTTP/2 stream whose
+//! client never opens its window would park the piece it is being sent in the server's send
+//! queue, out of reach of any write timeout, for as long as the connection lives.
+//!
+//! A connection whose client takes less than [`MIN_PROGRESS`] per [`WRITE_STALL_TIMEOUT`]
+//! while the server has bytes to send is closed ([`StallGuard`]): otherwise a client that stops
+//! reading, or reads a few bytes now and then, keeps the piece it is being sent in memory (and
+//! its share of the serving budget) for as long as it likes. And every connection ends once
+//! nothing has moved on it for [`Limits::idle`] (two minutes by default; a request head must
+//! arrive within [`HEADER_READ_TIMEOUT`]): a connection slot is otherwise held for good by a
+//! client that connects and sends nothing, or by a puller that vanished without a FIN (spot
+//! termination, power-off, a dropped NAT entry) while its pooled connection was idle, and once
+//! all slots are held the server closes every new connection.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -48,8 +53,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// never send on one the server is closing.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// How often an HTTP/2 connection is pinged (an unanswered ping closes it after as long).
-pub const H2_KEEP_ALIVE: Duration = Duration::from_secs(20);
+/// Bytes a client must take per [`WRITE_STALL_TIMEOUT`] while the server has bytes to send
+/// (about 2 KiB/s: a puller on the slowest link takes megabytes).
+pub const MIN_PROGRESS: u64 = 64 << 10;
 
 /// The default of [`Limits::idle`]: longer than a cold mirror may keep a response waiting on
 /// its origin without writing a byte.
@@ -85,16 +91,11 @@ pub async fn serve<H, Fut>(
         idle,
     } = limits;
     let graceful = GracefulShutdown::new();
-    let mut builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new()).http1_only();
     builder
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT.min(idle));
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .keep_alive_interval(H2_KEEP_ALIVE)
-        .keep_alive_timeout(H2_KEEP_ALIVE);
     let acceptor = tls.map(TlsAcceptor::from);
     let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
     tokio::pin!(shutdown);
@@ -164,7 +165,9 @@ pub async fn serve<H, Fut>(
 
 /// A connection's stream with its write-stall and idle bounds.
 fn guarded<T>(stream: T, idle: Duration) -> StallGuard<T> {
-    StallGuard::new(stream, WRITE_STALL_TIMEOUT).with_idle_limit(idle)
+    StallGuard::new(stream, WRITE_STALL_TIMEOUT)
+        .with_min_progress(MIN_PROGRESS)
+        .with_idle_limit(idle)
 }
 
 #[cfg(test)]

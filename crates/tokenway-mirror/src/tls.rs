@@ -16,8 +16,9 @@ use tokenway_transport::trust::{client_tls, Trust};
 
 use crate::MirrorError;
 
-/// The ALPN a mirror speaks over TLS (pullers use HTTP/1.1; curl may ask for h2).
-const SERVER_ALPN: &[&[u8]] = &[b"h2", b"http/1.1"];
+/// The ALPN a mirror speaks over TLS: HTTP/1.1 only (see `http_serve`; curl and other
+/// clients that prefer h2 fall back to it).
+const SERVER_ALPN: &[&[u8]] = &[b"http/1.1"];
 
 /// The server side: a TLS configuration from PEM files; errors name the flag and the file.
 pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, MirrorError> {

@@ -29,6 +29,12 @@ pub struct StallGuard<T> {
     limit: Duration,
     stalled_since: Option<Pin<Box<Sleep>>>,
     idle: Option<Idle>,
+    /// Bytes a backlogged write must make per `limit` (0: any progress will do).
+    min_progress: u64,
+    /// Bytes written since the backlog's timer started.
+    progress: u64,
+    /// The last write poll was pending (a write accepted at once means there is no backlog).
+    last_pending: bool,
 }
 
 /// The idle bound: its limit, the last progress in either direction, and the timer of a
@@ -47,6 +53,29 @@ impl<T> StallGuard<T> {
             limit,
             stalled_since: None,
             idle: None,
+            min_progress: 0,
+            progress: 0,
+            last_pending: false,
+        }
+    }
+
+    /// Has a backlogged write fail unless `bytes` were taken in each `limit`, not merely one:
+    /// a client that reads a few bytes now and then otherwise holds what it is being sent
+    /// (a piece of a model, for a mirror) for as long as it likes. A write the connection
+    /// takes at once ends the backlog.
+    pub fn with_min_progress(mut self, bytes: u64) -> Self {
+        self.min_progress = bytes;
+        self
+    }
+
+    /// Accounts `n` bytes a write took.
+    fn took(&mut self, n: usize) {
+        let at_once = !self.last_pending && n > 0;
+        self.last_pending = false;
+        self.progress += n as u64;
+        if at_once || self.progress >= self.min_progress {
+            self.stalled_since = None;
+            self.progress = 0;
         }
     }
 
@@ -61,6 +90,35 @@ impl<T> StallGuard<T> {
         self
     }
 
+    fn account_write(&mut self, r: &Poll<io::Result<usize>>) {
+        match r {
+            Poll::Pending => self.last_pending = true,
+            Poll::Ready(Ok(n)) => {
+                if *n > 0 {
+                    self.progressed();
+                }
+                self.took(*n);
+            }
+            Poll::Ready(Err(_)) => {}
+        }
+    }
+
+    /// A flush or a shutdown: pending is a backlog; done takes no bytes, so it ends a backlog
+    /// only without a `min_progress` (on TCP a flush is done at once whatever is queued in
+    /// the kernel), and it says nothing of whether the next write is taken at once.
+    fn account_flush(&mut self, r: &Poll<io::Result<()>>) {
+        match r {
+            Poll::Pending => self.last_pending = true,
+            Poll::Ready(Ok(())) => {
+                if self.progress >= self.min_progress {
+                    self.stalled_since = None;
+                    self.progress = 0;
+                }
+            }
+            Poll::Ready(Err(_)) => {}
+        }
+    }
+
     /// Bytes moved (a flush or a shutdown that had nothing to do is not progress).
     fn progressed(&mut self) {
         if let Some(idle) = &mut self.idle {
@@ -68,7 +126,8 @@ impl<T> StallGuard<T> {
         }
     }
 
-    /// Turns a pending write into a timeout error once it has been pending for `limit`.
+    /// Turns a pending write into a timeout error once it has been backlogged for `limit`
+    /// (without `min_progress` bytes taken meanwhile).
     fn check<R>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
         match r {
             Poll::Pending => {
@@ -84,10 +143,7 @@ impl<T> StallGuard<T> {
                     Poll::Pending => Poll::Pending,
                 }
             }
-            ready => {
-                self.stalled_since = None;
-                ready
-            }
+            ready => ready,
         }
     }
 }
@@ -132,9 +188,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StallGuard<T> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.progressed();
-        }
+        self.account_write(&r);
         self.check(cx, r)
     }
 
@@ -144,9 +198,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StallGuard<T> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.progressed();
-        }
+        self.account_write(&r);
         self.check(cx, r)
     }
 
@@ -156,6 +208,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StallGuard<T> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let r = Pin::new(&mut self.inner).poll_flush(cx);
+        self.account_flush(&r);
         self.check(cx, r)
     }
 
@@ -163,6 +216,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StallGuard<T> {
         // Over TLS a shutdown first writes what is still queued and the close_notify alert, so
         // it waits on a client that stopped reading like any write does.
         let r = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.account_flush(&r);
         self.check(cx, r)
     }
 }
@@ -198,6 +252,45 @@ mod tests {
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
         assert_eq!(t.elapsed(), Duration::from_secs(100) + IDLE);
         drop(client.read(&mut buf).await);
+    }
+
+    /// A client reading `chunk` bytes every `every` from a 1 KiB pipe while `len` bytes are
+    /// written through a guard wanting 4 KiB per 30 s; whether the write completes.
+    async fn trickle(chunk: usize, every: Duration, len: usize) -> io::Result<()> {
+        let (server, mut client) = tokio::io::duplex(1024);
+        let mut guarded = StallGuard::new(server, Duration::from_secs(30)).with_min_progress(4096);
+        let read = async {
+            let mut buf = vec![0u8; chunk];
+            loop {
+                tokio::time::sleep(every).await;
+                if client.read(&mut buf).await.unwrap_or(0) == 0 {
+                    break;
+                }
+            }
+        };
+        let data = vec![7u8; len];
+        tokio::select! {
+            r = async {
+                guarded.write_all(&data).await?;
+                guarded.shutdown().await
+            } => r,
+            () = read => Ok(()),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_taking_a_few_bytes_now_and_then_does_not_hold_the_write() {
+        // 100 bytes every 10 s: some progress all along, 300 bytes per 30 s.
+        let t = tokio::time::Instant::now();
+        let e = trickle(100, Duration::from_secs(10), 64 << 10)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(t.elapsed() < Duration::from_secs(120), "{:?}", t.elapsed());
+        // 1 KiB a second is slow but enough: 64 KiB take about a minute and get through.
+        trickle(1024, Duration::from_secs(1), 64 << 10)
+            .await
+            .unwrap();
     }
 
     #[tokio::test(start_paused = true)]
