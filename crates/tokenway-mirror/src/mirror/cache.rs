@@ -120,6 +120,15 @@ impl<K: Clone + Eq + Hash> LruIndex<K> {
         self.entries.get(k).is_some_and(|e| e.ready)
     }
 
+    /// If `k` is ready: marks it most recently used and returns true.
+    pub fn refresh(&mut self, k: &K) -> bool {
+        if !self.has(k) {
+            return false;
+        }
+        self.touch(k);
+        true
+    }
+
     /// If `k` is ready: marks it most recently used, pins it (unpin when the read is over)
     /// and returns true.
     pub fn pin(&mut self, k: &K) -> bool {
@@ -371,6 +380,15 @@ pub struct Stored {
     pub evicted: u64,
 }
 
+/// Whether a read error is evidence about the piece itself: its file is gone or shorter than
+/// it was written.
+fn gone_or_short(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::UnexpectedEof
+    )
+}
+
 /// Verified pieces on disk, bounded by bytes.
 pub struct PieceCache {
     dir: PathBuf,
@@ -455,9 +473,15 @@ impl PieceCache {
         lock(&self.index).max_bytes()
     }
 
-    /// Is the piece cached? (No pin, no recency change; for peers' and preheat's counts.)
+    /// Is the piece cached? (No pin, no recency change; for peers' counts.)
     pub fn contains(&self, k: &PieceKey) -> bool {
         lock(&self.index).has(k)
+    }
+
+    /// Is the piece cached? If so it becomes the most recently used (a preheat wants what it
+    /// found kept as much as what it fetched).
+    pub fn refresh(&self, k: &PieceKey) -> bool {
+        lock(&self.index).refresh(k)
     }
 
     /// Reads a cached piece, pinned while the read runs, and checks it with `verify` on the
@@ -486,9 +510,15 @@ impl PieceCache {
         let found = match res {
             Ok((b, true)) => return CachedPiece::Hit(b),
             Ok((_, false)) => CachedPiece::Corrupt,
-            Err(e) => {
-                tracing::warn!(error = %e, path = %path.display(), "cached piece unreadable, dropping it");
+            Err(e) if gone_or_short(&e) => {
+                tracing::warn!(error = %e, path = %path.display(), "cached piece missing or cut short, dropping it");
                 CachedPiece::Miss
+            }
+            Err(e) => {
+                // Says nothing of the piece (EMFILE under a burst, ENOMEM, a transient EIO):
+                // a miss for this request, and the piece stays.
+                tracing::warn!(error = %e, path = %path.display(), "cannot read a cached piece now; fetching it for this request");
+                return CachedPiece::Miss;
             }
         };
         idx.remove(k);
@@ -838,5 +868,50 @@ mod tests {
         drop(cache);
         let again = PieceCache::open(dir.path(), 150).unwrap();
         assert_eq!(again.used(), 100);
+    }
+
+    #[tokio::test]
+    async fn a_read_error_that_says_nothing_of_the_piece_keeps_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = PieceCache::open(dir.path(), 1 << 20).unwrap();
+        let piece = Bytes::from(vec![7u8; 100]);
+        let k = piece_key(0);
+        cache.store(k, &piece).await.unwrap();
+        // The file cannot be read for now (here: a directory where it was; in production
+        // EMFILE, ENOMEM, a transient EIO): a miss for this request, nothing dropped.
+        let path = cache.path(&k);
+        let aside = path.with_extension("aside");
+        std::fs::rename(&path, &aside).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        assert!(matches!(
+            cache.read_verified(&k, |_| true).await,
+            CachedPiece::Miss
+        ));
+        assert!(cache.contains(&k));
+        std::fs::remove_dir(&path).unwrap();
+        std::fs::rename(&aside, &path).unwrap();
+        assert!(
+            matches!(cache.read_verified(&k, |_| true).await, CachedPiece::Hit(b) if b == piece)
+        );
+        // A file that is gone is dropped from the index.
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(
+            cache.read_verified(&k, |_| true).await,
+            CachedPiece::Miss
+        ));
+        assert!(!cache.contains(&k));
+    }
+
+    #[test]
+    fn refreshing_an_item_saves_it_from_the_next_eviction() {
+        let mut lru = LruIndex::new(90);
+        for k in ["a", "b", "c"] {
+            lru.reserve(k, 30).unwrap();
+            lru.commit(&k);
+        }
+        // "a" was found already cached by a preheat: it moves to the back of the queue.
+        assert!(lru.refresh(&"a"));
+        assert!(!lru.refresh(&"z"));
+        assert_eq!(lru.reserve("d", 30), Ok(vec!["b"]));
     }
 }

@@ -267,7 +267,7 @@ impl Mirror {
             piece_size: entry.piece_size,
             index: i,
         };
-        if self.cache.contains(&key) {
+        if self.cache.refresh(&key) {
             return Ok(true);
         }
         self.piece_from_origin(entry, i).await.map(|_| false)
