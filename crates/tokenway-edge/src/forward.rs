@@ -102,34 +102,48 @@ async fn carry(mut local: TcpStream, tunnel: &Tunnel, target: &str) -> Result<()
             if !resp.status().is_success() {
                 return Err(format!("the gateway refused the target: {}", resp.status()));
             }
-            let (mut rd, mut wr) = local.into_split();
-            let up = async move {
-                let mut buf = BytesMut::with_capacity(16 * 1024);
-                loop {
-                    buf.reserve(16 * 1024);
-                    match rd.read_buf(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(_) => {
-                            if tx.send(buf.split().freeze()).await.is_err() {
-                                return;
+            let clean = {
+                let (mut rd, mut wr) = local.split();
+                let up = async move {
+                    let mut buf = BytesMut::with_capacity(16 * 1024);
+                    loop {
+                        buf.reserve(16 * 1024);
+                        match rd.read_buf(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => {
+                                if tx.send(buf.split().freeze()).await.is_err() {
+                                    return;
+                                }
                             }
                         }
                     }
-                }
-            };
-            let down = async move {
-                let mut body = resp.into_body();
-                while let Some(frame) = body.frame().await {
-                    let Ok(frame) = frame else { break };
-                    if let Ok(data) = frame.into_data() {
-                        if wr.write_all(&data).await.is_err() {
-                            return;
+                };
+                // Whether the tunnel side ended cleanly (its FIN becomes the local FIN).
+                let down = async move {
+                    let mut body = resp.into_body();
+                    while let Some(frame) = body.frame().await {
+                        let Ok(frame) = frame else { return false };
+                        if let Ok(data) = frame.into_data() {
+                            if wr.write_all(&data).await.is_err() {
+                                return true;
+                            }
                         }
                     }
+                    let _ = wr.shutdown().await;
+                    true
+                };
+                // The tunnel side ending ends the local reads too (they would otherwise wait on
+                // an application that waits on us); the local side ending only half-closes.
+                tokio::pin!(up, down);
+                tokio::select! {
+                    clean = &mut down => clean,
+                    () = &mut up => down.await,
                 }
-                let _ = wr.shutdown().await;
             };
-            tokio::join!(up, down);
+            if !clean {
+                abort(&local);
+                return Err("the tunnel stream broke".into());
+            }
             Ok(())
         }
         Conn::Tcp(t) => {
@@ -142,8 +156,20 @@ async fn carry(mut local: TcpStream, tunnel: &Tunnel, target: &str) -> Result<()
             tokio::io::copy_bidirectional(&mut local, &mut remote)
                 .await
                 .map(|_| ())
-                .map_err(|e| e.to_string())
+                .map_err(|e| {
+                    abort(&local);
+                    e.to_string()
+                })
         }
+    }
+}
+
+/// Makes the local connection end with a reset instead of a FIN once it is dropped: the
+/// tunnel broke, and a FIN would tell the application its peer finished cleanly (a truncated
+/// download or reply looking complete).
+fn abort(local: &TcpStream) {
+    if let Err(e) = local.set_zero_linger() {
+        tracing::debug!(error = %e, "cannot set SO_LINGER to reset a forwarded connection");
     }
 }
 

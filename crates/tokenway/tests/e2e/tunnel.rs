@@ -518,7 +518,7 @@ async fn port_forwarding(udp_unusable: bool) {
     let echo = echo_server().await;
     let other = echo_server().await;
     let backend = sim(FAST_SIM);
-    let gw = tunnel_gateway(&backend, "", &format!("forward_allow = [\"{echo}\"]"));
+    let mut gw = tunnel_gateway(&backend, "", &format!("forward_allow = [\"{echo}\"]"));
     let (allowed, refused) = (free_tcp_port(), free_tcp_port());
     let quic = if udp_unusable {
         closed_udp_port()
@@ -547,6 +547,7 @@ async fn port_forwarding(udp_unusable: bool) {
             .expect("echo");
         assert_eq!(got, msg);
     }
+    let mut open = s;
     let mut s = tokio::net::TcpStream::connect(refused)
         .await
         .expect("connect");
@@ -564,6 +565,28 @@ async fn port_forwarding(udp_unusable: bool) {
             "the forward did not ride the TCP fallback: {text}"
         );
     }
+
+    // The tunnel breaks under the open forwarded connection: the application is told with a
+    // reset, not a FIN that would make a cut stream look finished.
+    // (The kernel reports a reset once, to the first call after it: the write when it has
+    // come already, else the read.)
+    gw.kill();
+    let wrote = open.write_all(b"anyone there?").await;
+    let ended = match wrote {
+        Err(e) => Err(e.kind()),
+        Ok(()) => {
+            let mut buf = [0u8; 16];
+            tokio::time::timeout(Duration::from_secs(20), open.read(&mut buf))
+                .await
+                .expect("the forwarded connection ends in time")
+                .map_err(|e| e.kind())
+        }
+    };
+    assert_eq!(
+        ended,
+        Err(std::io::ErrorKind::ConnectionReset),
+        "a broken tunnel must reset the forwarded connection"
+    );
 }
 
 #[tokio::test]
