@@ -132,11 +132,16 @@ async fn carry(mut local: TcpStream, tunnel: &Tunnel, target: &str) -> Result<()
                     let _ = wr.shutdown().await;
                     true
                 };
-                // The tunnel side ending ends the local reads too (they would otherwise wait on
-                // an application that waits on us); the local side ending only half-closes.
+                // A tunnel that broke ends the local reads too (they would otherwise wait on an
+                // application that waits on us); a clean end is a half-close, as on TCP.
                 tokio::pin!(up, down);
                 tokio::select! {
-                    clean = &mut down => clean,
+                    clean = &mut down => {
+                        if clean {
+                            up.await;
+                        }
+                        clean
+                    }
                     () = &mut up => down.await,
                 }
             };
