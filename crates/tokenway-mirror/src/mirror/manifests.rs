@@ -26,6 +26,7 @@ use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
 use tokenway_telemetry::Counter;
 
+use super::recent::Recent;
 use crate::http_error::ServeError;
 use crate::lock;
 use crate::manifest::{
@@ -40,6 +41,9 @@ pub const MAX_LOADS: usize = 1024;
 pub const ORIGIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Outboards of one revision fetched from the origin at once while it loads.
 pub const OUTBOARD_LOADS: usize = 16;
+/// Bytes of verified outboards kept in memory (the outboards of a 128 GiB model at the
+/// default group size).
+pub const VERIFIED_OUTBOARD_BYTES: usize = 128 << 20;
 /// How long a tag lookup waits for the origin when this mirror has a copy of the tag: then
 /// the copy answers (marked stale), well inside a puller's 10 s wait for a manifest.
 pub const STALE_TAG_AFTER: Duration = Duration::from_secs(3);
@@ -99,6 +103,9 @@ pub struct ManifestCache {
     /// Outboard bytes fetched from the origin (verified).
     outboard_from_origin: Counter,
     memo: Mutex<Memo>,
+    /// Outboards verified last, by (blob hash, group size): a rollout asks for each one once
+    /// per node, and reading and verifying it from disk each time cost a full walk of it.
+    verified: Mutex<Recent<(Blake3Hash, u64)>>,
     /// Recent tag answers.
     tags: Mutex<HashMap<(String, String), TagAnswer>>,
     /// Revisions being loaded: the load lock callers of one revision queue on.
@@ -108,6 +115,20 @@ pub struct ManifestCache {
 /// A tag's revision, whether it came from this mirror's copy (the origin unreachable), and
 /// when the answer came.
 type TagAnswer = (String, bool, tokio::time::Instant);
+
+/// `ob` if it is `entry`'s outboard (checked on a blocking thread: a walk of all of it).
+async fn verified_outboard(entry: &FileEntry, ob: bytes::Bytes) -> Result<bytes::Bytes, String> {
+    let mut probe = entry.clone();
+    probe.pieces.clear();
+    tokio::task::spawn_blocking(move || {
+        probe
+            .attach_outboard(&ob)
+            .map(|_| ob)
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .unwrap_or_else(|e| Err(format!("the check failed: {e}")))
+}
 
 /// Load locks by (model, revision).
 type Loading = Mutex<HashMap<(String, String), Arc<tokio::sync::Mutex<()>>>>;
@@ -152,6 +173,7 @@ impl ManifestCache {
             dir: dir.join("manifests"),
             outboard_from_origin,
             memo: Mutex::new(Memo::default()),
+            verified: Mutex::new(Recent::new(VERIFIED_OUTBOARD_BYTES)),
             tags: Mutex::new(HashMap::new()),
             loading: Mutex::new(HashMap::new()),
         }
@@ -334,27 +356,28 @@ impl ManifestCache {
                 entry.hash
             ))
         })?;
-        let verifies = |ob: &[u8]| {
-            let mut probe = entry.clone();
-            probe.pieces.clear();
-            probe.attach_outboard(ob)
-        };
+        let memo_key = (entry.hash, entry.group_size.unwrap_or(0));
+        if let Some(b) = lock(&self.verified).get(&memo_key) {
+            return Ok(b);
+        }
         let local = self.dir.join(&key);
         if let Ok(b) = tokio::fs::read(&local).await {
-            if verifies(&b).is_ok() {
-                return Ok(b.into());
+            if let Ok(b) = verified_outboard(entry, b.into()).await {
+                lock(&self.verified).insert(memo_key, b.clone());
+                return Ok(b);
             }
             tracing::warn!(path = %local.display(), "a cached outboard does not verify; fetching it again");
         }
         match origin_get(origin, &key).await {
             Got::Bytes(b) => {
-                verifies(&b).map_err(|e| {
+                let b = verified_outboard(entry, b).await.map_err(|e| {
                     ServeError::origin(format!(
                         "the origin's {key} does not verify against the blob hash: {e}"
                     ))
                 })?;
                 self.outboard_from_origin.inc_by(b.len() as u64);
                 write_atomic(&local, &b).await;
+                lock(&self.verified).insert(memo_key, b.clone());
                 Ok(b)
             }
             Got::NotFound => Err(ServeError::origin(format!(
@@ -557,6 +580,35 @@ mod tests {
         // The manifest, then all eight outboards at once: two seconds, where one outboard
         // after another took nine (past a puller's 10 s head timeout with a few more).
         assert_eq!(started.elapsed(), Duration::from_secs(2));
+    }
+
+    #[tokio::test]
+    async fn an_outboard_verified_once_is_served_again_without_the_disk_or_the_origin() {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("a.bin"), vec![3u8; 600 << 10]).unwrap();
+        let origin: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        let opts = PublishOptions {
+            piece_size: 256 << 10,
+            ..Default::default()
+        };
+        publish(Arc::clone(&origin), &src, "org/one", "r1", None, &opts)
+            .await
+            .unwrap();
+        let cache = ManifestCache::new(&tmp.path().join("c"), Counter::default());
+        let m = cache
+            .revision(origin.as_ref(), "org/one", "r1")
+            .await
+            .unwrap();
+        let entry = &m.files[0];
+        let first = cache.outboard(origin.as_ref(), entry).await.unwrap();
+        // The disk copy and the origin both gone: the verified copy in memory answers.
+        let key = entry.outboard_key().unwrap();
+        std::fs::remove_file(cache.dir.join(&key)).unwrap();
+        let empty = object_store::memory::InMemory::new();
+        let again = cache.outboard(&empty, entry).await.unwrap();
+        assert_eq!(again, first);
     }
 
     #[test]

@@ -435,6 +435,13 @@ impl Mirror {
         Ok(ServeBudget::hold(b, share))
     }
 
+    /// `bytes` (an outboard) for a response, holding their share of the serving budget until
+    /// the client has taken them, as pieces do.
+    pub(crate) async fn held_for_client(&self, bytes: Bytes) -> Result<Bytes, ServeError> {
+        let share = self.serving.take(bytes.len() as u64, BUDGET_WAIT).await?;
+        Ok(ServeBudget::hold(bytes, share))
+    }
+
     /// Waits for `bytes` worth of the uplink (`--limit-rate`), if it is limited.
     async fn pace(&self, bytes: u64) {
         if let Some(up) = &self.uplink {

@@ -6,9 +6,11 @@
 //! those that come a little later would otherwise read it back from the disk cache, which
 //! is written around the page cache ([`super::cache`]). A few dozen pieces in memory cover
 //! that window, so a crowd costs the disk one write per piece and no reads. Bounded by
-//! bytes; oldest out first; a piece is only ever inserted after it was verified.
+//! bytes; oldest out first; a piece is only ever inserted after it was verified. The same
+//! structure keeps the outboards verified last ([`super::manifests`]).
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::Hash;
 
 use bytes::Bytes;
 
@@ -17,18 +19,21 @@ use super::cache::PieceKey;
 /// Bytes of recently fetched pieces kept in memory (64 pieces of 4 MiB).
 pub const RECENT_BYTES: usize = 256 << 20;
 
-/// The most recently fetched pieces, at most `max_bytes` of them.
+/// The most recently fetched pieces.
+pub type RecentPieces = Recent<PieceKey>;
+
+/// The most recently inserted verified byte strings, at most `max_bytes` of them.
 #[derive(Debug)]
-pub struct RecentPieces {
-    pieces: HashMap<PieceKey, Bytes>,
+pub struct Recent<K> {
+    pieces: HashMap<K, Bytes>,
     /// Insertion order, oldest first (a map lookup per request, not a scan: with 64 KiB
     /// pieces the bound holds thousands).
-    order: VecDeque<PieceKey>,
+    order: VecDeque<K>,
     bytes: usize,
     max_bytes: usize,
 }
 
-impl RecentPieces {
+impl<K: Clone + Eq + Hash> Recent<K> {
     /// Empty, holding at most `max_bytes`.
     pub fn new(max_bytes: usize) -> Self {
         Self {
@@ -40,17 +45,17 @@ impl RecentPieces {
     }
 
     /// The piece, if it is still here (a cheap clone of the same bytes).
-    pub fn get(&self, k: &PieceKey) -> Option<Bytes> {
+    pub fn get(&self, k: &K) -> Option<Bytes> {
         self.pieces.get(k).cloned()
     }
 
     /// Keeps a verified piece, dropping the oldest to stay within the bound.
-    pub fn insert(&mut self, k: PieceKey, piece: Bytes) {
+    pub fn insert(&mut self, k: K, piece: Bytes) {
         if piece.len() > self.max_bytes || self.pieces.contains_key(&k) {
             return;
         }
         self.bytes += piece.len();
-        self.pieces.insert(k, piece);
+        self.pieces.insert(k.clone(), piece);
         self.order.push_back(k);
         while self.bytes > self.max_bytes {
             let Some(old) = self.order.pop_front() else {

@@ -344,6 +344,7 @@ async fn outboard(
     }
     let ob = m.manifests.outboard(m.origin.as_ref(), &entry).await?;
     m.metrics.outboard_bytes_served.inc_by(ob.len() as u64);
+    let ob = m.held_for_client(ob).await?;
     let mut r = Response::new(full(ob));
     let h = r.headers_mut();
     h.insert(
