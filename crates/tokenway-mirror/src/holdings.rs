@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::lock;
 use crate::manifest::{Blake3Hash, FileEntry};
+use crate::mirror::peers::MAX_ANNOUNCED_PIECES;
 use crate::piece_bits::{PieceBits, PieceBitsWire};
 
 /// Piece bitsets by blob, as announced.
@@ -83,16 +84,28 @@ impl Holdings {
         lock(&self.blobs).get(hash).map(|h| Arc::clone(&h.entry))
     }
 
-    /// What to announce: the pieces held and the pieces being fetched.
+    /// What to announce: the pieces held and the pieces being fetched, together within
+    /// the mirror's [`MAX_ANNOUNCED_PIECES`] bits. Every bitset is a whole blob's, so a pull
+    /// fetching pieces of every blob of a large model would announce its piece count twice and
+    /// be refused altogether: `taking` is left out, largest blobs first, until it fits.
     pub fn wire(&self) -> (WireBits, WireBits) {
         let blobs = lock(&self.blobs);
-        let have = blobs.iter().map(|(k, h)| (*k, h.bits.to_wire())).collect();
-        let taking = blobs
+        let have: WireBits = blobs.iter().map(|(k, h)| (*k, h.bits.to_wire())).collect();
+        let mut taking: Vec<_> = blobs
             .iter()
             .filter(|(_, h)| h.taking.present() > 0)
             .map(|(k, h)| (*k, h.taking.to_wire()))
             .collect();
-        (have, taking)
+        let mut bits = have
+            .values()
+            .chain(taking.iter().map(|(_, w)| w))
+            .fold(0u64, |n, w| n.saturating_add(w.count));
+        taking.sort_by_key(|(_, w)| w.count);
+        while bits > MAX_ANNOUNCED_PIECES {
+            let Some((_, w)) = taking.pop() else { break };
+            bits -= w.count;
+        }
+        (have, taking.into_iter().collect())
     }
 
     /// Of `blobs`, those not yet held whole (those this node still wants from others); a blob
@@ -148,5 +161,25 @@ mod tests {
             h.piece_written(&a.hash, i);
         }
         assert_eq!(h.missing(&[a.hash, b.hash]), Vec::<Blake3Hash>::new());
+    }
+
+    #[test]
+    fn what_is_being_fetched_is_left_out_before_the_announcement_grows_past_the_limit() {
+        // Two blobs of a quarter of the limit each (one a piece larger), a piece of each in
+        // flight: held and taken together would be a little over the limit.
+        let n = MAX_ANNOUNCED_PIECES / 4;
+        let a = entry("a", 4);
+        let b = entry("b", 4);
+        let h = Holdings::default();
+        h.add(&a, "a".into(), PieceBits::empty(n));
+        h.add(&b, "b".into(), PieceBits::empty(n + 1));
+        h.taking(&a.hash, 0, true);
+        h.taking(&b.hash, 0, true);
+        let (have, taking) = h.wire();
+        assert_eq!(have.len(), 2);
+        // One bitset of `taking` fits beside `have`; the larger one is left out.
+        assert_eq!(taking.keys().collect::<Vec<_>>(), vec![&a.hash]);
+        let announced: u64 = have.values().chain(taking.values()).map(|w| w.count).sum();
+        assert!(announced <= MAX_ANNOUNCED_PIECES);
     }
 }
