@@ -62,6 +62,9 @@ pub struct DatagramMetrics {
     pub lost: Family<SideLabels, Counter>,
     /// `tokenway_datagram_residual_loss_total{side}`: losses FEC could not restore.
     pub residual: Family<SideLabels, Counter>,
+    /// `tokenway_datagram_decodes_refused_total{side}`: Reed-Solomon decodes a peer had not
+    /// earned with source packets (forged repair packets).
+    pub decodes_refused: Family<SideLabels, Counter>,
     /// `tokenway_datagram_blocks_missing_total{side}`: whole FEC blocks that never arrived
     /// (their packets are in neither the lost nor the residual count).
     pub blocks_missing: Family<SideLabels, Counter>,
@@ -86,6 +89,7 @@ impl Default for DatagramMetrics {
             recovered: Family::default(),
             lost: Family::default(),
             residual: Family::default(),
+            decodes_refused: Family::default(),
             blocks_missing: Family::default(),
             bursts: Family::new_with_constructor(BurstHistogram),
             dropped: Family::default(),
@@ -150,6 +154,11 @@ impl DatagramMetrics {
             "datagram_residual_loss",
             "Missing source packets FEC could not restore",
             self.residual.clone(),
+        );
+        r.register(
+            "datagram_decodes_refused",
+            "Reed-Solomon decodes not done: the peer had not earned them with source packets",
+            self.decodes_refused.clone(),
         );
         r.register(
             "datagram_blocks_missing",

@@ -263,6 +263,7 @@ fn add_receiver(a: &mut ReceiverStats, b: &ReceiverStats) {
     a.blocks_complete += b.blocks_complete;
     a.blocks_incomplete += b.blocks_incomplete;
     a.decode_failures += b.decode_failures;
+    a.decodes_refused += b.decodes_refused;
     a.recovered_dropped += b.recovered_dropped;
     a.reports_received += b.reports_received;
     a.reports_sent += b.reports_sent;
@@ -769,6 +770,11 @@ impl State {
         inc(&m.recovered, t.received.recovered, p.received.recovered);
         inc(&m.lost, t.received.lost, p.received.lost);
         inc(&m.residual, t.received.residual, p.received.residual);
+        inc(
+            &m.decodes_refused,
+            t.received.decodes_refused,
+            p.received.decodes_refused,
+        );
         inc(
             &m.blocks_missing,
             t.received.blocks_missing,

@@ -179,6 +179,9 @@ pub fn parse(buf: &[u8]) -> Result<Packet<'_>, WireError> {
                     "repair shard length not even and non-zero",
                 ));
             }
+            if shard.len() > crate::fec::MAX_SHARD_LEN {
+                return Err(WireError::Malformed("repair shard longer than 2048 bytes"));
+            }
             Ok(Packet::Repair(header, shard))
         }
         PacketType::LossReport => Ok(Packet::LossReport(LossReport::decode(&buf[2..])?)),

@@ -181,21 +181,6 @@ impl Decoder {
         }
         Ok(())
     }
-
-    /// Frees the working memory if a block of shards longer than `keep` bytes grew it: the
-    /// decoder's buffers keep the size of the largest block they decoded.
-    pub(crate) fn shrink(&mut self, shard_len: usize, keep: usize) {
-        if shard_len > keep {
-            self.rs = None;
-            self.scratch = Vec::new();
-        }
-    }
-
-    /// Whether it holds no working memory beyond `keep` bytes of scratch.
-    #[cfg(test)]
-    pub(crate) fn is_released(&self, keep: usize) -> bool {
-        self.rs.is_none() && self.scratch.capacity() <= keep
-    }
 }
 
 #[cfg(test)]

@@ -207,3 +207,13 @@ pub fn datagram_overhead(fec: bool, obfuscated: bool) -> usize {
 /// The largest QUIC datagram the layer accepts (the largest IPv4 UDP payload, 65 507 bytes,
 /// less the worst-case overhead).
 pub const MAX_DATAGRAM_LEN: usize = 65_507 - 18;
+
+/// The longest repair shard, on the wire and in a receiver: the shard of a QUIC packet of a
+/// 1500-byte path with room to spare (tokenway's QUIC stops MTU discovery at 1452 bytes).
+/// Without a bound, two forged repair packets of 64 KiB shards made a decoder allocate
+/// megabytes and work for milliseconds.
+pub const MAX_SHARD_LEN: usize = 2048;
+
+/// The largest QUIC datagram FEC protects (its shard is at most [`MAX_SHARD_LEN`]); a larger
+/// one is sent plain.
+pub const MAX_PROTECTED_LEN: usize = MAX_SHARD_LEN - codec::SHARD_OVERHEAD;

@@ -35,6 +35,9 @@ const MAX_RECOVERED_QUEUE: usize = 2 * MAX_BLOCK_SOURCES;
 /// larger datagrams (jumbo frames, or a peer sending junk at the UDP maximum) are freed after
 /// use, so the pool's memory stays at its count times this.
 const POOLED_CAPACITY: usize = 2048;
+// A repair shard always fits the pool, and the decoder's buffers (which keep the size of the
+// largest block they decoded) stay those of the largest protected packet.
+const _: () = assert!(crate::fec::MAX_SHARD_LEN <= POOLED_CAPACITY);
 
 /// Receiver configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -200,6 +203,9 @@ pub struct ReceiverStats {
     pub blocks_incomplete: u64,
     /// Blocks whose shards could not be decoded (inconsistent input).
     pub decode_failures: u64,
+    /// Reed-Solomon decodes not done because the peer had not earned them with source packets
+    /// (forged repairs; see `DECODE_CREDIT_PER_SOURCE`).
+    pub decodes_refused: u64,
     /// Restored packets dropped because [`FecReceiver::pop_recovered`] was not drained.
     pub recovered_dropped: u64,
     /// Loss reports received from the peer.
@@ -302,8 +308,23 @@ pub struct FecReceiver {
     epoch: Option<Instant>,
     /// Version of the last well-framed packet from the peer; our loss reports use it.
     peer_version: u8,
+    /// Reed-Solomon decodes this peer has earned, in quarters ([`DECODE_CREDIT_PER_SOURCE`]).
+    decode_credit: u32,
     stats: ReceiverStats,
 }
+
+/// A Reed-Solomon decode costs 100-250 µs whatever the shards (two transforms over 2^16
+/// elements), and a sender decides how many it causes: two forged repair packets of a few
+/// bytes force one. So decodes are earned by source packets received from the peer, a quarter
+/// of one each (real traffic needs one per damaged block: below 0.1 per source packet even at
+/// 5 % loss on token streams), with a starting allowance and a cap that absorb a burst of
+/// losses. XOR (r = 1) and copy (k = 1) recoveries cost microseconds and are free.
+const DECODE_CREDIT_PER_SOURCE: u32 = 1;
+/// Quarters one decode costs.
+const DECODE_COST: u32 = 4;
+/// The starting allowance and the cap, in quarters (8 and 64 decodes).
+const DECODE_CREDIT_START: u32 = 8 * DECODE_COST;
+const DECODE_CREDIT_MAX: u32 = 64 * DECODE_COST;
 
 impl FecReceiver {
     /// A receiver with `config`, de-obfuscating with `obfs` if given. `seed` seeds the CSPRNG
@@ -335,6 +356,7 @@ impl FecReceiver {
             last_now: None,
             epoch: None,
             peer_version: packet::VERSION,
+            decode_credit: DECODE_CREDIT_START,
             stats: ReceiverStats::default(),
         })
     }
@@ -557,6 +579,7 @@ impl FecReceiver {
         self.buffered += packet.len();
         b.sources.push((h.index, packet));
         self.stats.source_packets += 1;
+        self.decode_credit = (self.decode_credit + DECODE_CREDIT_PER_SOURCE).min(DECODE_CREDIT_MAX);
         self.progress(i);
         self.enforce_byte_bound();
         Received::Deliver(range)
@@ -616,6 +639,14 @@ impl FecReceiver {
         if b.sources.len() + b.repairs.len() < k {
             return;
         }
+        if k >= 2 && r >= 2 {
+            if self.decode_credit < DECODE_COST {
+                // Not earned: the block waits (a late source may complete it) or expires.
+                self.stats.decodes_refused += 1;
+                return;
+            }
+            self.decode_credit -= DECODE_COST;
+        }
         let q = &mut self.recovered_q;
         let pool = &mut self.pool;
         let stats = &mut self.stats;
@@ -639,7 +670,6 @@ impl FecReceiver {
                 q.push_back(pooled_copy(pool, packet));
             },
         );
-        self.decoder.0.shrink(b.shard_len, POOLED_CAPACITY);
         b.recovered |= restored;
         self.stats.recovered += u64::from(restored.count_ones());
         if result.is_err() {
@@ -880,6 +910,46 @@ mod tests {
     use crate::fec::{FecConfig, FecMode, FecScope, FecSender};
 
     #[test]
+    fn forged_repairs_without_source_packets_earn_only_a_few_decodes() {
+        let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
+        let now = Instant::now();
+        // Pairs of repairs of fresh blocks of two 2-byte sources, nothing else: each pair
+        // would make a Reed-Solomon decode.
+        for block in 0..100u16 {
+            for index in 0..2u8 {
+                let mut d = Vec::new();
+                packet::write_repair_header(
+                    &mut d,
+                    packet::RepairHeader {
+                        block: packet::BlockId(block),
+                        k: 2,
+                        r: 2,
+                        index,
+                    },
+                );
+                d.extend_from_slice(&[0, 0]);
+                let _ = rx.on_datagram(now, &mut d);
+            }
+        }
+        let s = rx.stats();
+        assert_eq!(s.decode_failures + s.recovered / 2, 8, "{s:?}");
+        assert_eq!(s.decodes_refused, 92, "{s:?}");
+        // A shard longer than any protected packet's is refused as malformed.
+        let mut d = Vec::new();
+        packet::write_repair_header(
+            &mut d,
+            packet::RepairHeader {
+                block: packet::BlockId(500),
+                k: 2,
+                r: 2,
+                index: 0,
+            },
+        );
+        d.extend_from_slice(&vec![0u8; crate::fec::MAX_SHARD_LEN + 2]);
+        assert!(matches!(rx.on_datagram(now, &mut d), Received::Dropped(_)));
+    }
+
+    #[test]
     fn large_datagrams_leave_no_large_buffers_behind() {
         let config = FecConfig {
             mode: FecMode::Fixed { k: 3, r: 2 },
@@ -890,7 +960,7 @@ mod tests {
         let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
         let now = Instant::now();
         let later = now + Duration::from_secs(1);
-        for size in [1200usize, 60_000] {
+        for size in [1200usize, crate::fec::MAX_PROTECTED_LEN] {
             let mut wire = Vec::new();
             for n in 0..3u8 {
                 let mut out = Vec::new();
@@ -911,12 +981,19 @@ mod tests {
             assert_eq!(restored, vec![0u8; size]);
         }
         assert_eq!(rx.stats().recovered, 2);
+        // A datagram over what FEC protects goes plain, and arrives whole.
+        let mut out = Vec::new();
+        tx.send(later, &vec![9u8; 60_000], &mut out).expect("send");
+        assert_eq!(tx.stats().plain_packets, 1);
+        match rx.on_datagram(later, &mut out) {
+            Received::Deliver(range) => assert_eq!(&out[range], &vec![9u8; 60_000][..]),
+            other => panic!("{other:?}"),
+        }
         assert!(!rx.pool.is_empty());
         assert!(
             rx.pool.iter().all(|b| b.capacity() <= POOLED_CAPACITY),
             "{:?}",
             rx.pool.iter().map(Vec::capacity).collect::<Vec<_>>()
         );
-        assert!(rx.decoder.0.is_released(POOLED_CAPACITY));
     }
 }

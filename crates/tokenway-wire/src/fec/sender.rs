@@ -10,7 +10,7 @@ use super::adapt::Adaptation;
 use super::codec::{shard_len_for, Encoder};
 use super::{
     datagram_overhead, FecConfig, FecMode, FecScope, HEAD_EXTRA_MAX_K, MAX_DATAGRAM_LEN,
-    SMALL_PACKET_MAX_LEN, SPARSE_FLUSH_RTT_FRACTION,
+    MAX_PROTECTED_LEN, SMALL_PACKET_MAX_LEN, SPARSE_FLUSH_RTT_FRACTION,
 };
 use crate::error::WireError;
 use crate::loss_report::LossReport;
@@ -335,7 +335,7 @@ impl FecSender {
         self.on_timeout(now);
         out.clear();
         self.reserve_salt(out);
-        if !self.fec_active() {
+        if !self.fec_active() || quic.len() > MAX_PROTECTED_LEN {
             packet::write_plain_header(out);
             out.extend_from_slice(quic);
             self.seal(out);
