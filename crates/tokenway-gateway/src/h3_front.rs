@@ -74,10 +74,21 @@ pub async fn serve(
     let (open, _) = watch::channel(());
     let open = Arc::new(open);
     let mut stopping = stop.clone();
+    // `max_connections` open at once on this front; a connection attempt past it is refused
+    // at once (a QUIC server has no accept queue to leave it in), before any handshake work.
+    let slots = Arc::new(tokio::sync::Semaphore::new(shared.config.max_connections));
     loop {
         let incoming = tokio::select! {
             i = endpoint.accept() => match i { Some(i) => i, None => break },
             _ = stopping.changed() => break,
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            tracing::debug!(
+                front = front.label(),
+                "max_connections reached: refusing a QUIC connection"
+            );
+            incoming.refuse();
+            continue;
         };
         let shared = shared.clone();
         let (stop, open) = (stop.clone(), open.clone());
@@ -85,6 +96,7 @@ pub async fn serve(
             if let Err(e) = connection(incoming, shared, front, stop, open).await {
                 tracing::debug!(error = %e, "HTTP/3 connection ended");
             }
+            drop(slot);
         });
     }
     endpoint.set_server_config(None);

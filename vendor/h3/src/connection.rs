@@ -501,6 +501,22 @@ where
         // Remove all None values
         self.pending_recv_streams.retain(|s| s.is_some());
 
+        // tokenway: the peer's QPACK encoder and decoder streams are read and discarded. With
+        // no dynamic table (capacity 0) they carry nothing this side uses, but unread they held
+        // up to a stream's receive window (8 MiB with quinn's defaults) each, per connection,
+        // for the connection's life: anyone able to connect could pin memory that way.
+        for s in [
+            &mut self.qpack_streams.encoder_recv,
+            &mut self.qpack_streams.decoder_recv,
+        ] {
+            if let Some(AcceptedRecvStream::Encoder(r) | AcceptedRecvStream::Decoder(r)) = s {
+                while r.take_chunk(usize::MAX).is_some() {}
+                while let Poll::Ready(Ok(false)) = r.poll_read(cx) {
+                    while r.take_chunk(usize::MAX).is_some() {}
+                }
+            }
+        }
+
         Ok(())
     }
 

@@ -395,6 +395,40 @@ async fn a_headers_frame_announcing_more_than_the_head_limit_closes_the_connecti
     assert_eq!(r["status"], 200, "{r}");
 }
 
+/// Writes `arg` MiB into the client's QPACK encoder stream, and says whether the server took
+/// it all (acknowledged every byte within 15 s) or left it stuck in flow control.
+const QPACK_FLOOD_CLIENT: &str = r#"sid = cl.h3._local_encoder_stream_id
+chunk = bytes(64 * 1024)
+for _ in range(int(arg) * 16):
+    cl._quic.send_stream_data(sid, chunk)
+    cl.transmit()
+    await asyncio.sleep(0)
+s = cl._quic._streams[sid].sender
+for _ in range(300):
+    cl.transmit()
+    if s._buffer_start == s._buffer_stop:
+        break
+    await asyncio.sleep(0.05)
+print('taken' if s._buffer_start == s._buffer_stop else 'stuck at %d of %d' % (s._buffer_start, s._buffer_stop), flush=True)"#;
+
+#[tokio::test]
+async fn a_client_writing_into_its_qpack_encoder_stream_pins_no_server_memory() {
+    if !have_aioquic() {
+        return;
+    }
+    let backend = sim(FAST_SIM);
+    let gw = quic_gateway(&backend, "");
+    // 24 MiB, three times a stream's receive window: the server must read and drop what it
+    // does not use (it has no dynamic table), not leave it buffered for the connection's life.
+    let client = aioquic_client(gw.extra("h3").expect("h3 front"), QPACK_FLOOD_CLIENT, "24");
+    let out = tokio::task::spawn_blocking(move || client.wait_with_output())
+        .await
+        .expect("join")
+        .expect("the client runs");
+    let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert_eq!(said, "taken", "{}", String::from_utf8_lossy(&out.stderr));
+}
+
 /// A quinn-based HTTP/3 client (the edge's) connected to `gw`'s public HTTP/3 front, trusting
 /// the certificate the gateway announced; with its endpoint (a quinn `Endpoint`, which this
 /// crate does not name), to keep while the client is used.
@@ -404,6 +438,19 @@ async fn quinn_client(
     tokenway_transport::client::QuicClient,
     Box<dyn std::any::Any>,
 ) {
+    try_quinn_client(gw).await.expect("connected")
+}
+
+/// [`quinn_client`], or why it could not connect.
+async fn try_quinn_client(
+    gw: &Proc,
+) -> Result<
+    (
+        tokenway_transport::client::QuicClient,
+        Box<dyn std::any::Any>,
+    ),
+    tokenway_transport::TransportError,
+> {
     use tokenway_transport::client::{QuicClient, QuicConnect};
     use tokenway_transport::trust::{client_tls, Trust};
     use tokenway_transport::QuicSettings;
@@ -438,9 +485,36 @@ async fn quinn_client(
         metrics: None,
         timeout: Duration::from_secs(5),
     })
-    .await
-    .expect("connected");
-    (client, Box::new(endpoint))
+    .await?;
+    Ok((client, Box::new(endpoint)))
+}
+
+#[tokio::test]
+async fn quic_connections_past_max_connections_are_refused_until_one_closes() {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(
+        &[&backend],
+        "h3_listen = \"127.0.0.1:0\"\nmax_connections = 1",
+        &format!("[tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n"),
+    );
+    let first = quinn_client(&gw).await;
+    let refused = try_quinn_client(&gw).await;
+    assert!(refused.is_err(), "a second connection was accepted");
+    // The first one goes: its slot is free again.
+    first.0.close();
+    drop(first);
+    let mut again = None;
+    for _ in 0..50 {
+        if let Ok(c) = try_quinn_client(&gw).await {
+            again = Some(c);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        again.is_some(),
+        "no connection accepted after the first closed"
+    );
 }
 
 fn chat_request(body: String) -> http::Request<http_body_util::Full<bytes::Bytes>> {
