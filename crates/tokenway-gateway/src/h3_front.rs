@@ -446,7 +446,7 @@ async fn forward(
         TcpStream::connect(&target),
     )
     .await;
-    let tcp = match connect {
+    let mut tcp = match connect {
         Ok(Ok(s)) => s,
         _ => {
             let e = ApiError::new(
@@ -463,35 +463,56 @@ async fn forward(
     if send.send_response(Response::new(())).await.is_err() {
         return;
     }
-    let (mut tcp_read, mut tcp_write) = tcp.into_split();
-    let upstream = async {
-        while let Ok(Some(mut chunk)) = recv.recv_data().await {
-            let bytes = chunk.copy_to_bytes(chunk.remaining());
-            if tcp_write.write_all(&bytes).await.is_err() {
-                break;
+    let write_deadline = shared.config.timeouts.client_write();
+    let clean = {
+        let (mut tcp_read, mut tcp_write) = tcp.split();
+        // Each direction says whether it ended cleanly: a FIN passed on as a FIN. A reset, a
+        // read error or a write that stalls past `client_write_ms` is not, and ends both.
+        let upstream = async {
+            loop {
+                match recv.recv_data().await {
+                    Ok(Some(mut chunk)) => {
+                        let bytes = chunk.copy_to_bytes(chunk.remaining());
+                        let wrote =
+                            tokio::time::timeout(write_deadline, tcp_write.write_all(&bytes)).await;
+                        if !matches!(wrote, Ok(Ok(()))) {
+                            return false;
+                        }
+                    }
+                    Ok(None) => return tcp_write.shutdown().await.is_ok(),
+                    Err(_) => return false,
+                }
             }
-        }
-        let _ = tcp_write.shutdown().await;
-    };
-    let downstream = async {
-        let mut buf = vec![0u8; 16 * 1024];
-        loop {
-            match tcp_read.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    if send
-                        .send_data(Bytes::copy_from_slice(&buf[..n]))
-                        .await
-                        .is_err()
-                    {
-                        break;
+        };
+        let downstream = async {
+            let mut buf = vec![0u8; 16 * 1024];
+            loop {
+                match tcp_read.read(&mut buf).await {
+                    Ok(0) => return send.finish().await.is_ok(),
+                    Err(_) => return false,
+                    Ok(n) => {
+                        let data = Bytes::copy_from_slice(&buf[..n]);
+                        let sent = tokio::time::timeout(write_deadline, send.send_data(data)).await;
+                        if !matches!(sent, Ok(Ok(()))) {
+                            return false;
+                        }
                     }
                 }
             }
+        };
+        tokio::pin!(upstream, downstream);
+        tokio::select! {
+            up = &mut upstream => up && downstream.await,
+            down = &mut downstream => down && upstream.await,
         }
-        let _ = send.finish().await;
     };
-    tokio::join!(upstream, downstream);
+    if !clean {
+        // Whoever is still there learns of the break: the edge by a reset stream (not a FIN
+        // that would make a cut download look complete), the target by a TCP reset.
+        send.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
+        recv.stop_sending(h3::error::Code::H3_INTERNAL_ERROR);
+        let _ = tcp.set_zero_linger();
+    }
 }
 
 /// A request body read from an HTTP/3 stream.
