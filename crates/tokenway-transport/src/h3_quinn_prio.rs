@@ -500,6 +500,9 @@ pub struct SendStream<B: Buf> {
     registry: Option<PriorityMap>,
     /// The frame `h3` handed over with `send_data`, written out by `poll_ready`.
     writing: Option<WriteBuf<B>>,
+    /// Finished or reset: dropped before that, the stream is reset, not ended (quinn would end
+    /// it with a FIN, and a cut response or request would read as complete).
+    closed: bool,
 }
 
 impl<B: Buf> SendStream<B> {
@@ -516,6 +519,7 @@ impl<B: Buf> SendStream<B> {
             id,
             registry,
             writing: None,
+            closed: false,
         }
     }
 
@@ -534,6 +538,10 @@ impl<B: Buf> Drop for SendStream<B> {
     fn drop(&mut self) {
         if let Some(map) = &self.registry {
             map.remove(self.id, &self.slot);
+        }
+        if !self.closed {
+            // H3_REQUEST_CANCELLED (RFC 9114 section 8.1).
+            let _ = lock(&self.slot).stream.reset(VarInt::from_u32(0x10c));
         }
     }
 }
@@ -565,6 +573,7 @@ impl<B: Buf> quic::SendStream<B> for SendStream<B> {
     fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), StreamErrorIncoming>> {
         // A frame still being written goes out before the FIN.
         ready!(self.poll_ready(cx))?;
+        self.closed = true;
         Poll::Ready(
             lock(&self.slot)
                 .stream
@@ -574,6 +583,7 @@ impl<B: Buf> quic::SendStream<B> for SendStream<B> {
     }
 
     fn reset(&mut self, reset_code: u64) {
+        self.closed = true;
         let code = VarInt::from_u64(reset_code).unwrap_or(VarInt::MAX);
         let _ = lock(&self.slot).stream.reset(code);
     }

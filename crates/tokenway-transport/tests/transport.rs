@@ -107,7 +107,8 @@ struct Server {
 /// - `POST /upload`: counts the body into `uploaded`, answers with the count;
 /// - `GET /download`: answers with [`BULK`] zero bytes, sent as [`Priority::Bulk`];
 /// - `POST /ping`: reads the body, answers with `uploaded` as it is at that moment;
-/// - `GET /stream`: [`STREAM_CHUNKS`] chunks of 64 bytes, [`STREAM_GAP`] apart.
+/// - `GET /stream`: [`STREAM_CHUNKS`] chunks of 64 bytes, [`STREAM_GAP`] apart;
+/// - `GET /dropped`: 64 bytes, then the response is dropped unfinished (a task that died).
 ///
 /// A request carrying `tw-rx-rate` is applied to the connection's rate handle, as the gateway's
 /// tunnel code does.
@@ -173,6 +174,10 @@ async fn serve_connection(incoming: quinn::Incoming, state: Arc<ServerState>) {
                 return;
             }
             if stream.send_response(Response::new(())).await.is_err() {
+                return;
+            }
+            if path == "/dropped" {
+                let _ = stream.send_data(zeros(64)).await;
                 return;
             }
             let mut left = if download { BULK } else { 0 };
@@ -779,4 +784,96 @@ async fn the_gateway_side_switches_to_brutal_at_the_advertised_rate() {
     let rate = tokenway_transport::cc::rate_handle(&server_conn).expect("a tunnel connection");
     assert_eq!(rate.rate(), Some(500_000), "min(edge rx, gateway up)");
     assert!(server_conn.congestion_state().window() >= 4 * 1200);
+}
+
+/// Reads a response body to its end: the bytes, and whether it ended cleanly.
+async fn read_to_end<S: h3::quic::RecvStream>(
+    stream: &mut h3::client::RequestStream<S, Bytes>,
+) -> (usize, bool) {
+    let mut got = 0;
+    loop {
+        match stream.recv_data().await {
+            Ok(Some(c)) => got += c.remaining(),
+            Ok(None) => return (got, true),
+            Err(_) => return (got, false),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_dropped_unfinished_reads_as_broken_not_complete() {
+    let server = start_server(true);
+    let client = raw_client(&server, true).await;
+    let mut sender = client.sender.clone();
+    let mut stream = sender
+        .send_request(request(Method::GET, "/dropped", ()))
+        .await
+        .expect("request stream");
+    stream.finish().await.expect("request end");
+    // The reset may come before the head is read (it discards what was not read yet).
+    let clean = match stream.recv_response().await {
+        Err(_) => false,
+        Ok(_) => {
+            tokio::time::timeout(DEADLINE, read_to_end(&mut stream))
+                .await
+                .expect("the body ends")
+                .1
+        }
+    };
+    assert!(
+        !clean,
+        "a response its server dropped unfinished read as complete"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_ends_inside_a_data_frame_reads_as_broken() {
+    // A bare QUIC server that answers a HEADERS frame (:status 200) and a DATA frame that
+    // announces 100 bytes but carries 10, then ends the stream.
+    let identity = Identity::self_signed(&["localhost"]).expect("self-signed identity");
+    let tls = identity.quic_server_config(false).expect("TLS config");
+    let crypto = QuicServerConfig::try_from(tls).expect("TLS config usable for QUIC");
+    let ep = quinn::Endpoint::server(
+        quinn::ServerConfig::with_crypto(Arc::new(crypto)),
+        "127.0.0.1:0".parse().expect("addr"),
+    )
+    .expect("server endpoint");
+    let server = Server {
+        addr: ep.local_addr().expect("bound address"),
+        fingerprint: identity.fingerprint(),
+        state: Arc::default(),
+        _endpoint: ep.clone(),
+    };
+    tokio::spawn(async move {
+        let conn = ep
+            .accept()
+            .await
+            .expect("incoming")
+            .await
+            .expect("handshake");
+        let (mut send, mut recv) = conn.accept_bi().await.expect("request stream");
+        let _ = recv.read_chunk(1 << 16, true).await;
+        let mut answer = vec![0x01, 0x03, 0x00, 0x00, 0xd9, 0x00, 0x40, 0x64];
+        answer.extend_from_slice(&[7u8; 10]);
+        send.write_all(&answer).await.expect("write");
+        // The end comes on its own, after the client has read what came.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        send.finish().expect("finish");
+        // Keep the connection until the client is done.
+        let _ = conn.closed().await;
+    });
+    let client = raw_client(&server, true).await;
+    let mut sender = client.sender.clone();
+    let mut stream = sender
+        .send_request(request(Method::GET, "/", ()))
+        .await
+        .expect("request stream");
+    stream.finish().await.expect("request end");
+    let head = stream.recv_response().await.expect("response head");
+    assert_eq!(head.status(), 200);
+    let (got, clean) = tokio::time::timeout(DEADLINE, read_to_end(&mut stream))
+        .await
+        .expect("the body ends");
+    assert_eq!(got, 10);
+    assert!(!clean, "a DATA frame cut short read as a complete body");
 }

@@ -122,6 +122,11 @@ where
         let data = self.stream.buf_mut().take_chunk(self.remaining_data);
 
         match (data, end) {
+            // tokenway: the stream ending inside a DATA frame is a truncated message (RFC 9114
+            // section 7.1), not its end; a WebTransport stream has no length and may end anywhere.
+            (None, true) if self.remaining_data != usize::MAX => {
+                Poll::Ready(Err(FrameStreamError::UnexpectedEnd))
+            }
             (None, true) => Poll::Ready(Ok(None)),
             (None, false) => Poll::Pending,
             (Some(d), true)
