@@ -255,7 +255,8 @@ struct Block {
 struct Finalised {
     id: BlockId,
     valid: bool,
-    /// When it was finalised, in ms since [`FecReceiver::epoch`] (saturating).
+    /// When it was finalised, in ms since [`FecReceiver::epoch`] (wrapping, see
+    /// [`FecReceiver::ms_since_epoch`]).
     at_ms: u32,
     /// Source indices received or restored.
     have: u64,
@@ -546,7 +547,7 @@ impl FecReceiver {
                 if f.have & bit != 0 {
                     // Soon after the block closed: a network duplicate, or the original of a
                     // restored packet. Later: a replay, or a restarted peer reusing the id.
-                    let age = Duration::from_millis(u64::from(now_ms.saturating_sub(f.at_ms)));
+                    let age = Duration::from_millis(u64::from(now_ms.wrapping_sub(f.at_ms)));
                     if age < self.config.max_block_age {
                         return Received::Dropped(DropReason::Duplicate);
                     }
@@ -732,11 +733,16 @@ impl FecReceiver {
         }
     }
 
+    /// Milliseconds since the first packet, in 32 bits that wrap every 49.7 days: only ages
+    /// are taken from them (`wrapping_sub`), and every age that matters is far shorter (a
+    /// finalised block's history slot is reused within 1024 blocks, a skipped id is settled
+    /// within `max_block_age`). Saturating instead stopped every clock after 49.7 days of a
+    /// tunnel, and tunnels run for months.
     fn ms_since_epoch(&self, t: Instant) -> u32 {
         let since = self
             .epoch
             .map_or(Duration::ZERO, |e| t.saturating_duration_since(e));
-        u32::try_from(since.as_millis()).unwrap_or(u32::MAX)
+        (since.as_millis() % (1u128 << 32)) as u32
     }
 
     fn expire(&mut self, now: Instant) {
@@ -751,7 +757,7 @@ impl FecReceiver {
         let now_ms = self.ms_since_epoch(now);
         let age_ms = u32::try_from(self.config.max_block_age.as_millis()).unwrap_or(u32::MAX);
         while let Some(&(_, at)) = self.skipped.front() {
-            if now_ms.saturating_sub(at) < age_ms {
+            if now_ms.wrapping_sub(at) < age_ms {
                 break;
             }
             if let Some((id, _)) = self.skipped.pop_front() {
