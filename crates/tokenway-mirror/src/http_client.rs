@@ -61,13 +61,13 @@ impl Timeouts {
         }
     }
 
-    /// A piece: [`HEAD_TIMEOUT`] for the head, and `total` both for the whole transfer and
-    /// for silence within the body (a cold mirror sends the head at once and the piece when
-    /// its origin has delivered it; a source stuck mid-body is left by the straggler hedge).
-    pub const fn piece(total: Duration) -> Self {
+    /// A piece: [`HEAD_TIMEOUT`] for the head, `idle` for silence within the body (a cold
+    /// mirror sends the head at once and the piece when its origin has delivered it; a source
+    /// stuck mid-body is left by the straggler hedge), and `total` for the whole transfer.
+    pub const fn piece(idle: Duration, total: Duration) -> Self {
         Self {
             head: HEAD_TIMEOUT,
-            idle: total,
+            idle,
             total,
         }
     }

@@ -20,6 +20,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -117,13 +118,22 @@ pub async fn serve<H, Fut>(
         };
         let _ = stream.set_nodelay(true);
         let handler = handler.clone();
+        // Requests of this connection whose answers are still being worked on: the
+        // connection is not idle meanwhile (a preheat answers only when it is done).
+        let busy = Arc::new(AtomicUsize::new(0));
+        let working = Arc::clone(&busy);
         let svc = service_fn(move |mut req: Request<Incoming>| {
             req.extensions_mut().insert(RemoteAddr(remote));
             let response = handler(req);
-            async move { Ok::<_, Infallible>(response.await) }
+            let working = Working::start(&working);
+            async move {
+                let response = response.await;
+                drop(working);
+                Ok::<_, Infallible>(response)
+            }
         });
         let Some(acceptor) = acceptor.clone() else {
-            let io = TokioIo::new(guarded(stream, idle));
+            let io = TokioIo::new(guarded(stream, idle, busy));
             let conn = builder.serve_connection(io, svc).into_owned();
             let conn = graceful.watch(conn);
             tokio::spawn(async move {
@@ -152,7 +162,7 @@ pub async fn serve<H, Fut>(
                         return;
                     }
                 };
-            let io = TokioIo::new(guarded(stream, idle));
+            let io = TokioIo::new(guarded(stream, idle, busy));
             let conn = builder.serve_connection(io, svc).into_owned();
             if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(error = %e, "{what}: connection ended with an error");
@@ -164,10 +174,28 @@ pub async fn serve<H, Fut>(
 }
 
 /// A connection's stream with its write-stall and idle bounds.
-fn guarded<T>(stream: T, idle: Duration) -> StallGuard<T> {
+fn guarded<T>(stream: T, idle: Duration, busy: Arc<AtomicUsize>) -> StallGuard<T> {
     StallGuard::new(stream, WRITE_STALL_TIMEOUT)
         .with_min_progress(MIN_PROGRESS)
         .with_idle_limit(idle)
+        .with_busy_count(busy)
+}
+
+/// One request being worked on, counted while it lives (dropped with its future if the
+/// connection goes first).
+struct Working(Arc<AtomicUsize>);
+
+impl Working {
+    fn start(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(count))
+    }
+}
+
+impl Drop for Working {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 #[cfg(test)]
@@ -206,6 +234,39 @@ mod tests {
             Ok(_) => Ok(got),
             Err(_) => Err("the server kept the connection open"),
         }
+    }
+
+    #[tokio::test]
+    async fn a_request_being_worked_on_keeps_its_connection_however_long_it_takes() {
+        // A preheat answers only when it is done, minutes later: the client waits on a
+        // connection where nothing moves, and that is not idleness.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = Limits {
+            max_connections: 2,
+            grace: Duration::from_secs(1),
+            idle: Duration::from_millis(200),
+        };
+        let handler = |_req| async {
+            tokio::time::sleep(Duration::from_millis(1000)).await;
+            Response::new(crate::range_server::full("done"))
+        };
+        tokio::spawn(serve(
+            listener,
+            None,
+            "test",
+            limits,
+            handler,
+            std::future::pending(),
+        ));
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"POST /v1/preheat HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = read_to_close(&mut s).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("done"), "{answer}");
     }
 
     #[tokio::test]

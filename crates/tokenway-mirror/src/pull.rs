@@ -1304,9 +1304,22 @@ async fn save_record(blob: &mut Blob, i: u64) -> Result<(), MirrorError> {
     Ok(())
 }
 
+/// Replaces `path` with `bytes`: written to a temporary file and synced first, so that after a
+/// power loss the record is the old one or the new one, never an empty file (a rename can
+/// reach the disk before the data it names; an unreadable record made the rerun fetch its blob
+/// again, though its verified pieces were in the partial file).
 async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), MirrorError> {
     let tmp = path.with_extension("progress.tmp");
-    if let Err(e) = tokio::fs::write(&tmp, bytes).await {
+    let (tmp2, data) = (tmp.clone(), bytes.to_vec());
+    let written = tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp2)?;
+        f.write_all(&data)?;
+        f.sync_all()
+    })
+    .await
+    .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+    if let Err(e) = written {
         let _ = tokio::fs::remove_file(&tmp).await;
         return Err(MirrorError::io(format!("writing {}", tmp.display()), e));
     }

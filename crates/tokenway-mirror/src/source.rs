@@ -16,10 +16,19 @@ use crate::http_range::range_header;
 use crate::manifest::{blob_key, FileEntry, Manifest, ModelRef, Selector};
 use crate::MirrorError;
 
-/// How long one piece request may take before it counts as failed (hedging reacts much
-/// sooner to a slow one; a mirror or peer that sends no response head fails after
-/// [`crate::http_client::HEAD_TIMEOUT`]).
+/// How long one piece request may go without bytes, and take in all besides its size's worth
+/// at [`MIN_PIECE_RATE`] (hedging reacts much sooner to a slow one; a mirror or peer that sends
+/// no response head fails after [`crate::http_client::HEAD_TIMEOUT`]).
 pub const PIECE_TIMEOUT: Duration = Duration::from_secs(60);
+/// The slowest transfer a piece is given time for: 256 KiB/s. With one fixed minute per piece
+/// whatever its size, 64 MiB pieces over a slow link (or queued behind a capped mirror) were
+/// cut at 45 MiB every time, and the pull never finished.
+pub const MIN_PIECE_RATE: u64 = 256 << 10;
+
+/// The longest a piece of `len` bytes may take in all.
+pub fn piece_deadline(len: u64) -> Duration {
+    PIECE_TIMEOUT + Duration::from_secs_f64(len as f64 / MIN_PIECE_RATE as f64)
+}
 /// How long one RTT probe may take; a mirror that misses one is not probed again.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest manifest accepted from a mirror.
@@ -129,7 +138,12 @@ impl Source {
             Self::Origin(store) => {
                 heard.store(true, Ordering::Relaxed);
                 let key = StorePath::from(blob_key(&entry.hash));
-                origin_get(&key, store.get_range(&key, range.clone())).await?
+                origin_get(
+                    &key,
+                    store.get_range(&key, range.clone()),
+                    piece_deadline(want),
+                )
+                .await?
             }
             Self::Http { base, client, .. } => {
                 let url = format!(
@@ -144,7 +158,7 @@ impl Source {
                     client,
                     req,
                     want as usize + 1,
-                    Timeouts::piece(PIECE_TIMEOUT),
+                    Timeouts::piece(PIECE_TIMEOUT, piece_deadline(want)),
                     Some(heard),
                 )
                 .await
@@ -185,7 +199,12 @@ impl Source {
         let bytes = match self {
             Self::Origin(store) => {
                 let path = StorePath::from(key.as_str());
-                origin_get(&path, async { store.get(&path).await?.bytes().await }).await?
+                origin_get(
+                    &path,
+                    async { store.get(&path).await?.bytes().await },
+                    piece_deadline(want),
+                )
+                .await?
             }
             Self::Http { base, client, .. } => {
                 let url = format!(
@@ -197,7 +216,7 @@ impl Source {
                     client,
                     req,
                     want as usize + 1,
-                    Timeouts::transfer(PIECE_TIMEOUT),
+                    Timeouts::transfer(piece_deadline(want)),
                 )
                 .await
                 .map_err(from_http)?
@@ -273,19 +292,20 @@ impl Source {
     }
 }
 
-/// Awaits an origin read of `key` for at most [`PIECE_TIMEOUT`], mapping its failures.
+/// Awaits an origin read of `key` for at most `within`, mapping its failures.
 async fn origin_get(
     key: &StorePath,
     read: impl std::future::Future<Output = object_store::Result<Bytes>>,
+    within: Duration,
 ) -> Result<Bytes, FetchError> {
-    match tokio::time::timeout(PIECE_TIMEOUT, read).await {
+    match tokio::time::timeout(within, read).await {
         Ok(Ok(b)) => Ok(b),
         Ok(Err(e @ object_store::Error::NotFound { .. })) => Err(FetchError::NotFound(format!(
             "{key} missing in the origin: {e}"
         ))),
         Ok(Err(e)) => Err(FetchError::Unavailable(format!("origin: {e}"))),
         Err(_) => Err(FetchError::Unavailable(format!(
-            "origin: no answer within {PIECE_TIMEOUT:?}"
+            "origin: no answer within {within:?}"
         ))),
     }
 }
@@ -304,5 +324,17 @@ pub fn manifest_error(url: &str, mref: &ModelRef, e: FetchError) -> MirrorError 
             url: url.to_string(),
             reason: m,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_piece_gets_a_minute_plus_its_size_at_the_slowest_rate() {
+        assert_eq!(piece_deadline(0), PIECE_TIMEOUT);
+        assert_eq!(piece_deadline(64 << 20), Duration::from_secs(60 + 256));
+        assert_eq!(piece_deadline(4 << 20), Duration::from_secs(60 + 16));
     }
 }

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use object_store::ObjectStore;
 
@@ -33,6 +33,11 @@ pub const BAN_AFTER_CORRUPT: u32 = 3;
 pub const DEMOTE_AFTER_ERRORS: u32 = 3;
 /// Peers kept at once.
 pub const MAX_PEERS: usize = 256;
+/// How often a demoted mirror is given one more try ahead of the origin: it may have been
+/// restarting, and nothing else would ask it again (hedges stop once the origin answers
+/// steadily), so a fleet that lost its mirror for 20 s pulled the rest of the model from the
+/// origin.
+pub const RETRY_DEMOTED: Duration = Duration::from_secs(30);
 
 /// One source with its record.
 pub struct SourceState {
@@ -50,6 +55,9 @@ pub struct SourceState {
     pub failures: AtomicU32,
     /// A mirror that did not answer its RTT probes and has not answered since.
     unresponsive: AtomicBool,
+    /// Since when a demoted mirror has been passed over (its next try is [`RETRY_DEMOTED`]
+    /// later).
+    passed_over: Mutex<Option<Instant>>,
     /// Verified bytes taken from it.
     pub bytes: AtomicU64,
 }
@@ -58,6 +66,7 @@ impl SourceState {
     fn new(name: String, source: Source, rtt: Option<Duration>) -> Arc<Self> {
         Arc::new(Self {
             unresponsive: AtomicBool::new(source.kind() == SourceKind::Mirror && rtt.is_none()),
+            passed_over: Mutex::new(None),
             rtt,
             corrupt: AtomicU32::new(0),
             consecutive_errors: AtomicU32::new(0),
@@ -78,10 +87,30 @@ impl SourceState {
     }
 
     /// Not answering: no RTT at start, or [`DEMOTE_AFTER_ERRORS`] failed requests in a row.
-    /// Tried after every healthy source until it answers again.
+    /// Tried after every healthy source until it answers again, except that a mirror is not
+    /// demoted for one asking every [`RETRY_DEMOTED`]: one piece tries it first again.
     pub fn demoted(&self) -> bool {
-        self.unresponsive.load(Ordering::Relaxed)
-            || self.consecutive_errors.load(Ordering::Relaxed) >= DEMOTE_AFTER_ERRORS
+        self.demoted_at(Instant::now())
+    }
+
+    fn demoted_at(&self, now: Instant) -> bool {
+        let down = self.unresponsive.load(Ordering::Relaxed)
+            || self.consecutive_errors.load(Ordering::Relaxed) >= DEMOTE_AFTER_ERRORS;
+        if !down || self.kind() != SourceKind::Mirror {
+            return down;
+        }
+        let mut since = lock(&self.passed_over);
+        match *since {
+            Some(t) if now.saturating_duration_since(t) >= RETRY_DEMOTED => {
+                *since = Some(now);
+                false
+            }
+            Some(_) => true,
+            None => {
+                *since = Some(now);
+                true
+            }
+        }
     }
 
     /// Records a verified piece.
@@ -94,6 +123,7 @@ impl SourceState {
     pub fn answered(&self) {
         self.consecutive_errors.store(0, Ordering::Relaxed);
         self.unresponsive.store(false, Ordering::Relaxed);
+        *lock(&self.passed_over) = None;
     }
 
     /// Records a failed request.
@@ -476,6 +506,30 @@ mod tests {
             have: [(*h, PieceBits::full(4).to_wire())].into_iter().collect(),
             taking: HashMap::new(),
         }
+    }
+
+    #[test]
+    fn a_demoted_mirror_is_tried_first_once_every_retry_interval() {
+        let s = set();
+        let m = &s.fixed[0];
+        for _ in 0..DEMOTE_AFTER_ERRORS {
+            m.failed();
+        }
+        let t0 = Instant::now();
+        assert!(m.demoted_at(t0));
+        assert!(m.demoted_at(t0 + RETRY_DEMOTED / 2));
+        // Its turn: one asking finds it not demoted, the next ones do again.
+        assert!(!m.demoted_at(t0 + RETRY_DEMOTED));
+        assert!(m.demoted_at(t0 + RETRY_DEMOTED));
+        assert!(!m.demoted_at(t0 + 2 * RETRY_DEMOTED));
+        // It answered: healthy again. The origin is never demoted this way.
+        m.answered();
+        assert!(!m.demoted_at(t0 + 2 * RETRY_DEMOTED));
+        let origin = &s.fixed[2];
+        for _ in 0..DEMOTE_AFTER_ERRORS {
+            origin.failed();
+        }
+        assert!(origin.demoted_at(t0 + 10 * RETRY_DEMOTED));
     }
 
     fn names(v: &[Arc<SourceState>]) -> Vec<&str> {

@@ -16,6 +16,8 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -37,12 +39,13 @@ pub struct StallGuard<T> {
     last_pending: bool,
 }
 
-/// The idle bound: its limit, the last progress in either direction, and the timer of a
-/// pending read.
+/// The idle bound: its limit, the last progress in either direction, the timer of a pending
+/// read, and the count of requests the server is still working on (not idle however long).
 struct Idle {
     limit: Duration,
     last_progress: Instant,
     timer: Pin<Box<Sleep>>,
+    busy: Option<Arc<AtomicUsize>>,
 }
 
 impl<T> StallGuard<T> {
@@ -86,7 +89,18 @@ impl<T> StallGuard<T> {
             limit,
             last_progress: now,
             timer: Box::pin(tokio::time::sleep_until(now + limit)),
+            busy: None,
         });
+        self
+    }
+
+    /// With an idle limit: the connection is not idle while `busy` is above zero (the server
+    /// counts there the requests whose answers it is still working on: a long preheat writes
+    /// nothing until it is done, while the client rightly waits).
+    pub fn with_busy_count(mut self, busy: Arc<AtomicUsize>) -> Self {
+        if let Some(idle) = &mut self.idle {
+            idle.busy = Some(busy);
+        }
         self
     }
 
@@ -161,6 +175,13 @@ impl<T: AsyncRead + Unpin> AsyncRead for StallGuard<T> {
         };
         match r {
             Poll::Pending => {
+                if idle
+                    .busy
+                    .as_ref()
+                    .is_some_and(|b| b.load(Ordering::Acquire) > 0)
+                {
+                    idle.last_progress = Instant::now();
+                }
                 let deadline = idle.last_progress + idle.limit;
                 if idle.timer.deadline() != deadline {
                     idle.timer.as_mut().reset(deadline);
