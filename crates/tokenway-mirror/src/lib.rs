@@ -36,6 +36,7 @@ pub mod http_serve;
 pub mod manifest;
 pub mod mirror;
 pub mod origin;
+pub mod outage;
 pub mod outboard;
 pub mod peer_server;
 pub mod piece_bits;

@@ -45,6 +45,7 @@ use crate::holdings::Holdings;
 use crate::manifest::{
     manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
 };
+use crate::outage::Outage;
 use crate::piece_bits::PieceBits;
 use crate::piece_queue::{spread_order, PieceQueue};
 use crate::piece_writer::PieceWriter;
@@ -319,6 +320,7 @@ struct Ctx {
     hedge: bool,
     attempts: u32,
     only_origin: bool,
+    outage: Outage,
 }
 
 /// Pulls `manifest` (resolved with [`SourceSet::resolve`]) from `sources` into `out`.
@@ -534,6 +536,7 @@ pub async fn pull_from(
         straggler: Mutex::new(Straggler::default()),
         rate: opts.limit_rate.map(|r| Mutex::new(RateLimit::new(r))),
         hedge: opts.hedge,
+        outage: Outage::new(std::time::Instant::now()),
     });
     let stop = Stop {
         external: Arc::clone(&opts.cancel),
@@ -916,134 +919,171 @@ async fn fetch_piece(
     // A mirror at its serving bound (503) is alive and asks for patience: those answers wait
     // and do not use up the attempts, up to [`BUSY_WAITS`] of them.
     let mut busy_waits = 0u32;
-    while authoritative < ctx.attempts {
-        if stop.is_set() {
+    // Rounds started over because no source answered at all (see `outage`).
+    let mut outage_waits = 0u32;
+    'rounds: loop {
+        while authoritative < ctx.attempts {
+            if stop.is_set() {
+                return out;
+            }
+            let peers_left = peer_failures < PEER_TRIES_PER_PIECE;
+            let candidates = |tried: &[String]| {
+                let mut c = ctx.sources.candidates(&entry.hash, piece, tried);
+                if !peers_left {
+                    c.retain(|s| s.kind() != SourceKind::Peer);
+                }
+                c
+            };
+            let mut cands = candidates(&tried);
+            if cands.is_empty() {
+                // Every source failed this piece once: go round again after a pause.
+                tried.clear();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                cands = candidates(&tried);
+            }
+            let Some(primary) = cands.first() else { break };
+            if fetches > 0 && ctx.only_origin {
+                tokio::time::sleep(Duration::from_millis(50 * u64::from(fetches + 1))).await;
+            }
+            // A stop drops the piece in flight at once rather than when its source answers or
+            // times out (up to a minute): it would be discarded anyway.
+            let (done, hedged) = tokio::select! {
+                r = hedged_fetch(ctx, primary, cands.get(1), entry, piece) => r,
+                () = stopped(stop) => return out,
+            };
+            out.hedged |= hedged;
+            let mut winner = None;
+            let mut busy = false;
+            for (src, f, d) in done {
+                fetches += 1;
+                let is_peer = src.kind() == SourceKind::Peer;
+                let is_busy = !is_peer && matches!(f, Fetched::Failed(FetchError::Busy(_)));
+                if is_busy && busy_waits < BUSY_WAITS {
+                    busy = true;
+                } else if !is_peer {
+                    authoritative += 1;
+                } else if !matches!(f, Fetched::Good(..)) {
+                    peer_failures += 1;
+                }
+                match f {
+                    Fetched::Good(bytes, tree) => {
+                        out.fetched += 1;
+                        out.bytes_fetched += bytes.len() as u64;
+                        src.ok(bytes.len() as u64);
+                        ctx.straggler
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .record(d);
+                        out.hedge_won = hedged && !Arc::ptr_eq(&src, primary);
+                        winner = Some((src.kind(), bytes, tree));
+                    }
+                    Fetched::Corrupt(n) => {
+                        out.fetched += 1;
+                        out.bytes_fetched += n;
+                        out.corrupt += 1;
+                        src.penalise();
+                        tracing::warn!(source = %src.name, path, piece, "piece failed verification; discarded, source penalised");
+                        tried.push(src.name.clone());
+                    }
+                    Fetched::Failed(e @ FetchError::Busy(_)) if is_busy && busy => {
+                        // Not the source's failure: it is asked again after the pause.
+                        tracing::debug!(source = %src.name, error = %e, "source busy; waiting");
+                        last_err = Some(e);
+                    }
+                    Fetched::Failed(e) => {
+                        out.errors += 1;
+                        if matches!(e, FetchError::Unreachable(_)) {
+                            src.unreachable();
+                        } else {
+                            src.failed();
+                        }
+                        tracing::debug!(source = %src.name, error = %e, "piece fetch failed");
+                        if matches!(e, FetchError::NotFound(_)) && ctx.only_origin {
+                            out.end = PieceEnd::Failed(MirrorError::NotFound {
+                                what: format!("file {path:?}: blob {}", entry.hash),
+                                key: format!("{e}"),
+                            });
+                            return out;
+                        }
+                        tried.push(src.name.clone());
+                        last_err = Some(e);
+                    }
+                }
+            }
+            let Some((kind, bytes, tree)) = winner else {
+                if busy {
+                    tokio::select! {
+                        () = tokio::time::sleep(busy_pause(busy_waits)) => {}
+                        () = stopped(stop) => return out,
+                    }
+                    busy_waits += 1;
+                }
+                continue;
+            };
+            if stop.is_set() {
+                out.end = PieceEnd::Discarded;
+                return out;
+            }
+            let file = Arc::clone(file);
+            let start = range.start;
+            let n = bytes.len() as u64;
+            let written = tokio::task::spawn_blocking(move || {
+                let r = file.write_all_at(&bytes, start);
+                crate::piece_buffers::give_back(bytes);
+                r
+            })
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+            out.end = match written {
+                Ok(()) => {
+                    ctx.outage.piece_done(std::time::Instant::now());
+                    out.verified_from = Some((kind, n));
+                    out.tree = tree;
+                    PieceEnd::Written
+                }
+                Err(e) => PieceEnd::Failed(MirrorError::io(
+                    format!(
+                        "file {path:?}: writing piece {piece} (bytes {}..{}) to the partial file; \
+                     progress is kept, fix the cause (disk full?) and rerun to resume",
+                        range.start, range.end
+                    ),
+                    e,
+                )),
+            };
             return out;
         }
-        let peers_left = peer_failures < PEER_TRIES_PER_PIECE;
-        let candidates = |tried: &[String]| {
-            let mut c = ctx.sources.candidates(&entry.hash, piece, tried);
-            if !peers_left {
-                c.retain(|s| s.kind() != SourceKind::Peer);
-            }
-            c
-        };
-        let mut cands = candidates(&tried);
-        if cands.is_empty() {
-            // Every source failed this piece once: go round again after a pause.
-            tried.clear();
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            cands = candidates(&tried);
-        }
-        let Some(primary) = cands.first() else { break };
-        if fetches > 0 && ctx.only_origin {
-            tokio::time::sleep(Duration::from_millis(50 * u64::from(fetches + 1))).await;
-        }
-        // A stop drops the piece in flight at once rather than when its source answers or
-        // times out (up to a minute): it would be discarded anyway.
-        let (done, hedged) = tokio::select! {
-            r = hedged_fetch(ctx, primary, cands.get(1), entry, piece) => r,
-            () = stopped(stop) => return out,
-        };
-        out.hedged |= hedged;
-        let mut winner = None;
-        let mut busy = false;
-        for (src, f, d) in done {
-            fetches += 1;
-            let is_peer = src.kind() == SourceKind::Peer;
-            let is_busy = !is_peer && matches!(f, Fetched::Failed(FetchError::Busy(_)));
-            if is_busy && busy_waits < BUSY_WAITS {
-                busy = true;
-            } else if !is_peer {
-                authoritative += 1;
-            } else if !matches!(f, Fetched::Good(..)) {
-                peer_failures += 1;
-            }
-            match f {
-                Fetched::Good(bytes, tree) => {
-                    out.fetched += 1;
-                    out.bytes_fetched += bytes.len() as u64;
-                    src.ok(bytes.len() as u64);
-                    ctx.straggler
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .record(d);
-                    out.hedge_won = hedged && !Arc::ptr_eq(&src, primary);
-                    winner = Some((src.kind(), bytes, tree));
+        // The attempts ran out. On failures that say nothing of this piece (no connection, no
+        // answer, a 5xx, busy), while the pull as a whole still verified a piece recently, every
+        // source may just be away for a moment (a restart): wait, and start over.
+        let transient = out.corrupt == 0
+            && matches!(
+                last_err,
+                Some(FetchError::Unavailable(_) | FetchError::Unreachable(_) | FetchError::Busy(_))
+            );
+        if transient {
+            let now = std::time::Instant::now();
+            if let Some(pause) = ctx.outage.pause(outage_waits, now) {
+                if ctx.outage.first_to_wait() {
+                    tracing::warn!(
+                        quiet_s = ctx.outage.quiet(now).as_secs(),
+                        error = %last_err.as_ref().map(ToString::to_string).unwrap_or_default(),
+                        "no source is answering; waiting for them to come back (the pull stops after {} s without a piece)",
+                        crate::outage::OUTAGE_GRACE.as_secs()
+                    );
                 }
-                Fetched::Corrupt(n) => {
-                    out.fetched += 1;
-                    out.bytes_fetched += n;
-                    out.corrupt += 1;
-                    src.penalise();
-                    tracing::warn!(source = %src.name, path, piece, "piece failed verification; discarded, source penalised");
-                    tried.push(src.name.clone());
-                }
-                Fetched::Failed(e @ FetchError::Busy(_)) if is_busy && busy => {
-                    // Not the source's failure: it is asked again after the pause.
-                    tracing::debug!(source = %src.name, error = %e, "source busy; waiting");
-                    last_err = Some(e);
-                }
-                Fetched::Failed(e) => {
-                    out.errors += 1;
-                    if matches!(e, FetchError::Unreachable(_)) {
-                        src.unreachable();
-                    } else {
-                        src.failed();
-                    }
-                    tracing::debug!(source = %src.name, error = %e, "piece fetch failed");
-                    if matches!(e, FetchError::NotFound(_)) && ctx.only_origin {
-                        out.end = PieceEnd::Failed(MirrorError::NotFound {
-                            what: format!("file {path:?}: blob {}", entry.hash),
-                            key: format!("{e}"),
-                        });
-                        return out;
-                    }
-                    tried.push(src.name.clone());
-                    last_err = Some(e);
-                }
-            }
-        }
-        let Some((kind, bytes, tree)) = winner else {
-            if busy {
                 tokio::select! {
-                    () = tokio::time::sleep(busy_pause(busy_waits)) => {}
+                    () = tokio::time::sleep(pause) => {}
                     () = stopped(stop) => return out,
                 }
-                busy_waits += 1;
+                outage_waits += 1;
+                authoritative = 0;
+                busy_waits = 0;
+                peer_failures = 0;
+                tried.clear();
+                continue 'rounds;
             }
-            continue;
-        };
-        if stop.is_set() {
-            out.end = PieceEnd::Discarded;
-            return out;
         }
-        let file = Arc::clone(file);
-        let start = range.start;
-        let n = bytes.len() as u64;
-        let written = tokio::task::spawn_blocking(move || {
-            let r = file.write_all_at(&bytes, start);
-            crate::piece_buffers::give_back(bytes);
-            r
-        })
-        .await
-        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-        out.end = match written {
-            Ok(()) => {
-                out.verified_from = Some((kind, n));
-                out.tree = tree;
-                PieceEnd::Written
-            }
-            Err(e) => PieceEnd::Failed(MirrorError::io(
-                format!(
-                    "file {path:?}: writing piece {piece} (bytes {}..{}) to the partial file; \
-                     progress is kept, fix the cause (disk full?) and rerun to resume",
-                    range.start, range.end
-                ),
-                e,
-            )),
-        };
-        return out;
+        break;
     }
     out.end = PieceEnd::Failed(match last_err {
         Some(e) if out.corrupt == 0 => MirrorError::Remote {

@@ -736,6 +736,64 @@ async fn ctrl_c_stops_a_pull_stuck_on_a_hung_mirror_and_a_rerun_resumes() {
     assert!(field(&err, "pieces_resumed") > 0, "{err}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_rides_out_its_only_mirror_restarting() {
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let cache = TempDir::new("w-restart");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let cache_dir = s(&cache.0);
+    let origin_url = fx.origin_url();
+    let mirror_args = [
+        "mirror",
+        "--origin",
+        origin_url.as_str(),
+        "--cache",
+        cache_dir.as_str(),
+        "--max-size",
+        "1G",
+        "--listen",
+        listen.as_str(),
+    ];
+    let mut mirror = crate::harness::start_args(&mirror_args, false);
+    let out = TempDir::new("w-restart-out");
+    let url = format!("http://{listen}");
+    let pull = Pull::start(&[
+        fx.big.name,
+        "--mirror",
+        &url,
+        "--out",
+        &s(&out.0),
+        "--limit-rate",
+        "40M",
+    ]);
+    // A piece is in; then the mirror goes away for 6 s (refusing connections), and comes back.
+    let end = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_dir(out.0.join(".partial")).is_ok_and(|d| {
+        d.filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().ends_with(".progress"))
+    }) {
+        assert!(
+            Instant::now() < end,
+            "no piece recorded:\n{}",
+            pull.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    mirror.kill();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let _mirror = crate::harness::start_args(&mirror_args, false);
+    let (ok, err) = pull.wait(Duration::from_secs(120)).await;
+    assert!(ok, "the pull did not survive the restart:\n{err}");
+    assert!(err.contains("no source is answering"), "{err}");
+    assert_same_tree(&fx.big.src, &out.0);
+}
+
 #[tokio::test]
 async fn a_hung_mirror_listed_first_does_not_stall_the_pull() {
     let _turn = crate::harness::HEAVY.lock().await;
