@@ -162,8 +162,11 @@ impl std::fmt::Display for HttpError {
     }
 }
 
-/// Sends `req` (with the client's token) and reads at most `limit` body bytes, within
-/// `timeouts`.
+/// The most of an error response's body read for its message.
+pub const MAX_ERROR_BODY: usize = 64 << 10;
+
+/// Sends `req` (with the client's token) and reads at most `limit` body bytes (of a success;
+/// an error's up to [`MAX_ERROR_BODY`]), within `timeouts`.
 pub async fn send(
     client: &HttpClient,
     req: Request<Full<Bytes>>,
@@ -210,6 +213,15 @@ pub async fn send_watched(
             h.store(true, Ordering::Relaxed);
         }
         let (parts, mut body) = resp.into_parts();
+        // An error's body is read for its message whatever the caller's limit (a piece of a
+        // 13-byte file took a mirror's 150-byte "busy" answer for an overlong body, and so for
+        // a failure), and cut, not refused, past its own bound: the status is the answer.
+        let failed = !parts.status.is_success();
+        let limit = if failed {
+            limit.max(MAX_ERROR_BODY)
+        } else {
+            limit
+        };
         // Read into one buffer sized from Content-Length (from the pool: pieces are large
         // and many, see `piece_buffers`), instead of collecting frames and copying them.
         let expected = parts
@@ -235,6 +247,9 @@ pub async fn send_watched(
                 frame.map_err(|e| HttpError::Transport(format!("{uri}: reading the body: {e}")))?;
             if let Ok(data) = frame.into_data() {
                 if buf.len() + data.len() > limit {
+                    if failed {
+                        break;
+                    }
                     return Err(HttpError::Transport(format!(
                         "{uri}: reading the body: length limit of {limit} bytes exceeded"
                     )));
@@ -311,5 +326,64 @@ mod tests {
         assert!(base_url("ftp://x:1").is_err());
         assert!(base_url("127.0.0.1:80").is_err());
         assert!(base_url("http://x:1/path").is_err());
+    }
+
+    /// A server that answers every connection's request with `answer`, then closes it.
+    async fn answering(status: &str, body: &str) -> String {
+        let answer = format!(
+            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+             connection: close\r\n\r\n{body}",
+            body.len()
+        );
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("address");
+        tokio::spawn(async move {
+            while let Ok((mut c, _)) = listener.accept().await {
+                let mut buf = [0u8; 4096];
+                let _ = c.read(&mut buf).await;
+                let _ = c.write_all(answer.as_bytes()).await;
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    #[tokio::test]
+    async fn an_error_answer_longer_than_the_limit_keeps_its_status_and_message() {
+        let base = answering(
+            "503 Service Unavailable",
+            r#"{"error":{"message":"at the bound","type":"busy"}}"#,
+        )
+        .await;
+        let c = client(None, None);
+        // A 13-byte file's piece: the limit is far below the error's body.
+        let r = send(
+            &c,
+            get(&format!("{base}/v1/blobs/x")).expect("request"),
+            13,
+            Timeouts::all(Duration::from_secs(5)),
+        )
+        .await;
+        match r {
+            Err(HttpError::Status(StatusCode::SERVICE_UNAVAILABLE, m)) => {
+                assert_eq!(m, "at the bound");
+            }
+            other => panic!("expected the 503, got {other:?}"),
+        }
+        // A success's body past the limit is still refused.
+        let base = answering("200 OK", "01234567890123456789").await;
+        let r = send(
+            &c,
+            get(&format!("{base}/x")).expect("request"),
+            13,
+            Timeouts::all(Duration::from_secs(5)),
+        )
+        .await;
+        assert!(
+            matches!(&r, Err(HttpError::Transport(m)) if m.contains("length limit of 13")),
+            "{r:?}"
+        );
     }
 }

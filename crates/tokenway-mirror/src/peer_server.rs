@@ -24,7 +24,7 @@ use crate::holdings::Holdings;
 use crate::http_error::ServeError;
 use crate::manifest::Blake3Hash;
 use crate::mirror::serve_budget::ServeBudget;
-use crate::range_server::{blob_response, error_response, full, Body, PieceFetch};
+use crate::range_server::{blob_response, error_response, full, Body, BudgetWait, PieceFetch};
 
 /// Connections served at once; more are closed at accept.
 pub const MAX_CONNECTIONS: usize = 1024;
@@ -66,7 +66,12 @@ impl PeerServer {
         })
     }
 
-    async fn read_piece(&self, hash: Blake3Hash, i: u64) -> Result<Bytes, ServeError> {
+    async fn read_piece(
+        &self,
+        hash: Blake3Hash,
+        i: u64,
+        wait: BudgetWait,
+    ) -> Result<Bytes, ServeError> {
         // The partial file may be renamed into place between lookup and open: look twice.
         for _ in 0..2 {
             let Some((entry, path)) = self.holdings.piece(&hash, i) else {
@@ -75,7 +80,10 @@ impl PeerServer {
                 )));
             };
             let r = entry.piece_range(i);
-            let share = self.serving.take(r.end - r.start, PEER_BUDGET_WAIT).await?;
+            let share = self
+                .serving
+                .take(r.end - r.start, wait.limit(PEER_BUDGET_WAIT))
+                .await?;
             // Pooled, and around the page cache: the pull wrote these pieces with O_DIRECT.
             let res = tokio::task::spawn_blocking(move || {
                 crate::mirror::cache::read_pooled_at(&path, r.start, (r.end - r.start) as usize)
@@ -131,9 +139,9 @@ impl PeerServer {
             .get(header::RANGE)
             .and_then(|v| v.to_str().ok());
         let me = Arc::clone(&self);
-        let fetch: PieceFetch = Arc::new(move |i| {
+        let fetch: PieceFetch = Arc::new(move |i, wait| {
             let me = Arc::clone(&me);
-            Box::pin(async move { me.read_piece(hash, i).await })
+            Box::pin(async move { me.read_piece(hash, i, wait).await })
         });
         let me = Arc::clone(&self);
         let on_bytes = Arc::new(move |n| {
@@ -187,20 +195,26 @@ mod tests {
         holdings.add(&entry, path, PieceBits::full(3));
         // Room for two pieces.
         let server = PeerServer::with_budget(holdings, None, Faults::default(), 2 * PIECE);
-        let a = server.read_piece(entry.hash, 0).await.expect("first piece");
+        let a = server
+            .read_piece(entry.hash, 0, BudgetWait::Body)
+            .await
+            .expect("first piece");
         let b = server
-            .read_piece(entry.hash, 1)
+            .read_piece(entry.hash, 1, BudgetWait::Body)
             .await
             .expect("second piece");
         assert_eq!(&a[..], &data[..PIECE as usize]);
         let busy = server
-            .read_piece(entry.hash, 2)
+            .read_piece(entry.hash, 2, BudgetWait::Body)
             .await
             .expect_err("over the budget");
         assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
         // A response that has sent its piece gives its share back.
         drop(a);
-        let c = server.read_piece(entry.hash, 2).await.expect("room again");
+        let c = server
+            .read_piece(entry.hash, 2, BudgetWait::Body)
+            .await
+            .expect("room again");
         assert_eq!(&c[..], &data[2 * PIECE as usize..]);
         drop((b, c));
     }

@@ -75,6 +75,27 @@ fn busy_pause(k: u32) -> Duration {
     base + base.mul_f64(rand::random::<f64>() / 4.0)
 }
 
+/// Puts the first of `cands` that is neither the origin nor in `busy` (mirrors that answered
+/// 503 for this piece since the last pause) first, if the first is busy: a mirror at its
+/// serving bound is not asked again while another mirror or a peer may be idle, and the
+/// origin is not preferred to a busy mirror (it is the one to spare). Returns whether such an
+/// idle candidate was there; if not, the piece pauses before asking the busy ones again.
+fn pass_over_busy(cands: &mut [Arc<SourceState>], busy: &[String]) -> bool {
+    let busy_first = cands.first().is_some_and(|s| busy.contains(&s.name));
+    let idle = cands
+        .iter()
+        .position(|s| s.kind() != SourceKind::Origin && !busy.contains(&s.name));
+    match idle {
+        Some(i) => {
+            if busy_first {
+                cands[..=i].rotate_right(1);
+            }
+            true
+        }
+        None => false,
+    }
+}
+
 /// Progress callback: called after every completed piece and file.
 pub type ProgressFn = Arc<dyn Fn(&PullProgress) + Send + Sync>;
 
@@ -919,6 +940,8 @@ async fn fetch_piece(
     // A mirror at its serving bound (503) is alive and asks for patience: those answers wait
     // and do not use up the attempts, up to [`BUSY_WAITS`] of them.
     let mut busy_waits = 0u32;
+    // Mirrors that answered busy since the last pause: passed over for any idle one.
+    let mut busy_srcs: Vec<String> = Vec::new();
     // Rounds started over because no source answered at all (see `outage`).
     let mut outage_waits = 0u32;
     'rounds: loop {
@@ -941,6 +964,7 @@ async fn fetch_piece(
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 cands = candidates(&tried);
             }
+            pass_over_busy(&mut cands, &busy_srcs);
             let Some(primary) = cands.first() else { break };
             if fetches > 0 && ctx.only_origin {
                 tokio::time::sleep(Duration::from_millis(50 * u64::from(fetches + 1))).await;
@@ -988,6 +1012,9 @@ async fn fetch_piece(
                     Fetched::Failed(e @ FetchError::Busy(_)) if is_busy && busy => {
                         // Not the source's failure: it is asked again after the pause.
                         tracing::debug!(source = %src.name, error = %e, "source busy; waiting");
+                        if !busy_srcs.contains(&src.name) {
+                            busy_srcs.push(src.name.clone());
+                        }
                         last_err = Some(e);
                     }
                     Fetched::Failed(e) => {
@@ -1011,7 +1038,10 @@ async fn fetch_piece(
                 }
             }
             let Some((kind, bytes, tree)) = winner else {
-                if busy {
+                // Another mirror or a peer that has not said busy is asked at once; when all
+                // have, the piece pauses and asks them all again.
+                if busy && !pass_over_busy(&mut candidates(&tried), &busy_srcs) {
+                    busy_srcs.clear();
                     tokio::select! {
                         () = tokio::time::sleep(busy_pause(busy_waits)) => {}
                         () = stopped(stop) => return out,
@@ -1366,4 +1396,55 @@ async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), MirrorError> {
     tokio::fs::rename(&tmp, path)
         .await
         .map_err(|e| MirrorError::io(format!("renaming {}", tmp.display()), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::Source;
+
+    fn sources() -> Vec<Arc<SourceState>> {
+        let http = Arc::new(crate::http_client::client(None, None));
+        let store: Arc<dyn object_store::ObjectStore> =
+            Arc::new(object_store::memory::InMemory::new());
+        let mirror = |name: &str| {
+            SourceState::new(
+                name.into(),
+                Source::http(
+                    SourceKind::Mirror,
+                    "http://127.0.0.1:1".into(),
+                    http.clone(),
+                ),
+                Some(Duration::from_millis(1)),
+            )
+        };
+        vec![
+            mirror("a"),
+            SourceState::new("origin".into(), Source::Origin(store), None),
+            mirror("b"),
+        ]
+    }
+
+    fn names(c: &[Arc<SourceState>]) -> Vec<&str> {
+        c.iter().map(|s| s.name.as_str()).collect()
+    }
+
+    #[test]
+    fn a_busy_mirror_is_passed_over_for_an_idle_one_but_not_for_the_origin() {
+        let mut c = sources();
+        assert!(pass_over_busy(&mut c, &[]));
+        assert_eq!(names(&c), ["a", "origin", "b"], "nothing busy: order kept");
+        assert!(pass_over_busy(&mut c, &["a".into()]));
+        assert_eq!(
+            names(&c),
+            ["b", "a", "origin"],
+            "the idle mirror first, the busy one before the origin"
+        );
+        let mut c = sources();
+        assert!(
+            !pass_over_busy(&mut c, &["a".into(), "b".into()]),
+            "all busy: pause"
+        );
+        assert_eq!(names(&c), ["a", "origin", "b"]);
+    }
 }

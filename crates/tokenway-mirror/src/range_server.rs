@@ -8,7 +8,10 @@
 //! and its body when the piece is there: a puller can tell such a mirror, which answered at
 //! once, from one that is hung and never answers (see `crate::straggler::SILENT_AFTER` and
 //! `crate::http_client::HEAD_TIMEOUT`), and if the piece then fails the body is cut, which the
-//! puller counts as a failed fetch like any other. Later pieces of a multi-piece range are
+//! puller counts as a failed fetch like any other. A server at its serving bound must say so
+//! with a 503 the puller can tell from a failure, so the first piece's fetch is told (see
+//! [`BudgetWait`]) to give up waiting for its share of the bound by [`HEAD_BUSY_BY`], before
+//! the head goes. Later pieces of a multi-piece range are
 //! fetched lazily as the body is read, so a response never holds more than one piece in
 //! memory. Blobs are immutable and named by their hash: the ETag is the hash and caches may
 //! keep them forever.
@@ -36,8 +39,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Body = UnsyncBoxBody<Bytes, BoxError>;
 /// One piece's bytes, or why not.
 pub type PieceFuture = Pin<Box<dyn Future<Output = Result<Bytes, ServeError>> + Send>>;
-/// Gets piece `i` of the blob being served.
-pub type PieceFetch = Arc<dyn Fn(u64) -> PieceFuture + Send + Sync>;
+/// Gets piece `i` of the blob being served, waiting for its share of a serving bound as
+/// the [`BudgetWait`] says.
+pub type PieceFetch = Arc<dyn Fn(u64, BudgetWait) -> PieceFuture + Send + Sync>;
 /// Told how many body bytes were produced.
 pub type OnBytes = Arc<dyn Fn(u64) + Send + Sync>;
 
@@ -46,6 +50,40 @@ pub type OnBytes = Arc<dyn Fn(u64) + Send + Sync>;
 /// silent one; long enough that a cache hit or a quick origin refusal still gets its exact
 /// status.
 pub const EARLY_HEAD_AFTER: Duration = Duration::from_secs(1);
+
+/// How long after a request its first piece's fetch stops waiting for a share of the
+/// server's serving bound and answers busy (503): early enough that the answer still beats
+/// [`EARLY_HEAD_AFTER`], so the puller reads "busy, come back" and not a cut body (which it
+/// counts as a failure).
+pub const HEAD_BUSY_BY: Duration = Duration::from_millis(800);
+
+/// How long a piece's fetch may wait for its share of the server's serving bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BudgetWait {
+    /// The response's first piece: its head waits for it, so a busy answer must come by
+    /// this instant (or, once it has passed, the server's usual wait applies: the head has
+    /// gone anyway).
+    Head(tokio::time::Instant),
+    /// A later piece: the head has gone; the server's usual wait.
+    Body,
+}
+
+impl BudgetWait {
+    /// The wait for a share, given the server's usual one.
+    pub fn limit(self, usual: Duration) -> Duration {
+        match self {
+            Self::Head(by) => {
+                let left = by.saturating_duration_since(tokio::time::Instant::now());
+                if left.is_zero() {
+                    usual
+                } else {
+                    left.min(usual)
+                }
+            }
+            Self::Body => usual,
+        }
+    }
+}
 
 /// `Cache-Control` of blobs: content addressed, so never stale.
 pub const IMMUTABLE: &str = "public, max-age=31536000, immutable";
@@ -152,7 +190,10 @@ pub async fn blob_response(
         let b = range.end.min(pr.end) - pr.start;
         Ok(piece.slice(a as usize..b as usize))
     };
-    let mut first_fetch = fetch(first);
+    let mut first_fetch = fetch(
+        first,
+        BudgetWait::Head(tokio::time::Instant::now() + HEAD_BUSY_BY),
+    );
     let early = tokio::select! {
         r = &mut first_fetch => Some(r),
         () = tokio::time::sleep(EARLY_HEAD_AFTER) => None,
@@ -189,7 +230,7 @@ pub async fn blob_response(
             if i > last {
                 return None;
             }
-            let item = match fetch(i).await.and_then(|p| slice(i, p)) {
+            let item = match fetch(i, BudgetWait::Body).await.and_then(|p| slice(i, p)) {
                 Ok(b) => {
                     on_bytes(b.len() as u64);
                     Ok(Frame::data(b))
@@ -228,7 +269,7 @@ mod tests {
     /// Serves `data`'s pieces after `delay`, or fails with `fail` after it.
     fn fetch(data: Vec<u8>, delay: Duration, fail: Option<ServeError>) -> PieceFetch {
         let data = Bytes::from(data);
-        Arc::new(move |i| {
+        Arc::new(move |i, _| {
             let (data, fail) = (data.clone(), fail.clone());
             Box::pin(async move {
                 tokio::time::sleep(delay).await;
@@ -297,6 +338,66 @@ mod tests {
         );
         let err = resp.into_body().collect().await.expect_err("a cut body");
         assert!(err.to_string().contains("origin went away"), "{err}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_server_at_its_serving_bound_answers_busy_before_the_head_goes() {
+        use crate::mirror::serve_budget::ServeBudget;
+        let d = data();
+        let budget = Arc::new(ServeBudget::new(
+            PIECE,
+            tokenway_telemetry::Gauge::default(),
+        ));
+        let f = |budget: &Arc<ServeBudget>| -> PieceFetch {
+            let (budget, data) = (Arc::clone(budget), Bytes::from(d.clone()));
+            Arc::new(move |i, wait| {
+                let (budget, data) = (Arc::clone(&budget), data.clone());
+                Box::pin(async move {
+                    let share = budget
+                        .take(PIECE, wait.limit(Duration::from_secs(5)))
+                        .await?;
+                    let a = (i * PIECE) as usize;
+                    let piece = data.slice(a..(a + PIECE as usize).min(data.len()));
+                    Ok(crate::mirror::serve_budget::ServeBudget::hold(piece, share))
+                })
+            })
+        };
+        // A response holds the whole bound while its client does not read.
+        let holder = blob_response(entry(&d), None, false, f(&budget), no_count()).await;
+        assert_eq!(holder.status(), StatusCode::OK);
+        let t = Instant::now();
+        let busy = blob_response(entry(&d), None, false, f(&budget), no_count()).await;
+        assert_eq!(
+            busy.status(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy is said in the status, not by cutting a 200's body"
+        );
+        assert_eq!(t.elapsed(), HEAD_BUSY_BY);
+        assert!(HEAD_BUSY_BY < EARLY_HEAD_AFTER);
+        // A later piece waits the server's usual time: the holder's client reads on, and its
+        // second piece gets the share its first gave back.
+        let mut body = holder.into_body();
+        let mut got = Vec::new();
+        while let Some(frame) = body.frame().await {
+            // Copied and dropped, as a server writes and drops what it sent.
+            got.extend_from_slice(frame.expect("frame").data_ref().expect("data"));
+        }
+        assert_eq!(got, d);
+        assert_eq!(
+            BudgetWait::Body.limit(Duration::from_secs(5)),
+            Duration::from_secs(5)
+        );
+        let by = Instant::now() + Duration::from_millis(300);
+        assert_eq!(
+            BudgetWait::Head(by).limit(Duration::from_secs(5)),
+            Duration::from_millis(300)
+        );
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(
+            BudgetWait::Head(by).limit(Duration::from_secs(5)),
+            Duration::from_secs(5),
+            "past the head's instant, the head has gone: the usual wait"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -63,7 +63,7 @@ pub struct SourceState {
 }
 
 impl SourceState {
-    fn new(name: String, source: Source, rtt: Option<Duration>) -> Arc<Self> {
+    pub(crate) fn new(name: String, source: Source, rtt: Option<Duration>) -> Arc<Self> {
         Arc::new(Self {
             unresponsive: AtomicBool::new(source.kind() == SourceKind::Mirror && rtt.is_none()),
             passed_over: Mutex::new(None),

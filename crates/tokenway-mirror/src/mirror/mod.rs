@@ -38,6 +38,7 @@ use tokenway_telemetry::Registry;
 use crate::faults::Faults;
 use crate::http_error::ServeError;
 use crate::manifest::{blob_key, FileEntry};
+use crate::range_server::BudgetWait;
 use crate::rate_limit::Pacer;
 use crate::MirrorError;
 use cache::{CachedPiece, PieceCache, PieceKey};
@@ -423,13 +424,14 @@ impl Mirror {
         self: &Arc<Self>,
         entry: Arc<FileEntry>,
         i: u64,
+        wait: BudgetWait,
     ) -> PieceResult {
         let r = entry.piece_range(i);
         let len = r.end - r.start;
         // The uplink's pace first, holding no share: a crowd queued behind `--limit-rate`
         // would otherwise keep the whole budget while it waits, and turn later requests away.
         self.pace(len).await;
-        let share = self.serving.take(len, BUDGET_WAIT).await?;
+        let share = self.serving.take(len, wait.limit(BUDGET_WAIT)).await?;
         let b = self.piece(entry, i).await?;
         let b = self.serve_piece(b).await;
         Ok(ServeBudget::hold(b, share))

@@ -304,9 +304,9 @@ async fn blob(m: Arc<Mirror>, req: &Request<Incoming>) -> Response<Body> {
     let head = req.method() == Method::HEAD;
     let m2 = Arc::clone(&m);
     let e2 = Arc::clone(&entry);
-    let fetch: PieceFetch = Arc::new(move |i| {
+    let fetch: PieceFetch = Arc::new(move |i, wait| {
         let (m, e) = (Arc::clone(&m2), Arc::clone(&e2));
-        Box::pin(async move { m.piece_for_client(e, i).await })
+        Box::pin(async move { m.piece_for_client(e, i, wait).await })
     });
     let served = m.metrics.bytes_served.clone();
     blob_response(

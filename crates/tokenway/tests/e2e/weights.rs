@@ -241,7 +241,10 @@ impl Pull {
         let mut child = Command::new(bin())
             .arg("pull")
             .args(args)
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("TOKENWAY_TEST_LOG").unwrap_or_else(|_| "warn".to_string()),
+            )
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -1597,6 +1600,16 @@ async fn a_full_disk_stops_the_pull_with_a_clear_error_and_a_rerun_resumes() {
 /// A front for the mirror at `to` that answers the first `busy` blob requests (each on its own
 /// connection) with 503, as a mirror at its serving bound does, and relays everything else.
 async fn busy_front(to: SocketAddr, busy: u64) -> (String, Arc<std::sync::atomic::AtomicU64>) {
+    front(to, busy, None).await
+}
+
+/// [`busy_front`], whose `/healthz` answers (the pull's RTT probes) are given by the front
+/// itself after `healthz_delay`, if set, on connections it closes: a mirror that looks far.
+async fn front(
+    to: SocketAddr,
+    busy: u64,
+    healthz_delay: Option<Duration>,
+) -> (String, Arc<std::sync::atomic::AtomicU64>) {
     use std::sync::atomic::{AtomicU64, Ordering};
     use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -1613,6 +1626,13 @@ async fn busy_front(to: SocketAddr, busy: u64) -> (String, Arc<std::sync::atomic
                 let Ok(n) = client.peek(&mut head).await else {
                     return;
                 };
+                if let Some(d) = healthz_delay.filter(|_| head[..n].starts_with(b"GET /healthz")) {
+                    tokio::time::sleep(d).await;
+                    let _ = client
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\nok\n")
+                        .await;
+                    return;
+                }
                 let blob = head[..n].windows(7).any(|w| w == b"/blobs/");
                 if blob && count.fetch_add(1, Ordering::Relaxed) < busy {
                     let body = r#"{"error":{"message":"busy","type":"busy","code":"busy"}}"#;
@@ -1655,4 +1675,106 @@ async fn a_busy_mirror_is_waited_for_not_counted_as_failed_attempts() {
     let refused = refused.load(std::sync::atomic::Ordering::Relaxed);
     assert!(refused > 3, "the front turned away only {refused} requests");
     assert_eq!(field(&err, "bytes_from_mirrors"), fx.small.size);
+}
+
+/// A front for the mirror at `to` that answers every blob request with 503 and relays every
+/// other request on a connection of its own, closed after the answer (no connection it
+/// relays is left for a blob request to reuse).
+async fn always_busy_front(to: SocketAddr) -> (String, Arc<std::sync::atomic::AtomicU64>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the front");
+    let addr = listener.local_addr().expect("front address");
+    let refused = Arc::new(AtomicU64::new(0));
+    let count = Arc::clone(&refused);
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let count = Arc::clone(&count);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match client.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                if head.windows(7).any(|w| w == b"/blobs/") {
+                    count.fetch_add(1, Ordering::Relaxed);
+                    let body = r#"{"error":{"message":"busy","type":"busy","code":"busy"}}"#;
+                    let answer = format!(
+                        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+                         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = client.write_all(answer.as_bytes()).await;
+                    return;
+                }
+                // The head with `connection: close` added, then whatever follows (a body).
+                let end = head
+                    .windows(4)
+                    .position(|w| w == b"\r\n\r\n")
+                    .expect("a head")
+                    + 2;
+                let mut relayed = head[..end].to_vec();
+                relayed.extend_from_slice(b"connection: close\r\n");
+                relayed.extend_from_slice(&head[end..]);
+                if let Ok(mut up) = tokio::net::TcpStream::connect(to).await {
+                    if up.write_all(&relayed).await.is_ok() {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut up).await;
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{addr}"), refused)
+}
+
+#[tokio::test]
+async fn a_busy_mirror_is_passed_over_for_an_idle_one() {
+    let _turn = crate::harness::HEAVY.lock().await;
+    let fx = fixture();
+    let cache = TempDir::new("w-busy2-cache");
+    let m = start_mirror(&fx.origin_url(), &cache.0, &[]);
+    let mirror: SocketAddr = m
+        .url()
+        .trim_start_matches("http://")
+        .parse()
+        .expect("mirror address");
+    // Two ways to the mirror: the near one (probed first) at its serving bound for good, and
+    // one 30 ms further that is idle.
+    let (near, refused) = always_busy_front(mirror).await;
+    let (far, _) = front(mirror, 0, Some(Duration::from_millis(30))).await;
+    let out = TempDir::new("w-busy2-out");
+    let err = pull_ok(&[
+        fx.small.name,
+        "--mirror",
+        &near,
+        "--mirror",
+        &far,
+        "--out",
+        &s(&out.0),
+    ])
+    .await;
+    assert_same_tree(&fx.small.src, &out.0);
+    assert_eq!(field(&err, "bytes_from_mirrors"), fx.small.size);
+    // Each piece asks the near one first and, told it is busy, the idle one next. It used
+    // to wait on the busy one (up to 30 times a piece) while the other stood idle.
+    let pieces: u64 = files(&fx.small.src)
+        .iter()
+        .map(|f| {
+            std::fs::metadata(f)
+                .expect("stat")
+                .len()
+                .div_ceil(PIECE)
+                .max(1)
+        })
+        .sum();
+    let refused = refused.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        (1..=pieces).contains(&refused),
+        "the busy mirror was asked {refused} times for {pieces} pieces"
+    );
 }
