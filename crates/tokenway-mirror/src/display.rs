@@ -15,10 +15,20 @@ struct Plain {
     base: Option<u64>,
 }
 
+/// Whether fetching has begun: what was on disk before (checked first, which can take
+/// minutes on a large model) is no part of the rate or the ETA.
+#[derive(Default)]
+struct Phase {
+    fetching: bool,
+    /// When the first check was reported: a check shorter than a second says nothing.
+    checking_since: Option<Instant>,
+}
+
 /// The progress display of one pull.
 pub struct PullDisplay {
     bar: Option<ProgressBar>,
     plain: Mutex<Plain>,
+    phase: Mutex<Phase>,
 }
 
 impl PullDisplay {
@@ -47,6 +57,7 @@ impl PullDisplay {
                 last: None,
                 base: None,
             }),
+            phase: Mutex::new(Phase::default()),
         })
     }
 
@@ -58,10 +69,25 @@ impl PullDisplay {
 
     /// Shows `p`.
     pub fn update(&self, p: &PullProgress) {
+        let (starts, long_check) = {
+            let mut ph = self.phase.lock().unwrap_or_else(PoisonError::into_inner);
+            let starts = !p.checking && !ph.fetching;
+            ph.fetching |= starts;
+            let since = *ph.checking_since.get_or_insert_with(Instant::now);
+            (starts, since.elapsed() >= Duration::from_secs(1))
+        };
         if let Some(bar) = &self.bar {
             bar.set_length(p.bytes_total);
             bar.set_position(p.bytes_done);
-            bar.set_message(format!("files {}/{}", p.files_done, p.files_total));
+            if starts {
+                // The bytes found on disk came at once: not a rate.
+                bar.reset_eta();
+            }
+            bar.set_message(if p.checking {
+                format!("checking files on disk {}/{}", p.files_done, p.files_total)
+            } else {
+                format!("files {}/{}", p.files_done, p.files_total)
+            });
             if let Some(f) = &p.file_finished {
                 bar.println(format!("done {f}"));
             }
@@ -72,6 +98,29 @@ impl PullDisplay {
             return;
         }
         let mut st = self.plain.lock().unwrap_or_else(PoisonError::into_inner);
+        if p.checking {
+            if long_check
+                && st
+                    .last
+                    .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+            {
+                st.last = Some(Instant::now());
+                eprintln!(
+                    "checking what is already on disk: {:.1} / {:.1} MiB in place, files {}/{}",
+                    p.bytes_done as f64 / 1048576.0,
+                    p.bytes_total as f64 / 1048576.0,
+                    p.files_done,
+                    p.files_total
+                );
+            }
+            return;
+        }
+        if starts {
+            // Rate and ETA from here: what was on disk is not fetched.
+            st.started = Instant::now();
+            st.base = Some(p.bytes_done);
+            st.last = None;
+        }
         let base = *st.base.get_or_insert(p.bytes_done);
         if st
             .last

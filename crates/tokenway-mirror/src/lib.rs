@@ -54,6 +54,7 @@ pub mod source;
 pub mod sources;
 pub mod straggler;
 pub mod tls;
+pub mod verified;
 
 pub use manifest::{Blake3Hash, FileEntry, Manifest, ModelRef, Selector};
 pub use origin::open_origin;

@@ -193,9 +193,15 @@ pub fn validate_rel_path(field: &str, path: &str) -> Result<(), MirrorError> {
             _ => {}
         }
     }
-    // `.partial` is where pulls keep unfinished files.
-    if path == ".partial" || path.starts_with(".partial/") {
-        return bad("'.partial' is reserved");
+    // `.partial` is where pulls keep unfinished files, `.tokenway` what they verified.
+    for reserved in [".partial", crate::verified::STATE_DIR] {
+        if path == reserved
+            || path
+                .strip_prefix(reserved)
+                .is_some_and(|r| r.starts_with('/'))
+        {
+            return bad(&format!("'{reserved}' is reserved"));
+        }
     }
     Ok(())
 }
@@ -914,6 +920,7 @@ mod tests {
             "a\0b",
             "",
             ".partial/x",
+            ".tokenway/verified.json",
         ] {
             let m = manifest(vec![
                 entry("ok", b"x", MIN_PIECE_SIZE),

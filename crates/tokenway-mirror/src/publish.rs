@@ -240,8 +240,9 @@ async fn put_manifest(store: &dyn ObjectStore, manifest: &Manifest) -> Result<()
     ))
 }
 
-/// Regular files under `dir`, with their `/`-separated relative paths. Symlinks are refused
-/// rather than followed, so a publish never reaches outside `dir`.
+/// Regular files under `dir`, with their `/`-separated relative paths, but for the state a
+/// pull keeps there (`crate::verified::STATE_DIR`). Symlinks are refused rather than
+/// followed, so a publish never reaches outside `dir`.
 fn list_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, MirrorError> {
     let mut out = Vec::new();
     let mut stack = vec![(String::new(), dir.to_path_buf())];
@@ -265,6 +266,10 @@ fn list_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, MirrorError> {
             let ft = ent
                 .file_type()
                 .map_err(|e| MirrorError::io(format!("stat {}", ent.path().display()), e))?;
+            if ft.is_dir() && rel == crate::verified::STATE_DIR {
+                // What a pull into this directory verified: not part of the model.
+                continue;
+            }
             if ft.is_dir() {
                 stack.push((rel, ent.path()));
             } else if ft.is_file() {

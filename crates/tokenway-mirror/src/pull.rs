@@ -55,6 +55,7 @@ use crate::rate_limit::RateLimit;
 use crate::source::{FetchError, SourceKind};
 use crate::sources::{SourceSet, SourceState};
 use crate::straggler::{should_hedge, Straggler, FLOOR};
+use crate::verified::{Stamp, Verified};
 use crate::MirrorError;
 
 /// Directory under the output directory that holds unfinished blobs.
@@ -124,6 +125,9 @@ pub struct PullOptions {
     pub peer_bytes: Arc<AtomicU64>,
     /// Start at a random piece instead of the first (for nodes that share as peers).
     pub spread: bool,
+    /// Hash every file already in place, even those an earlier pull listed as verified and
+    /// that are unchanged since (see [`crate::verified`]).
+    pub verify: bool,
 }
 
 impl Default for PullOptions {
@@ -139,6 +143,7 @@ impl Default for PullOptions {
             holdings: None,
             peer_bytes: Arc::new(AtomicU64::new(0)),
             spread: false,
+            verify: false,
         }
     }
 }
@@ -168,6 +173,8 @@ pub struct PullProgress {
     pub files_total: usize,
     /// A file that just got into place, if any.
     pub file_finished: Option<String>,
+    /// Still checking what earlier runs left on disk (nothing is fetched yet).
+    pub checking: bool,
 }
 
 /// What a pull did; counters are for this run only.
@@ -191,6 +198,9 @@ pub struct PullReport {
     pub pieces_resumed: u64,
     /// Files already in place and verified before this run.
     pub files_already_present: usize,
+    /// Of those, the files read and hashed to check them (the others were listed as verified
+    /// by an earlier pull and are unchanged since, see [`crate::verified`]).
+    pub files_hashed: usize,
     /// Files renamed into place by this run.
     pub files_written: usize,
     /// Pieces for which a second source was asked because the first was slow.
@@ -370,6 +380,7 @@ pub async fn pull_from(
         pieces_corrupt: 0,
         pieces_resumed: 0,
         files_already_present: 0,
+        files_hashed: 0,
         files_written: 0,
         pieces_hedged: 0,
         hedge_wins: 0,
@@ -386,6 +397,7 @@ pub async fn pull_from(
         files_done: 0,
         files_total: manifest.files.len(),
         file_finished: None,
+        checking: false,
     };
 
     // Group files by content; skip blobs whose every path is already in place and verified.
@@ -397,47 +409,83 @@ pub async fn pull_from(
             .1
             .push(f.path.clone());
     }
-    let mut blobs: Vec<Blob> = Vec::new();
-    for (hash, (entry, paths)) in by_hash {
-        let (out2, paths2, size) = (out.to_path_buf(), paths.clone(), entry.size);
-        let present = blocking(move || {
-            Ok(paths2
-                .iter()
-                .all(|p| file_matches(&out2.join(p), size, &hash)))
+    // What is on disk already, blobs checked a few at a time (a rerun over a large model reads
+    // and hashes what earlier runs left; files listed as verified and unchanged are not read).
+    // With `verify`, the list is kept (a stopped run must not lose it) but not trusted.
+    let mut verified = {
+        let out2 = out.to_path_buf();
+        blocking(move || Ok(Verified::load(&out2))).await?
+    };
+    {
+        let listed: std::collections::HashSet<&str> =
+            manifest.files.iter().map(|f| f.path.as_str()).collect();
+        verified.retain(|p| listed.contains(p));
+    }
+    let scan_list = Arc::new(verified);
+    prog.checking = true;
+    let scan_parallel = std::thread::available_parallelism()
+        .map_or(2, std::num::NonZeroUsize::get)
+        .clamp(1, 4);
+    let scans = stream::iter(by_hash)
+        .map(|(_, (entry, paths))| {
+            let (out2, pd, v, cancel) = (
+                out.to_path_buf(),
+                partial_dir.clone(),
+                (!opts.verify).then(|| Arc::clone(&scan_list)),
+                Arc::clone(&opts.cancel),
+            );
+            let (e2, p2) = (entry.clone(), paths.clone());
+            async move {
+                let r =
+                    blocking(move || scan_blob(&out2, &pd, &e2, &p2, v.as_deref(), &cancel)).await;
+                (entry, paths, r)
+            }
         })
-        .await?;
-        if present {
-            if let Some(h) = &opts.holdings {
-                h.add(
-                    &entry,
-                    out.join(&paths[0]),
-                    PieceBits::full(entry.pieces.len() as u64),
-                );
+        .buffered(scan_parallel);
+    let mut scans = std::pin::pin!(scans);
+    let mut found: Vec<(String, Option<Stamp>)> = Vec::new();
+    let mut cancelled = false;
+    let mut blobs: Vec<Blob> = Vec::new();
+    while let Some((entry, paths, scanned)) = scans.next().await {
+        let hash = entry.hash;
+        let (file, progress, trees) = match scanned? {
+            Scanned::Cancelled => {
+                cancelled = true;
+                continue;
             }
-            report.files_already_present += paths.len();
-            prog.files_done += paths.len();
-            prog.bytes_done += entry.size * paths.len() as u64;
-            // An earlier run that stopped between placing the file and removing its record
-            // (a process exiting while a blob was being finished) leaves these behind.
-            let hex = hash.to_hex();
-            for leftover in [
-                hex.clone(),
-                format!("{hex}.progress"),
-                format!("{hex}.progress.tmp"),
-                format!("{hex}.copy"),
-            ] {
-                let _ = tokio::fs::remove_file(partial_dir.join(leftover)).await;
+            Scanned::Present(stamps) => {
+                report.files_hashed += stamps.len();
+                found.extend(stamps);
+                if let Some(h) = &opts.holdings {
+                    h.add(
+                        &entry,
+                        out.join(&paths[0]),
+                        PieceBits::full(entry.pieces.len() as u64),
+                    );
+                }
+                report.files_already_present += paths.len();
+                prog.files_done += paths.len();
+                prog.bytes_done += entry.size * paths.len() as u64;
+                // An earlier run that stopped between placing the file and removing its record
+                // (a process exiting while a blob was being finished) leaves these behind.
+                let hex = hash.to_hex();
+                for leftover in [
+                    hex.clone(),
+                    format!("{hex}.progress"),
+                    format!("{hex}.progress.tmp"),
+                    format!("{hex}.copy"),
+                ] {
+                    let _ = tokio::fs::remove_file(partial_dir.join(leftover)).await;
+                }
+                if let Some(cb) = &opts.progress {
+                    cb(&prog);
+                }
+                continue;
             }
-            continue;
-        }
+            Scanned::Partial(file, progress, trees) => (file, progress, trees),
+        };
         let partial = partial_dir.join(hash.to_hex());
         let progress_path = partial_dir.join(format!("{}.progress", hash.to_hex()));
-        let (e2, pp, prp) = (entry.clone(), partial.clone(), progress_path.clone());
-        let (file, progress, trees) = blocking(move || {
-            let (f, progress, trees) = open_partial(&e2, &pp, &prp)?;
-            Ok((PieceWriter::new(f, &pp), progress, trees))
-        })
-        .await?;
         let done = progress.done_count();
         report.pieces_resumed += done;
         if let Some(h) = &opts.holdings {
@@ -454,6 +502,9 @@ pub async fn pull_from(
                 prog.bytes_done += entry.piece_range(i).end - entry.piece_range(i).start;
             }
         }
+        if let Some(cb) = &opts.progress {
+            cb(&prog);
+        }
         blobs.push(Blob {
             remaining: (entry.pieces.len() as u64).saturating_sub(done),
             entry,
@@ -465,6 +516,18 @@ pub async fn pull_from(
             progress,
             trees,
         });
+    }
+    let mut verified = (*scan_list).clone();
+    for (p, stamp) in found {
+        verified.record(&p, stamp);
+    }
+    save_verified(&verified).await;
+    prog.checking = false;
+    if cancelled {
+        return Ok(report);
+    }
+    if let Some(cb) = &opts.progress {
+        cb(&prog);
     }
 
     // The room the rest of the pull needs (the pieces still missing, and the extra copies of
@@ -544,7 +607,10 @@ pub async fn pull_from(
     // Blobs with nothing left to fetch (empty files, or all pieces from an earlier run).
     for (b, blob) in blobs.iter_mut().enumerate() {
         if blob.remaining == 0 {
-            finish_blob(out, b, blob, &mut report, &mut prog, opts, &mut errors).await;
+            let placed = finish_blob(out, b, blob, &mut report, &mut prog, opts, &mut errors).await;
+            for (p, stamp) in placed {
+                verified.record(&p, stamp);
+            }
         }
     }
 
@@ -595,7 +661,11 @@ pub async fn pull_from(
                 }
             },
             Some((b, res)) = finishing.next() => {
-                finished_blob(out, &blobs[b], res, &mut report, &mut prog, opts, &mut errors);
+                let placed =
+                    finished_blob(out, &blobs[b], res, &mut report, &mut prog, opts, &mut errors);
+                for (p, stamp) in placed {
+                    verified.record(&p, stamp);
+                }
                 continue;
             }
         };
@@ -673,6 +743,7 @@ pub async fn pull_from(
     };
     report.sources_penalised = counted(|s| s.corrupt.load(Ordering::Relaxed));
     report.sources_failing = counted(|s| s.failures.load(Ordering::Relaxed));
+    save_verified(&verified).await;
     let count = errors.len();
     if let Some(first) = errors.into_iter().next() {
         return Err(MirrorError::PiecesFailed {
@@ -697,20 +768,87 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| MirrorError::io("blocking task", std::io::Error::other(e)))?
 }
 
-/// Is `path` a file of `size` bytes whose BLAKE3 is `hash`?
-fn file_matches(path: &Path, size: u64, hash: &Blake3Hash) -> bool {
-    match std::fs::metadata(path) {
-        Ok(m) if m.is_file() && m.len() == size => {}
-        _ => return false,
-    }
-    hash_whole(path).is_ok_and(|h| h == *hash)
+/// What [`scan_blob`] found of a blob on disk.
+enum Scanned {
+    /// Every path in place with the right hash; the stamps of those hashed now (`None` where
+    /// the file changed while it was hashed: not listed).
+    Present(Vec<(String, Option<Stamp>)>),
+    /// Not in place: its partial file (opened, or created), recorded pieces re-verified.
+    Partial(PieceWriter, PieceProgress, Vec<Option<Blake3Hash>>),
+    /// The pull was stopped while checking.
+    Cancelled,
 }
 
-fn hash_whole(path: &Path) -> std::io::Result<Blake3Hash> {
+/// Checks what is on disk of the blob `entry` listed at `paths`: the files in place (those
+/// `verified` lists unchanged are not read; all are without a list), else the partial file
+/// and its record.
+fn scan_blob(
+    out: &Path,
+    partial_dir: &Path,
+    entry: &FileEntry,
+    paths: &[String],
+    verified: Option<&Verified>,
+    cancel: &AtomicBool,
+) -> Result<Scanned, MirrorError> {
+    let mut stamps = Vec::new();
+    let mut present = true;
+    for p in paths {
+        if verified.is_some_and(|v| v.holds(p, &entry.hash)) {
+            continue;
+        }
+        let path = out.join(p);
+        // Stamped before it is read, and listed only if unchanged after.
+        let before = Stamp::of(&path, &entry.hash);
+        match file_matches(&path, entry.size, &entry.hash, cancel) {
+            Some(true) => {
+                let after = Stamp::of(&path, &entry.hash);
+                stamps.push((p.clone(), after.filter(|a| Some(a) == before.as_ref())));
+            }
+            Some(false) => {
+                present = false;
+                break;
+            }
+            None => return Ok(Scanned::Cancelled),
+        }
+    }
+    if present {
+        return Ok(Scanned::Present(stamps));
+    }
+    let partial = partial_dir.join(entry.hash.to_hex());
+    let progress_path = partial_dir.join(format!("{}.progress", entry.hash.to_hex()));
+    Ok(
+        match open_partial(entry, &partial, &progress_path, cancel)? {
+            Some((f, progress, trees)) => {
+                Scanned::Partial(PieceWriter::new(f, &partial), progress, trees)
+            }
+            None => Scanned::Cancelled,
+        },
+    )
+}
+
+/// Is `path` a file of `size` bytes whose BLAKE3 is `hash`? `None` if `cancel` was set while
+/// it was being hashed.
+fn file_matches(path: &Path, size: u64, hash: &Blake3Hash, cancel: &AtomicBool) -> Option<bool> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() && m.len() == size => {}
+        _ => return Some(false),
+    }
+    match hash_whole(path, Some(cancel)) {
+        Ok(h) => Some(h == *hash),
+        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => None,
+        Err(_) => Some(false),
+    }
+}
+
+/// BLAKE3 of the file at `path`; fails with `Interrupted` once `cancel` is set.
+fn hash_whole(path: &Path, cancel: Option<&AtomicBool>) -> std::io::Result<Blake3Hash> {
     let mut f = std::fs::File::open(path)?;
     let mut hasher = blake3::Hasher::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
+        if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            return Err(std::io::ErrorKind::Interrupted.into());
+        }
         let n = read_full(&mut f, &mut buf)?;
         if n == 0 {
             break;
@@ -720,13 +858,29 @@ fn hash_whole(path: &Path) -> std::io::Result<Blake3Hash> {
     Ok(hasher.finalize().into())
 }
 
+/// Writes the list of verified files, if it changed; a failure costs only a re-hash later.
+async fn save_verified(verified: &Verified) {
+    let v = verified.clone();
+    let res = tokio::task::spawn_blocking(move || v.save())
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+    if let Err(e) = res {
+        tracing::warn!(error = %e, "cannot save the list of verified files; a rerun hashes them again");
+    }
+}
+
+/// The partial file of a blob, its progress, and the tree hashes of its verified pieces.
+type Opened = (std::fs::File, PieceProgress, Vec<Option<Blake3Hash>>);
+
 /// Opens (or creates and preallocates) the partial file of a blob and loads its progress,
-/// re-verifying every piece it claims (and keeping their tree hashes).
+/// re-verifying every piece it claims (and keeping their tree hashes); `None` if `cancel`
+/// was set meanwhile (the record is left as it is: its pieces were not all checked).
 fn open_partial(
     entry: &FileEntry,
     partial: &Path,
     progress_path: &Path,
-) -> Result<(std::fs::File, PieceProgress, Vec<Option<Blake3Hash>>), MirrorError> {
+    cancel: &AtomicBool,
+) -> Result<Option<Opened>, MirrorError> {
     let ctx = || format!("opening partial file {}", partial.display());
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -766,6 +920,9 @@ fn open_partial(
         if !progress.is_done(i) {
             continue;
         }
+        if cancel.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
         let r = entry.piece_range(i);
         buf.resize((r.end - r.start) as usize, 0);
         match file
@@ -777,7 +934,7 @@ fn open_partial(
             None => progress.set(i, false),
         }
     }
-    Ok((file, progress, trees))
+    Ok(Some((file, progress, trees)))
 }
 
 /// One fetch from one source, verified.
@@ -1142,6 +1299,9 @@ async fn fetch_piece(
     out
 }
 
+/// The paths a finished blob was placed under, with their stamps for the verified list.
+type Placed = Vec<(String, Option<Stamp>)>;
+
 /// Verifies a blob whose pieces are all in, and moves it into place under every path.
 async fn finish_blob(
     out: &Path,
@@ -1151,9 +1311,9 @@ async fn finish_blob(
     prog: &mut PullProgress,
     opts: &PullOptions,
     errors: &mut Vec<MirrorError>,
-) {
+) -> Placed {
     let (_, res) = finish_work(out, b, blob).await;
-    finished_blob(out, blob, res, report, prog, opts, errors);
+    finished_blob(out, blob, res, report, prog, opts, errors)
 }
 
 /// The slow part of finishing blob `b` (sync, root check, rename) as a future that borrows
@@ -1162,7 +1322,7 @@ fn finish_work(
     out: &Path,
     b: usize,
     blob: &mut Blob,
-) -> impl std::future::Future<Output = (usize, Result<(), MirrorError>)> + Send + 'static {
+) -> impl std::future::Future<Output = (usize, Result<Placed, MirrorError>)> + Send + 'static {
     let file = blob.file.take();
     blob.record = None;
     // Every piece verified and gave its tree hash: the root is merged from them. Otherwise
@@ -1183,7 +1343,7 @@ fn finish_work(
         drop(file);
         let got = match &trees {
             Some(t) => entry.file_hash_from_pieces(t),
-            None => hash_whole(&partial)
+            None => hash_whole(&partial, None)
                 .map_err(|e| MirrorError::io(format!("hashing {}", partial.display()), e))?,
         };
         if got != entry.hash {
@@ -1212,28 +1372,35 @@ fn finish_work(
         }
         place(&partial, &out2.join(&paths[0]))?;
         let _ = std::fs::remove_file(&progress_path);
-        Ok(())
+        // Listed as verified as they are now, so a rerun need not read them again.
+        Ok(paths
+            .iter()
+            .map(|p| (p.clone(), Stamp::of(&out2.join(p), &entry.hash)))
+            .collect())
     });
     async move { (b, res.await) }
 }
 
-/// Records the end of [`finish_work`] for `blob`.
+/// Records the end of [`finish_work`] for `blob`; the stamps of the files it placed.
+#[must_use]
 fn finished_blob(
     out: &Path,
     blob: &Blob,
-    res: Result<(), MirrorError>,
+    res: Result<Placed, MirrorError>,
     report: &mut PullReport,
     prog: &mut PullProgress,
     opts: &PullOptions,
     errors: &mut Vec<MirrorError>,
-) {
+) -> Placed {
     match res {
-        Ok(()) => {
+        Ok(stamps) => {
             if let Some(h) = &opts.holdings {
                 h.placed(&blob.entry.hash, out.join(&blob.paths[0]));
             }
             report.files_written += blob.paths.len();
             prog.files_done += blob.paths.len();
+            // The pieces counted the content once; the total counts every path.
+            prog.bytes_done += blob.entry.size * (blob.paths.len() as u64 - 1);
             if let Some(cb) = &opts.progress {
                 for p in &blob.paths {
                     prog.file_finished = Some(p.clone());
@@ -1241,8 +1408,12 @@ fn finished_blob(
                 }
                 prog.file_finished = None;
             }
+            stamps
         }
-        Err(e) => errors.push(e),
+        Err(e) => {
+            errors.push(e);
+            Vec::new()
+        }
     }
 }
 

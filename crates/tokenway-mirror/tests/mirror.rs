@@ -404,6 +404,102 @@ async fn duplicate_paths_are_each_placed_with_the_same_verified_bytes() {
     assert!(!out.join(".partial").exists());
 }
 
+#[tokio::test]
+async fn a_rerun_trusts_the_files_it_verified_until_they_change_and_progress_reaches_the_end() {
+    use std::sync::Mutex;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(src.join("sub")).unwrap();
+    let mut data = vec![0u8; 3 << 20];
+    SmallRng::seed_from_u64(4).fill_bytes(&mut data);
+    std::fs::write(src.join("a.bin"), &data).unwrap();
+    std::fs::write(src.join("sub/a-copy.bin"), &data).unwrap();
+    std::fs::write(src.join("config.json"), br#"{"hidden_size":64}"#).unwrap();
+    let origin = open_origin(&format!("file://{}", tmp.path().join("origin").display())).unwrap();
+    publish(
+        Arc::clone(&origin),
+        &src,
+        "org/v",
+        "r1",
+        Some("latest"),
+        &PublishOptions::default(),
+    )
+    .await
+    .unwrap();
+    let out = tmp.path().join("out");
+    let mref = ModelRef::parse("org/v").unwrap();
+    let last = Arc::new(Mutex::new(None));
+    let seen = Arc::clone(&last);
+    let opts = PullOptions {
+        progress: Some(Arc::new(move |p: &tokenway_mirror::PullProgress| {
+            *seen.lock().unwrap() = Some(p.clone());
+        })),
+        ..PullOptions::default()
+    };
+    let r = pull(Arc::clone(&origin), &mref, &out, &opts).await.unwrap();
+    assert!(r.complete);
+    // A file listed twice is counted twice in the total and so in what is done (it used to
+    // stop short of the total by the copy's size).
+    let p = last.lock().unwrap().clone().expect("progress reported");
+    assert_eq!(p.bytes_done, p.bytes_total, "{p:?}");
+    assert_eq!(p.files_done, 3);
+    assert!(!p.checking);
+    assert!(out.join(".tokenway/verified.json").exists());
+
+    // A rerun reads nothing: every file is listed and unchanged.
+    let again = pull(Arc::clone(&origin), &mref, &out, &opts).await.unwrap();
+    assert_eq!(
+        (
+            again.files_already_present,
+            again.files_hashed,
+            again.pieces_fetched
+        ),
+        (3, 0, 0)
+    );
+    // `--verify` hashes them all, and they are fine.
+    let verify = PullOptions {
+        verify: true,
+        ..opts.clone()
+    };
+    let checked = pull(Arc::clone(&origin), &mref, &out, &verify)
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            checked.files_already_present,
+            checked.files_hashed,
+            checked.pieces_fetched
+        ),
+        (3, 3, 0)
+    );
+    // One byte changed in place, same size: the change is seen, the file hashed, found
+    // wrong and fetched again (with its copy, which shares its content); the rest trusted.
+    let mut bytes = std::fs::read(out.join("a.bin")).unwrap();
+    bytes[1000] ^= 1;
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    std::fs::write(out.join("a.bin"), &bytes).unwrap();
+    let fixed = pull(Arc::clone(&origin), &mref, &out, &opts).await.unwrap();
+    assert!(fixed.complete);
+    assert_eq!(fixed.files_already_present, 1, "config.json");
+    assert_eq!(fixed.files_hashed, 0);
+    assert_eq!(fixed.files_written, 2);
+    assert_eq!(std::fs::read(out.join("a.bin")).unwrap(), data);
+    assert_eq!(std::fs::read(out.join("sub/a-copy.bin")).unwrap(), data);
+    // A stopped pull stops while checking, fetching nothing and keeping what it listed.
+    let stopped = PullOptions {
+        verify: true,
+        cancel: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        ..opts.clone()
+    };
+    let r = pull(Arc::clone(&origin), &mref, &out, &stopped)
+        .await
+        .unwrap();
+    assert!(!r.complete);
+    assert_eq!(r.pieces_fetched, 0);
+    let again = pull(Arc::clone(&origin), &mref, &out, &opts).await.unwrap();
+    assert_eq!((again.files_already_present, again.files_hashed), (3, 0));
+}
+
 /// A second pull into a directory another live pull is using is refused with a clear error
 /// (instead of tripping over its renames); a lock left by a pull that is gone is taken over.
 #[tokio::test]

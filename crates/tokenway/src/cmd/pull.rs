@@ -54,6 +54,11 @@ pub struct PullArgs {
     /// Do not hedge straggling pieces to a second source.
     #[arg(long)]
     pub no_hedge: bool,
+    /// Hash every file already in place, even those an earlier pull into this directory
+    /// verified and that are unchanged since (by default those are trusted without being read,
+    /// see `<out>/.tokenway/verified.json`).
+    #[arg(long)]
+    pub verify: bool,
     /// Requests per mirror to measure its RTT.
     #[arg(long, value_name = "N", default_value_t = 3)]
     pub rtt_probes: u32,
@@ -103,7 +108,8 @@ fn summary(r: &PullReport, secs: f64) -> String {
         "pull summary: complete={} seconds={secs:.2} pieces_fetched={} bytes_fetched={} \
          bytes_from_origin={} bytes_from_mirrors={} bytes_from_peers={} pieces_written={} \
          pieces_resumed={} pieces_discarded_in_flight={} pieces_corrupt={} pieces_hedged={} \
-         hedge_wins={} source_errors={} files_already_present={} files_written={} penalised=[{}] \
+         hedge_wins={} source_errors={} files_already_present={} files_hashed={} files_written={} \
+         penalised=[{}] \
          failing=[{}]",
         r.complete,
         r.pieces_fetched,
@@ -119,6 +125,7 @@ fn summary(r: &PullReport, secs: f64) -> String {
         r.hedge_wins,
         r.source_errors,
         r.files_already_present,
+        r.files_hashed,
         r.files_written,
         list(&r.sources_penalised),
         list(&r.sources_failing)
@@ -185,6 +192,7 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
         limit_rate: args.limit_rate,
         holdings: Some(Arc::clone(&holdings)),
         spread: args.serve.is_some() && !args.sequential,
+        verify: args.verify,
         ..PullOptions::default()
     };
     opts.max_attempts = opts.max_attempts.max(sources.all().len() as u32 + 1);
