@@ -25,6 +25,7 @@
 
 pub mod announce;
 pub mod auth;
+pub mod dir_lock;
 pub mod disk_space;
 pub mod display;
 pub mod faults;

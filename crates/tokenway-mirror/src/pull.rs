@@ -41,6 +41,7 @@ use futures_util::stream::{self, FuturesUnordered, StreamExt};
 use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
+use crate::dir_lock::DirLock;
 use crate::holdings::Holdings;
 use crate::manifest::{
     manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
@@ -128,6 +129,9 @@ pub struct PullOptions {
     /// Hash every file already in place, even those an earlier pull listed as verified and
     /// that are unchanged since (see [`crate::verified`]).
     pub verify: bool,
+    /// The output directory's lock, taken by the caller (who keeps it past the pull, to serve
+    /// the files); without one the pull takes it for its own run.
+    pub dir_lock: Option<Arc<DirLock>>,
 }
 
 impl Default for PullOptions {
@@ -144,6 +148,7 @@ impl Default for PullOptions {
             peer_bytes: Arc::new(AtomicU64::new(0)),
             spread: false,
             verify: false,
+            dir_lock: None,
         }
     }
 }
@@ -361,14 +366,18 @@ pub async fn pull_from(
     out: &Path,
     opts: &PullOptions,
 ) -> Result<PullReport, MirrorError> {
+    // The caller's lock (one that serves the files after the pull keeps it), or our own.
+    let dir_lock = match &opts.dir_lock {
+        Some(_) => None,
+        None => {
+            let o = out.to_path_buf();
+            Some(blocking(move || DirLock::take(&o)).await?)
+        }
+    };
     let partial_dir = out.join(PARTIAL_DIR);
     tokio::fs::create_dir_all(&partial_dir)
         .await
         .map_err(|e| MirrorError::io(format!("creating {}", partial_dir.display()), e))?;
-    let dir_lock = {
-        let (p, o) = (partial_dir.clone(), out.to_path_buf());
-        blocking(move || DirLock::take(&p, &o)).await?
-    };
 
     let mut report = PullReport {
         manifest: manifest.clone(),
@@ -1418,82 +1427,6 @@ fn finished_blob(
 }
 
 /// Renames `src` to `dst`, creating parent directories.
-/// The lock of an output directory, `<out>/.partial/lock` holding the pid of the pull that
-/// uses it: two pulls into one directory would share partial files and resume records and
-/// trip over each other's renames. A lock whose process is gone (SIGKILL, power loss) is
-/// taken over. Removed when dropped.
-struct DirLock {
-    /// `None` where the file system cannot hold the lock (no hard links): best effort.
-    path: Option<PathBuf>,
-}
-
-impl DirLock {
-    fn take(partial_dir: &Path, out: &Path) -> Result<Self, MirrorError> {
-        let path = partial_dir.join("lock");
-        let me = std::process::id();
-        // Written whole beside the lock, then linked into place: a lock is never seen empty.
-        let tmp = partial_dir.join(format!("lock.{me}.tmp"));
-        std::fs::write(&tmp, me.to_string())
-            .map_err(|e| MirrorError::io(format!("writing {}", tmp.display()), e))?;
-        let res = (|| {
-            for _ in 0..2 {
-                match std::fs::hard_link(&tmp, &path) {
-                    Ok(()) => return Ok(true),
-                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                        let holder = std::fs::read_to_string(&path)
-                            .ok()
-                            .and_then(|s| s.trim().parse::<u32>().ok());
-                        if let Some(pid) = holder.filter(|&p| p != me && process_alive(p)) {
-                            return Err(MirrorError::io(
-                                format!(
-                                    "another pull (pid {pid}) is using {}; wait for it to \
-                                     finish, or remove {} if no pull is running",
-                                    out.display(),
-                                    path.display()
-                                ),
-                                std::io::Error::new(
-                                    std::io::ErrorKind::WouldBlock,
-                                    "output directory in use",
-                                ),
-                            ));
-                        }
-                        // Its pull is gone: take it over.
-                        let _ = std::fs::remove_file(&path);
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, path = %path.display(), "cannot lock the output directory; going on without");
-                        return Ok(false);
-                    }
-                }
-            }
-            Err(MirrorError::io(
-                format!("taking {}", path.display()),
-                std::io::Error::new(
-                    std::io::ErrorKind::WouldBlock,
-                    "another pull keeps taking it",
-                ),
-            ))
-        })();
-        let _ = std::fs::remove_file(&tmp);
-        res.map(|locked| Self {
-            path: locked.then_some(path),
-        })
-    }
-}
-
-impl Drop for DirLock {
-    fn drop(&mut self) {
-        if let Some(p) = &self.path {
-            let _ = std::fs::remove_file(p);
-        }
-    }
-}
-
-/// Is process `pid` running? (Linux `/proc`; elsewhere every lock counts as left behind.)
-fn process_alive(pid: u32) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty())
-}
-
 fn place(src: &Path, dst: &Path) -> Result<(), MirrorError> {
     if let Some(parent) = dst.parent() {
         std::fs::create_dir_all(parent)

@@ -505,11 +505,9 @@ async fn a_rerun_trusts_the_files_it_verified_until_they_change_and_progress_rea
 #[tokio::test]
 async fn a_pull_into_a_directory_another_pull_is_using_is_refused_and_a_stale_lock_taken_over() {
     let s = setup().await;
-    let lock = s.out.join(".partial").join("lock");
-    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
-    // A live process that is not this one holds the lock.
-    let live = std::os::unix::process::parent_id();
-    std::fs::write(&lock, live.to_string()).unwrap();
+    // Another pull holds the directory (another open of the lock file holds it as another
+    // process would).
+    let held = tokenway_mirror::dir_lock::DirLock::take(&s.out).unwrap();
     let mref = ModelRef::parse("org/tiny").unwrap();
     let err = pull(
         Arc::clone(&s.origin),
@@ -520,13 +518,18 @@ async fn a_pull_into_a_directory_another_pull_is_using_is_refused_and_a_stale_lo
     .await
     .unwrap_err()
     .to_string();
-    assert!(err.contains(&format!("another pull (pid {live})")), "{err}");
-    assert!(lock.exists(), "the other pull's lock is left alone");
-    // The holder is gone: its lock is taken over and the pull completes.
+    assert!(
+        err.contains(&format!("another pull (pid {} on ", std::process::id())),
+        "{err}"
+    );
+    assert!(!s.out.join(".partial").exists(), "nothing written");
+    // The holder is gone (its process ended, which drops the lock): a pull completes, and a
+    // lock file naming a dead pid (the pid lock of earlier versions) does not stand in its way.
+    drop(held);
     let mut gone = std::process::Command::new("true").spawn().unwrap();
     let gone_pid = gone.id();
     gone.wait().unwrap();
-    std::fs::write(&lock, gone_pid.to_string()).unwrap();
+    std::fs::write(s.out.join(".tokenway/lock"), format!("pid {gone_pid}")).unwrap();
     let r = pull(
         Arc::clone(&s.origin),
         &mref,
@@ -538,6 +541,24 @@ async fn a_pull_into_a_directory_another_pull_is_using_is_refused_and_a_stale_lo
     assert!(r.complete);
     assert_identical(&s.src, &s.out, &s.manifest);
     assert!(!s.out.join(".partial").exists());
+    // A caller that keeps the lock (to serve the files) lends it to the pull.
+    let kept = Arc::new(tokenway_mirror::dir_lock::DirLock::take(&s.out).unwrap());
+    let r = pull(
+        Arc::clone(&s.origin),
+        &mref,
+        &s.out,
+        &PullOptions {
+            dir_lock: Some(Arc::clone(&kept)),
+            ..PullOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(r.complete);
+    assert!(
+        tokenway_mirror::dir_lock::DirLock::take(&s.out).is_err(),
+        "still held by the caller after the pull"
+    );
 }
 
 #[tokio::test]

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use tokenway_mirror::announce::Announcer;
+use tokenway_mirror::dir_lock::DirLock;
 use tokenway_mirror::display::PullDisplay;
 use tokenway_mirror::faults::Faults;
 use tokenway_mirror::holdings::Holdings;
@@ -185,6 +186,17 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
 
     let display = PullDisplay::for_stderr();
     let holdings = Arc::new(Holdings::default());
+    // A node that serves the files after the pull keeps the directory locked while it does:
+    // another pull placing the next revision there would have it serve other bytes under
+    // the old hashes.
+    let dir_lock = match args.serve {
+        Some(_) => {
+            Some(Arc::new(DirLock::take(&args.out).with_context(|| {
+                format!("locking {}", args.out.display())
+            })?))
+        }
+        None => None,
+    };
     let mut opts = PullOptions {
         parallel: args.parallel.max(1),
         progress: Some(display.callback()),
@@ -193,6 +205,7 @@ pub async fn run(args: PullArgs) -> anyhow::Result<()> {
         holdings: Some(Arc::clone(&holdings)),
         spread: args.serve.is_some() && !args.sequential,
         verify: args.verify,
+        dir_lock,
         ..PullOptions::default()
     };
     opts.max_attempts = opts.max_attempts.max(sources.all().len() as u32 + 1);
