@@ -29,6 +29,23 @@ use crate::sources::SourceSet;
 pub const INTERVAL: Duration = Duration::from_millis(300);
 /// How often a node that holds everything it wants announces (to stay listed as a peer).
 pub const IDLE_INTERVAL: Duration = Duration::from_secs(5);
+/// Announcement traffic a node allows itself, posts and answers together: past it the rounds
+/// are spaced out. A round carries whole bitsets, and an answer up to 64 peers' (about 2 MiB
+/// for a 500 GB model at 4 MiB pieces): every 300 ms that was 6.7 MB/s per node outside
+/// `--limit-rate`, and 100 nodes drew 670 MB/s of JSON from their mirror. At this budget a
+/// round of a 14 GB model's (about 60 KB with 64 peers) still goes every 300 ms; the
+/// 500 GB model's every 8 s, and 100 such nodes draw 25 MiB/s at most.
+pub const BYTES_PER_SEC: u64 = 256 << 10;
+
+/// The pause after a round of `round_bytes` (posts and answers): [`INTERVAL`] (or
+/// [`IDLE_INTERVAL`] once the node wants nothing), longer if that would exceed
+/// [`BYTES_PER_SEC`].
+pub fn pause_after(round_bytes: u64, idle: bool) -> Duration {
+    let base = if idle { IDLE_INTERVAL } else { INTERVAL };
+    base.max(Duration::from_secs_f64(
+        round_bytes as f64 / BYTES_PER_SEC as f64,
+    ))
+}
 
 /// How long the first mirror asked has to answer an announcement.
 pub const FIRST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -70,6 +87,12 @@ impl Announcer {
     /// One round of announcements (see the module docs); returns how many peers were learnt,
     /// or, when no mirror answered, the failures.
     pub async fn once(&self) -> Result<usize, String> {
+        self.round().await.map(|(n, _)| n)
+    }
+
+    /// [`Self::once`], also returning the bytes the round sent and received.
+    async fn round(&self) -> Result<(usize, u64), String> {
+        let mut bytes = 0u64;
         // A mirror that is not answering (no RTT, or failing requests) gets the short
         // timeout even when it is first, so the pull does not wait for it before its first
         // piece.
@@ -98,8 +121,11 @@ impl Announcer {
                 let s = lock(&self.shares);
                 s.per_mirror.get(base).copied().unwrap_or(0) + total.saturating_sub(s.given)
             };
-            match post(client, base, self.body(&self.region, share), *within).await {
-                Ok(reply) => {
+            let body = self.body(&self.region, share);
+            bytes += body.len() as u64;
+            match post(client, base, body, *within).await {
+                Ok((reply, n)) => {
+                    bytes += n;
                     let mut s = lock(&self.shares);
                     s.per_mirror.insert(base.clone(), share);
                     s.given = s.given.max(total);
@@ -123,23 +149,27 @@ impl Announcer {
                 .get(base)
                 .copied()
                 .unwrap_or(0);
-            post(client, base, self.body(&region, share), SECONDARY_TIMEOUT)
+            let body = self.body(&region, share);
+            bytes += body.len() as u64;
+            post(client, base, body, SECONDARY_TIMEOUT)
         });
+        let others: Vec<_> = others.collect();
         let mut peers = reply.peers;
         // A mirror further down the list that does not answer in time is left out of this
         // round: the first one answered.
-        for r in futures_util::future::join_all(others)
+        for (r, n) in futures_util::future::join_all(others)
             .await
             .into_iter()
             .flatten()
         {
+            bytes += n;
             peers.extend(r.peers);
         }
         let mut seen = HashSet::new();
         peers.retain(|p| seen.insert(p.addr.clone()));
         let n = peers.len();
         self.sources.set_peers(peers);
-        Ok(n)
+        Ok((n, bytes))
     }
 
     /// The announcement, filed under `region`, with `bytes_from_peers` as the cumulative count.
@@ -165,16 +195,21 @@ impl Announcer {
     pub async fn run(self: Arc<Self>) {
         let mut warned = false;
         loop {
-            match self.once().await {
-                Ok(_) => warned = false,
-                Err(e) if !warned => {
-                    tracing::warn!(error = %e, "cannot announce to any mirror; peers unknown");
-                    warned = true;
+            let bytes = match self.round().await {
+                Ok((_, bytes)) => {
+                    warned = false;
+                    bytes
                 }
-                Err(_) => {}
-            }
+                Err(e) => {
+                    if !warned {
+                        tracing::warn!(error = %e, "cannot announce to any mirror; peers unknown");
+                        warned = true;
+                    }
+                    0
+                }
+            };
             let idle = self.holdings.missing(&self.want).is_empty();
-            tokio::time::sleep(if idle { IDLE_INTERVAL } else { INTERVAL }).await;
+            tokio::time::sleep(pause_after(bytes, idle)).await;
         }
     }
 }
@@ -184,10 +219,27 @@ async fn post(
     base: &str,
     body: Vec<u8>,
     within: Duration,
-) -> Result<AnnounceReply, String> {
+) -> Result<(AnnounceReply, u64), String> {
     let req = post_json(&format!("{base}/v1/peers/announce"), body).map_err(|e| e.to_string())?;
     let (_, bytes) = send(client, req, 16 << 20, Timeouts::all(within))
         .await
         .map_err(|e| e.to_string())?;
-    serde_json::from_slice(&bytes).map_err(|e| format!("unexpected answer: {e}"))
+    let reply = serde_json::from_slice(&bytes).map_err(|e| format!("unexpected answer: {e}"))?;
+    Ok((reply, bytes.len() as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_are_spaced_out_past_the_traffic_budget() {
+        // A small model's rounds keep their pace.
+        assert_eq!(pause_after(60_000, false), INTERVAL);
+        assert_eq!(pause_after(60_000, true), IDLE_INTERVAL);
+        // 2 MiB answers (a 500 GB model, 64 peers): one round every 8 s, not every 300 ms.
+        assert_eq!(pause_after(2 << 20, false), Duration::from_secs(8));
+        assert_eq!(pause_after(2 << 20, true), Duration::from_secs(8));
+        assert_eq!(pause_after(0, false), INTERVAL, "a round that failed");
+    }
 }

@@ -87,10 +87,29 @@ impl Holdings {
     /// What to announce: the pieces held and the pieces being fetched, together within
     /// the mirror's [`MAX_ANNOUNCED_PIECES`] bits. Every bitset is a whole blob's, so a pull
     /// fetching pieces of every blob of a large model would announce its piece count twice and
-    /// be refused altogether: `taking` is left out, largest blobs first, until it fits.
+    /// be refused altogether: `taking` is left out, largest blobs first, until it fits. A
+    /// model of more pieces than that (500 GB at 256 KiB pieces) cannot list even what it holds
+    /// of every blob: the blobs it holds least of are left out (others learn of fewer pieces,
+    /// instead of every announcement being refused and peer sharing stopping).
     pub fn wire(&self) -> (WireBits, WireBits) {
         let blobs = lock(&self.blobs);
-        let have: WireBits = blobs.iter().map(|(k, h)| (*k, h.bits.to_wire())).collect();
+        let mut held: Vec<_> = blobs
+            .iter()
+            .map(|(k, h)| (*k, h.bits.present(), h.bits.count()))
+            .collect();
+        let mut have_bits = held.iter().fold(0u64, |n, (_, _, c)| n.saturating_add(*c));
+        if have_bits > MAX_ANNOUNCED_PIECES {
+            // Most held first; ties: smaller blobs first (more of them fit).
+            held.sort_by_key(|(_, present, count)| (std::cmp::Reverse(*present), *count));
+            while have_bits > MAX_ANNOUNCED_PIECES {
+                let Some((_, _, c)) = held.pop() else { break };
+                have_bits -= c;
+            }
+        }
+        let have: WireBits = held
+            .iter()
+            .filter_map(|(k, _, _)| Some((*k, blobs.get(k)?.bits.to_wire())))
+            .collect();
         let mut taking: Vec<_> = blobs
             .iter()
             .filter(|(_, h)| h.taking.present() > 0)
@@ -181,5 +200,31 @@ mod tests {
         assert_eq!(taking.keys().collect::<Vec<_>>(), vec![&a.hash]);
         let announced: u64 = have.values().chain(taking.values()).map(|w| w.count).sum();
         assert!(announced <= MAX_ANNOUNCED_PIECES);
+    }
+
+    #[test]
+    fn a_model_of_more_pieces_than_an_announcement_takes_lists_the_blobs_it_holds_most_of() {
+        // Three blobs of half the limit each: all three are over it.
+        let n = MAX_ANNOUNCED_PIECES / 2;
+        let (a, b, c) = (entry("a", 4), entry("b", 4), entry("c", 4));
+        let h = Holdings::default();
+        let mut some = PieceBits::empty(n);
+        some.set(0);
+        some.set(1);
+        let mut one = PieceBits::empty(n);
+        one.set(5);
+        h.add(&a, "a".into(), one);
+        h.add(&b, "b".into(), some);
+        h.add(&c, "c".into(), PieceBits::empty(n));
+        h.taking(&c.hash, 3, true);
+        let (have, taking) = h.wire();
+        let mut listed: Vec<_> = have.keys().copied().collect();
+        listed.sort();
+        let mut want = vec![a.hash, b.hash];
+        want.sort();
+        assert_eq!(listed, want, "the blob held least of is left out");
+        assert!(taking.is_empty());
+        let announced: u64 = have.values().chain(taking.values()).map(|w| w.count).sum();
+        assert!(announced <= MAX_ANNOUNCED_PIECES, "{announced}");
     }
 }

@@ -362,29 +362,35 @@ impl SourceSet {
     /// (the mirror hands out a random subset of a large region) gets back the state it left
     /// with: a peer banned for corrupt pieces stays banned.
     pub fn set_peers(&self, views: Vec<PeerView>) {
+        // Decoded before the lock is taken: a large model's bitsets from 64 peers are
+        // millions of bits, and every piece fetch needs the lock for its candidates.
+        let decoded: Vec<_> = views
+            .into_iter()
+            .filter_map(|v| {
+                // An unspecified address (from a mirror that does not replace it by the
+                // peer's source address) would dial this host, not the peer: it is skipped,
+                // and is never taken for this node's own address either.
+                let unspecified = v
+                    .addr
+                    .parse::<std::net::SocketAddr>()
+                    .is_ok_and(|a| a.ip().is_unspecified());
+                if unspecified || self.own_addr.as_deref() == Some(v.addr.as_str()) {
+                    return None;
+                }
+                let base = base_url(&format!("http://{}", v.addr)).ok()?;
+                let bits = |m: &HashMap<Blake3Hash, crate::piece_bits::PieceBitsWire>| {
+                    m.iter()
+                        .filter_map(|(h, w)| Some((*h, PieceBits::from_wire(w).ok()?)))
+                        .collect()
+                };
+                Some((base, bits(&v.have), bits(&v.taking)))
+            })
+            .take(MAX_PEERS)
+            .collect();
         let mut peers = lock(&self.peers);
         let mut retired = lock(&self.retired);
         let mut next = HashMap::new();
-        for v in views.into_iter().take(MAX_PEERS) {
-            // An unspecified address (from a mirror that does not replace it by the peer's
-            // source address) would dial this host, not the peer: it is skipped, and is never
-            // taken for this node's own address either.
-            let unspecified = v
-                .addr
-                .parse::<std::net::SocketAddr>()
-                .is_ok_and(|a| a.ip().is_unspecified());
-            if unspecified || self.own_addr.as_deref() == Some(v.addr.as_str()) {
-                continue;
-            }
-            let Ok(base) = base_url(&format!("http://{}", v.addr)) else {
-                continue;
-            };
-            let bits = |m: &HashMap<Blake3Hash, crate::piece_bits::PieceBitsWire>| {
-                m.iter()
-                    .filter_map(|(h, w)| Some((*h, PieceBits::from_wire(w).ok()?)))
-                    .collect()
-            };
-            let (have, taking) = (bits(&v.have), bits(&v.taking));
+        for (base, have, taking) in decoded {
             let name = format!("peer {base}");
             let state = match peers.remove(&base) {
                 Some(p) => p.state,
