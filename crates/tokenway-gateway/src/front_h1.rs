@@ -91,6 +91,7 @@ impl H1Connection {
             front,
             shared,
             closing: closing.clone(),
+            overflow: false,
         };
         Self {
             serving: Box::pin(conn.run()),
@@ -178,6 +179,9 @@ struct Conn<S> {
     front: TcpFront,
     shared: Arc<Shared>,
     closing: Arc<AtomicBool>,
+    /// The client sent more than [`MAX_PIPELINED_BYTES`] ahead of its answer: the excess was
+    /// read and dropped (to see the client go), so the connection closes after the answer.
+    overflow: bool,
 }
 
 impl<S> Conn<S>
@@ -238,14 +242,18 @@ where
             let tunnel = splice.and_then(|s| s.take());
             let connect_ok = tunnel.is_some() && resp.status().is_success();
             match self.respond(resp, &method, version, keep_alive).await {
+                // Bytes meant for the tunnel were dropped: it cannot be spliced whole.
+                Ok(_) if connect_ok && self.overflow => return,
                 Ok(_) if connect_ok => {
                     if let Some(tcp) = tunnel {
                         self.splice(tcp).await;
                     }
                     return;
                 }
-                Ok(true) => {}
-                Ok(false) | Err(()) => return,
+                // A next request whose bytes were partly dropped is not read: the connection
+                // closes after this answer (RFC 9112 section 9.3.2 lets a client retry it).
+                Ok(true) if !self.overflow => {}
+                Ok(_) | Err(()) => return,
             }
             if self.out.capacity() > KEEP_BUFFER_BYTES {
                 self.out = BytesMut::new();
@@ -399,18 +407,34 @@ where
         .await
     }
 
-    /// Ready when the client has closed the connection (or it failed); reads what it sends
-    /// meanwhile, up to [`MAX_PIPELINED_BYTES`].
+    /// Ready when the client has closed the connection (or it failed); keeps what it sends
+    /// meanwhile, up to [`MAX_PIPELINED_BYTES`], and reads and drops the rest (setting
+    /// `overflow`): a socket no longer read would not tell that its client left, and the
+    /// backend would work on for no one.
     fn poll_client(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        while self.buf.len() < MAX_PIPELINED_BYTES {
-            reserve_read_space(&mut self.buf);
-            match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf) {
+        loop {
+            let read = if self.buf.len() < MAX_PIPELINED_BYTES {
+                reserve_read_space(&mut self.buf);
+                tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
+            } else {
+                let mut scratch = [0u8; 4096];
+                let mut rb = tokio::io::ReadBuf::new(&mut scratch);
+                match Pin::new(&mut self.io).poll_read(cx, &mut rb) {
+                    Poll::Ready(Ok(())) if !rb.filled().is_empty() => {
+                        self.overflow = true;
+                        Poll::Ready(Ok(rb.filled().len()))
+                    }
+                    Poll::Ready(Ok(())) => Poll::Ready(Ok(0)),
+                    Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                    Poll::Pending => Poll::Pending,
+                }
+            };
+            match read {
                 Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(()),
                 Poll::Ready(Ok(_)) => {}
                 Poll::Pending => return Poll::Pending,
             }
         }
-        Poll::Pending
     }
 
     /// Writes `resp`, its frames as they come. `Ok(true)` when the connection can carry another
@@ -440,6 +464,7 @@ where
             AnswerBody::UntilClose
         };
         let keep_alive = keep_alive
+            && !self.overflow
             && framing != AnswerBody::UntilClose
             && !has_token(&parts.headers, header::CONNECTION, "close")
             && !self.closing.load(Ordering::Acquire);
@@ -1163,6 +1188,82 @@ mod tests {
         (tokio::spawn(conn), client)
     }
 
+    /// A connection's state on `io`, for tests of its parts.
+    fn conn_on(
+        io: tokio::io::DuplexStream,
+        config: crate::config::GatewayConfig,
+    ) -> Conn<tokio::io::DuplexStream> {
+        Conn {
+            io,
+            buf: BytesMut::new(),
+            out: BytesMut::new(),
+            data: Bytes::new(),
+            after: BytesMut::new(),
+            timer: Box::pin(tokio::time::sleep_until(Instant::now())),
+            peer: SocketAddr::from(([127, 0, 0, 1], 40000)),
+            front: TcpFront::Api,
+            shared: Shared::new(config).expect("gateway state"),
+            closing: Arc::new(AtomicBool::new(false)),
+            overflow: false,
+        }
+    }
+
+    /// A client that pipelines more than is kept and then leaves is still seen leaving (the
+    /// request it was waiting for is dropped, and with it the backend's work), and one that
+    /// stays gets its answer and then the connection closes.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_pipelines_past_the_bound_is_still_watched() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let config = || {
+            crate::config::GatewayConfig::from_toml_str(
+                "[[backends]]\nurl = \"http://127.0.0.1:9\"\nmodels = [\"m\"]\n",
+            )
+            .expect("valid config")
+        };
+        let (mut client, server) = tokio::io::duplex(256 * 1024);
+        let mut conn = conn_on(server, config());
+        client
+            .write_all(&vec![b'x'; MAX_PIPELINED_BYTES + 10_000])
+            .await
+            .expect("pipelined");
+        drop(client);
+        // The work never ends: only the client's going can end the wait (before, nothing did:
+        // the socket was no longer read once 64 KiB were kept).
+        let gone = tokio::time::timeout(
+            std::time::Duration::from_secs(3600),
+            conn.while_client_stays(std::future::pending::<()>()),
+        )
+        .await;
+        assert_eq!(gone, Ok(None), "the client's close is seen");
+        assert!(conn.overflow);
+        assert!(conn.buf.len() <= MAX_PIPELINED_BYTES + 64 * 1024);
+
+        let (mut client, server) = tokio::io::duplex(256 * 1024);
+        let mut conn = conn_on(server, config());
+        client
+            .write_all(&vec![b'x'; MAX_PIPELINED_BYTES + 10_000])
+            .await
+            .expect("pipelined");
+        let work = tokio::time::sleep(std::time::Duration::from_secs(1));
+        assert_eq!(conn.while_client_stays(work).await, Some(()));
+        let body = http_body_util::BodyExt::map_err(
+            http_body_util::Full::new(Bytes::from_static(b"ok")),
+            |e: std::convert::Infallible| -> crate::error::BoxError { match e {} },
+        );
+        let resp = Response::new(http_body_util::BodyExt::boxed(body));
+        let keep = conn
+            .respond(resp, &Method::GET, Version::HTTP_11, true)
+            .await
+            .expect("written");
+        assert!(!keep, "the connection closes after the answer");
+        drop(conn);
+        let mut wire = Vec::new();
+        client.read_to_end(&mut wire).await.expect("read");
+        let text = String::from_utf8(wire).expect("ascii");
+        assert!(text.contains("connection: close"), "{text}");
+        assert!(text.ends_with("ok"), "{text}");
+    }
+
     /// An answer whose frames are small, large (written from where it lies, in a vectored
     /// write) and small again arrives whole and in order, chunked.
     #[tokio::test]
@@ -1173,18 +1274,7 @@ mod tests {
         )
         .expect("valid config");
         let (mut client, server) = tokio::io::duplex(256 * 1024);
-        let mut conn = Conn {
-            io: server,
-            buf: BytesMut::new(),
-            out: BytesMut::new(),
-            data: Bytes::new(),
-            after: BytesMut::new(),
-            timer: Box::pin(tokio::time::sleep_until(Instant::now())),
-            peer: SocketAddr::from(([127, 0, 0, 1], 40000)),
-            front: TcpFront::Api,
-            shared: Shared::new(config).expect("gateway state"),
-            closing: Arc::new(AtomicBool::new(false)),
-        };
+        let mut conn = conn_on(server, config);
         let large = "x".repeat(3 * COPY_BELOW);
         let pieces = [
             "data: a\n\n".to_string(),
