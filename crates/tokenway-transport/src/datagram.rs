@@ -666,29 +666,36 @@ impl State {
         n
     }
 
-    /// Runs every peer's timers and sends what is due.
-    fn service(&mut self, now: Instant, inner: &dyn AsyncUdpSocket) {
+    /// Runs the timers of the peers that have one due and sends what is due; returns the
+    /// earliest deadline left, of any peer. One pass under the lock, and a peer with nothing
+    /// due costs only its deadline (with many edges the task wakes every millisecond, and it
+    /// used to run every peer's timers and then scan them all again for the next deadline).
+    fn service(&mut self, now: Instant, inner: &dyn AsyncUdpSocket) -> Option<Instant> {
         let mut failed = 0;
+        let mut next: Option<Instant> = None;
         let out = &mut self.out;
         for (addr, p) in self.peers.iter_mut() {
-            p.tx.on_timeout(now);
-            while p.tx.poll_transmit(now, out) {
-                if send_raw(inner, *addr, p.src_ip, None, out).is_err() {
-                    failed += 1;
+            // The deadlines cover every timer and every queued transmit of both halves.
+            if p.deadline().is_some_and(|d| d <= now) {
+                p.tx.on_timeout(now);
+                while p.tx.poll_transmit(now, out) {
+                    if send_raw(inner, *addr, p.src_ip, None, out).is_err() {
+                        failed += 1;
+                    }
+                }
+                p.rx.on_timeout(now);
+                while p.rx.poll_transmit(now, out) {
+                    if send_raw(inner, *addr, p.src_ip, None, out).is_err() {
+                        failed += 1;
+                    }
                 }
             }
-            p.rx.on_timeout(now);
-            while p.rx.poll_transmit(now, out) {
-                if send_raw(inner, *addr, p.src_ip, None, out).is_err() {
-                    failed += 1;
-                }
+            if let Some(d) = p.deadline() {
+                next = Some(next.map_or(d, |n| n.min(d)));
             }
         }
         self.send_failed += failed;
-    }
-
-    fn next_deadline(&self) -> Option<Instant> {
-        self.peers.values().filter_map(Peer::deadline).min()
+        next
     }
 
     /// Sweeps idle peers and publishes metrics.
@@ -1112,13 +1119,14 @@ async fn timer_task(socket: Weak<DatagramSocket>, wake: Arc<Notify>) {
             }
             let mut st = lock(&socket.state);
             let now = Instant::now();
-            st.service(now, socket.inner.as_ref());
+            let next = st.service(now, socket.inner.as_ref());
             if now >= housekeeping {
+                // Retires idle peers, whose deadlines then no longer matter (a later one is
+                // at worst a wake for nothing).
                 st.housekeeping(now);
                 housekeeping = now + HOUSEKEEPING;
             }
-            let d = st
-                .next_deadline()
+            let d = next
                 .map_or(housekeeping, |d| d.min(housekeeping))
                 .max(now + Duration::from_millis(1));
             st.timer_at = Some(d);
