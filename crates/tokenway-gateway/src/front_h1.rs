@@ -1214,18 +1214,20 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_client_that_pipelines_past_the_bound_is_still_watched() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let config = || {
-            crate::config::GatewayConfig::from_toml_str(
+        // A connection whose client has sent 10 KB more than is kept.
+        let pipelined = || async {
+            let config = crate::config::GatewayConfig::from_toml_str(
                 "[[backends]]\nurl = \"http://127.0.0.1:9\"\nmodels = [\"m\"]\n",
             )
-            .expect("valid config")
+            .expect("valid config");
+            let (mut client, server) = tokio::io::duplex(256 * 1024);
+            client
+                .write_all(&vec![b'x'; MAX_PIPELINED_BYTES + 10_000])
+                .await
+                .expect("pipelined");
+            (client, conn_on(server, config))
         };
-        let (mut client, server) = tokio::io::duplex(256 * 1024);
-        let mut conn = conn_on(server, config());
-        client
-            .write_all(&vec![b'x'; MAX_PIPELINED_BYTES + 10_000])
-            .await
-            .expect("pipelined");
+        let (client, mut conn) = pipelined().await;
         drop(client);
         // The work never ends: only the client's going can end the wait (before, nothing did:
         // the socket was no longer read once 64 KiB were kept).
@@ -1238,12 +1240,7 @@ mod tests {
         assert!(conn.overflow);
         assert!(conn.buf.len() <= MAX_PIPELINED_BYTES + 64 * 1024);
 
-        let (mut client, server) = tokio::io::duplex(256 * 1024);
-        let mut conn = conn_on(server, config());
-        client
-            .write_all(&vec![b'x'; MAX_PIPELINED_BYTES + 10_000])
-            .await
-            .expect("pipelined");
+        let (mut client, mut conn) = pipelined().await;
         let work = tokio::time::sleep(std::time::Duration::from_secs(1));
         assert_eq!(conn.while_client_stays(work).await, Some(()));
         let body = http_body_util::BodyExt::map_err(

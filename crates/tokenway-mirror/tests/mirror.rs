@@ -372,27 +372,46 @@ async fn a_resume_record_with_bits_past_the_last_piece_still_completes_the_pull(
 }
 
 /// Two paths with the same bytes: the second gets a synced copy, renamed into place.
-#[tokio::test]
-async fn duplicate_paths_are_each_placed_with_the_same_verified_bytes() {
-    let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
+/// A model of `a.bin` and its copy `sub/a-copy.bin` (3 MiB of random bytes from `seed`), plus
+/// `extra` files, published as `model` (tag latest) to a file origin under `tmp`: the origin,
+/// the bytes of `a.bin`, and an output directory.
+async fn publish_with_a_copy(
+    tmp: &Path,
+    seed: u64,
+    extra: &[(&str, &[u8])],
+    model: &str,
+) -> (
+    Arc<dyn object_store::ObjectStore>,
+    Vec<u8>,
+    std::path::PathBuf,
+) {
+    let src = tmp.join("src");
     std::fs::create_dir_all(src.join("sub")).unwrap();
     let mut data = vec![0u8; 3 << 20];
-    SmallRng::seed_from_u64(3).fill_bytes(&mut data);
+    SmallRng::seed_from_u64(seed).fill_bytes(&mut data);
     std::fs::write(src.join("a.bin"), &data).unwrap();
     std::fs::write(src.join("sub/a-copy.bin"), &data).unwrap();
-    let origin = open_origin(&format!("file://{}", tmp.path().join("origin").display())).unwrap();
+    for (name, bytes) in extra {
+        std::fs::write(src.join(name), bytes).unwrap();
+    }
+    let origin = open_origin(&format!("file://{}", tmp.join("origin").display())).unwrap();
     publish(
         Arc::clone(&origin),
         &src,
-        "org/dup",
+        model,
         "r1",
         Some("latest"),
         &PublishOptions::default(),
     )
     .await
     .unwrap();
-    let out = tmp.path().join("out");
+    (origin, data, tmp.join("out"))
+}
+
+#[tokio::test]
+async fn duplicate_paths_are_each_placed_with_the_same_verified_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (origin, data, out) = publish_with_a_copy(tmp.path(), 3, &[], "org/dup").await;
     let mref = ModelRef::parse("org/dup").unwrap();
     let r = pull(origin, &mref, &out, &PullOptions::default())
         .await
@@ -408,25 +427,9 @@ async fn duplicate_paths_are_each_placed_with_the_same_verified_bytes() {
 async fn a_rerun_trusts_the_files_it_verified_until_they_change_and_progress_reaches_the_end() {
     use std::sync::Mutex;
     let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
-    std::fs::create_dir_all(src.join("sub")).unwrap();
-    let mut data = vec![0u8; 3 << 20];
-    SmallRng::seed_from_u64(4).fill_bytes(&mut data);
-    std::fs::write(src.join("a.bin"), &data).unwrap();
-    std::fs::write(src.join("sub/a-copy.bin"), &data).unwrap();
-    std::fs::write(src.join("config.json"), br#"{"hidden_size":64}"#).unwrap();
-    let origin = open_origin(&format!("file://{}", tmp.path().join("origin").display())).unwrap();
-    publish(
-        Arc::clone(&origin),
-        &src,
-        "org/v",
-        "r1",
-        Some("latest"),
-        &PublishOptions::default(),
-    )
-    .await
-    .unwrap();
-    let out = tmp.path().join("out");
+    let config: &[u8] = br#"{"hidden_size":64}"#;
+    let (origin, data, out) =
+        publish_with_a_copy(tmp.path(), 4, &[("config.json", config)], "org/v").await;
     let mref = ModelRef::parse("org/v").unwrap();
     let last = Arc::new(Mutex::new(None));
     let seen = Arc::clone(&last);

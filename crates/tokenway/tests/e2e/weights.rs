@@ -1603,6 +1603,46 @@ async fn busy_front(to: SocketAddr, busy: u64) -> (String, Arc<std::sync::atomic
     front(to, busy, None).await
 }
 
+/// The address of an `http://HOST:PORT` URL.
+fn addr_of(url: &str) -> SocketAddr {
+    url.trim_start_matches("http://")
+        .parse()
+        .expect("an http://HOST:PORT address")
+}
+
+/// Listens on loopback and hands every connection to `conn`, with a counter they share; the
+/// front's URL and the counter.
+async fn spawn_front<F, Fut>(conn: F) -> (String, Arc<std::sync::atomic::AtomicU64>)
+where
+    F: Fn(tokio::net::TcpStream, Arc<std::sync::atomic::AtomicU64>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the front");
+    let addr = listener.local_addr().expect("front address");
+    let count = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let shared = Arc::clone(&count);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            tokio::spawn(conn(client, Arc::clone(&shared)));
+        }
+    });
+    (format!("http://{addr}"), count)
+}
+
+/// Answers as a mirror at its serving bound does: 503, and the connection closed.
+async fn answer_busy(client: &mut tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = r#"{"error":{"message":"busy","type":"busy","code":"busy"}}"#;
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = client.write_all(answer.as_bytes()).await;
+}
+
 /// [`busy_front`], whose `/healthz` answers (the pull's RTT probes) are given by the front
 /// itself after `healthz_delay`, if set, on connections it closes: a mirror that looks far.
 async fn front(
@@ -1610,47 +1650,29 @@ async fn front(
     busy: u64,
     healthz_delay: Option<Duration>,
 ) -> (String, Arc<std::sync::atomic::AtomicU64>) {
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::Ordering;
     use tokio::io::AsyncWriteExt;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind the front");
-    let addr = listener.local_addr().expect("front address");
-    let refused = Arc::new(AtomicU64::new(0));
-    let count = Arc::clone(&refused);
-    tokio::spawn(async move {
-        while let Ok((mut client, _)) = listener.accept().await {
-            let count = Arc::clone(&count);
-            tokio::spawn(async move {
-                let mut head = [0u8; 64];
-                let Ok(n) = client.peek(&mut head).await else {
-                    return;
-                };
-                if let Some(d) = healthz_delay.filter(|_| head[..n].starts_with(b"GET /healthz")) {
-                    tokio::time::sleep(d).await;
-                    let _ = client
-                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\nok\n")
-                        .await;
-                    return;
-                }
-                let blob = head[..n].windows(7).any(|w| w == b"/blobs/");
-                if blob && count.fetch_add(1, Ordering::Relaxed) < busy {
-                    let body = r#"{"error":{"message":"busy","type":"busy","code":"busy"}}"#;
-                    let answer = format!(
-                        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
-                         content-length: {}\r\nconnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
-                    let _ = client.write_all(answer.as_bytes()).await;
-                    return;
-                }
-                if let Ok(mut up) = tokio::net::TcpStream::connect(to).await {
-                    let _ = tokio::io::copy_bidirectional(&mut client, &mut up).await;
-                }
-            });
+    spawn_front(move |mut client, count| async move {
+        let mut head = [0u8; 64];
+        let Ok(n) = client.peek(&mut head).await else {
+            return;
+        };
+        if let Some(d) = healthz_delay.filter(|_| head[..n].starts_with(b"GET /healthz")) {
+            tokio::time::sleep(d).await;
+            let _ = client
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\nok\n")
+                .await;
+            return;
         }
-    });
-    (format!("http://{addr}"), refused)
+        let blob = head[..n].windows(7).any(|w| w == b"/blobs/");
+        if blob && count.fetch_add(1, Ordering::Relaxed) < busy {
+            return answer_busy(&mut client).await;
+        }
+        if let Ok(mut up) = tokio::net::TcpStream::connect(to).await {
+            let _ = tokio::io::copy_bidirectional(&mut client, &mut up).await;
+        }
+    })
+    .await
 }
 
 #[tokio::test]
@@ -1659,11 +1681,7 @@ async fn a_busy_mirror_is_waited_for_not_counted_as_failed_attempts() {
     let fx = fixture();
     let cache = TempDir::new("w-busy-cache");
     let m = start_mirror(&fx.origin_url(), &cache.0, &[]);
-    let mirror: SocketAddr = m
-        .url()
-        .trim_start_matches("http://")
-        .parse()
-        .expect("mirror address");
+    let mirror = addr_of(&m.url());
     // Many more 503s than a piece has attempts (3), over the few pieces in flight at once:
     // each used to cost an attempt, and the pull failed.
     let (front, refused) = busy_front(mirror, 40).await;
@@ -1681,55 +1699,37 @@ async fn a_busy_mirror_is_waited_for_not_counted_as_failed_attempts() {
 /// other request on a connection of its own, closed after the answer (no connection it
 /// relays is left for a blob request to reuse).
 async fn always_busy_front(to: SocketAddr) -> (String, Arc<std::sync::atomic::AtomicU64>) {
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::Ordering;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind the front");
-    let addr = listener.local_addr().expect("front address");
-    let refused = Arc::new(AtomicU64::new(0));
-    let count = Arc::clone(&refused);
-    tokio::spawn(async move {
-        while let Ok((mut client, _)) = listener.accept().await {
-            let count = Arc::clone(&count);
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match client.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
-                if head.windows(7).any(|w| w == b"/blobs/") {
-                    count.fetch_add(1, Ordering::Relaxed);
-                    let body = r#"{"error":{"message":"busy","type":"busy","code":"busy"}}"#;
-                    let answer = format!(
-                        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
-                         content-length: {}\r\nconnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
-                    let _ = client.write_all(answer.as_bytes()).await;
-                    return;
-                }
-                // The head with `connection: close` added, then whatever follows (a body).
-                let end = head
-                    .windows(4)
-                    .position(|w| w == b"\r\n\r\n")
-                    .expect("a head")
-                    + 2;
-                let mut relayed = head[..end].to_vec();
-                relayed.extend_from_slice(b"connection: close\r\n");
-                relayed.extend_from_slice(&head[end..]);
-                if let Ok(mut up) = tokio::net::TcpStream::connect(to).await {
-                    if up.write_all(&relayed).await.is_ok() {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut up).await;
-                    }
-                }
-            });
+    spawn_front(move |mut client, count| async move {
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match client.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
         }
-    });
-    (format!("http://{addr}"), refused)
+        if head.windows(7).any(|w| w == b"/blobs/") {
+            count.fetch_add(1, Ordering::Relaxed);
+            return answer_busy(&mut client).await;
+        }
+        // The head with `connection: close` added, then whatever follows (a body).
+        let end = head
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a head")
+            + 2;
+        let mut relayed = head[..end].to_vec();
+        relayed.extend_from_slice(b"connection: close\r\n");
+        relayed.extend_from_slice(&head[end..]);
+        if let Ok(mut up) = tokio::net::TcpStream::connect(to).await {
+            if up.write_all(&relayed).await.is_ok() {
+                let _ = tokio::io::copy_bidirectional(&mut client, &mut up).await;
+            }
+        }
+    })
+    .await
 }
 
 #[tokio::test]
@@ -1738,11 +1738,7 @@ async fn a_busy_mirror_is_passed_over_for_an_idle_one() {
     let fx = fixture();
     let cache = TempDir::new("w-busy2-cache");
     let m = start_mirror(&fx.origin_url(), &cache.0, &[]);
-    let mirror: SocketAddr = m
-        .url()
-        .trim_start_matches("http://")
-        .parse()
-        .expect("mirror address");
+    let mirror = addr_of(&m.url());
     // Two ways to the mirror: the near one (probed first) at its serving bound for good, and
     // one 30 ms further that is idle.
     let (near, refused) = always_busy_front(mirror).await;
