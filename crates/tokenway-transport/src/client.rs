@@ -128,8 +128,12 @@ struct Inner {
     /// Why the handshake of a 0-RTT connection did not complete ([`ZeroRtt::Failed`]); set
     /// before the verdict is sent.
     handshake_error: Mutex<Option<String>>,
-    /// The gateway sent GOAWAY (it is shutting down): no new request goes on this connection.
+    /// The gateway sent GOAWAY (it is shutting down), or the connection was set aside: no new
+    /// request goes on this connection.
     draining: AtomicBool,
+    /// Set aside ([`QuicClient::set_aside`]): requests still waiting for their answer's head
+    /// leave it.
+    aside: watch::Sender<bool>,
 }
 
 impl Drop for Inner {
@@ -221,6 +225,7 @@ impl QuicClient {
             zero_rtt: zero_rx,
             handshake_error: Mutex::new(None),
             draining: AtomicBool::new(false),
+            aside: watch::Sender::new(false),
         });
         let count_connection = |metrics: &Option<QuicMetrics>, peer: &str| {
             if let Some(m) = metrics {
@@ -362,6 +367,16 @@ impl QuicClient {
         self.inner.conn.close(0u32.into(), b"");
     }
 
+    /// Takes the connection out of use without closing it (its path went silent): no new
+    /// request goes on it, and a request still waiting for its answer's head fails at once
+    /// as retryable (to go to a fresh connection). Answers already streaming keep it until
+    /// they end or QUIC gives up on it (its idle timeout), so a path that comes back within
+    /// that loses them nothing; the connection closes when the last of them is dropped.
+    pub fn set_aside(&self) {
+        self.inner.draining.store(true, Ordering::Relaxed);
+        self.inner.aside.send_replace(true);
+    }
+
     /// Sends one request; the request body streams to the server as it is read, and the
     /// response body streams back frame by frame. A URI without an authority gets the server
     /// name. The body is uploaded as [`Priority::Bulk`] when its length (`Content-Length` or the
@@ -423,6 +438,17 @@ impl QuicClient {
                 .await
                 .map_err(|e| (format!("no response: {e}"), is_rejected(&e)))?;
             Ok::<_, (String, bool)>((head, recv))
+        };
+        // A connection set aside while the request waits for its head: the request leaves it.
+        let mut aside = self.inner.aside.subscribe();
+        let result = async move {
+            tokio::select! {
+                r = result => r,
+                Ok(_) = aside.wait_for(|a| *a) => Err((
+                    "the QUIC path went silent before the gateway answered".to_string(),
+                    true,
+                )),
+            }
         };
         let mut zero = self.inner.zero_rtt.clone();
         let outcome = if started_early {

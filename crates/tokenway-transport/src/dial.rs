@@ -70,6 +70,15 @@ impl Conn {
         }
     }
 
+    /// Takes a QUIC connection out of use without cutting the answers it is streaming (see
+    /// [`QuicClient::set_aside`]); closes a TCP one.
+    pub fn set_aside(&self) {
+        match self {
+            Conn::Quic(c) => c.set_aside(),
+            Conn::Tcp(c) => c.close(),
+        }
+    }
+
     /// Whether this is the QUIC transport.
     pub fn is_quic(&self) -> bool {
         matches!(self, Conn::Quic(_))

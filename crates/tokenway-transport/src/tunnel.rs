@@ -391,6 +391,22 @@ impl Tunnel {
         self.links[i].wake.notify_one();
     }
 
+    /// Takes `conn` of gateway `i` out of use (its QUIC path went silent) and has the link
+    /// redial at once, without closing it: requests still waiting for their answer's head
+    /// leave it for a fresh connection, answers already streaming stay on it (see
+    /// [`Conn::set_aside`]). Closing it cut every stream of a user whose coverage dropped
+    /// for 4 s, although QUIC would have carried them on when the path came back.
+    fn set_aside(&self, i: usize, conn: &Conn) {
+        conn.set_aside();
+        let same = lock(&self.links[i].conn)
+            .as_ref()
+            .is_some_and(|c| c.same(conn));
+        if same {
+            self.set_conn(i, None);
+        }
+        self.links[i].wake.notify_one();
+    }
+
     /// After the local address changed: closes every TCP fallback connection, which cannot
     /// migrate as QUIC's do (its socket keeps the old source address, a black hole until
     /// HTTP/2's keep-alive gives up), so their links redial from the new address at once.
@@ -824,7 +840,7 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                         .as_mut()
                         .map(|(_, l)| l.observe(Instant::now(), rx, tx, q.rtt()));
                     if let Some(Verdict::Dead(silent)) = verdict {
-                        tracing::warn!(gateway = %link.name, silent_ms = silent.as_millis() as u64, "the QUIC path went silent (datagrams sent, none received); closing the connection and redialing, TCP joining at once");
+                        tracing::warn!(gateway = %link.name, silent_ms = silent.as_millis() as u64, "the QUIC path went silent (datagrams sent, none received); redialing, TCP joining at once (answers streaming on the silent connection keep it)");
                         if let Some(m) = &t.dialer.metrics {
                             m.dead_paths
                                 .get_or_create(&PeerLabels {
@@ -834,7 +850,7 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                         }
                         liveness = None;
                         t.dialer.prefer_tcp_next(&link.target());
-                        t.retire(i, &c);
+                        t.set_aside(i, &c);
                         continue;
                     }
                 }
@@ -851,7 +867,7 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
                     if tcp_misses >= TCP_PROBE_MISSES {
                         tracing::warn!(gateway = %link.name, "the TCP fallback connection stopped answering; redialing");
                         tcp_misses = 0;
-                        t.retire(i, &c);
+                        t.set_aside(i, &c);
                         continue;
                     }
                 }

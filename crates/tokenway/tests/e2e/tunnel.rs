@@ -1035,6 +1035,48 @@ async fn a_quic_path_that_goes_silent_is_left_for_tcp_long_before_the_idle_timeo
 }
 
 #[tokio::test]
+async fn a_stream_rides_out_a_blackout_that_moves_new_requests_to_tcp() {
+    // 30 tokens at 200 ms: a 6 s answer, with a 4 s blackout in its middle.
+    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 200.0\n");
+    let gw = tunnel_gateway(&backend, "", "");
+    let (relay, blocked) = udp_relay(tunnel_addr(&gw)).await;
+    let edge = edge(&edge_config(
+        &fingerprint(&gw),
+        relay,
+        gw.tls_addr,
+        "connect_timeout_ms = 1000",
+        "",
+    ));
+    let url = format!("{}/v1/chat/completions", edge.url());
+    let r = post(&url, &chat("warm up", true, 2), None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let long = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, &chat("a long answer", true, 30), None).await }
+    });
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Coverage drops. A new request finds the path silent: after 3 s it is set aside and the
+    // request goes over TCP.
+    blocked.store(true, std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = post(&url, &chat("during the blackout", true, 4), None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Coverage is back: the long answer carries on over its QUIC connection, to the end
+    // (before, the silent connection was closed, and the answer cut with an error event).
+    blocked.store(false, std::sync::atomic::Ordering::Relaxed);
+    let r = long.await.expect("the long request");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(!r.body.contains("\"error\""), "{}", r.body);
+    assert!(r.body.trim_end().ends_with("data: [DONE]"), "{}", r.body);
+    let text = metrics(&edge).await;
+    assert_eq!(
+        metric_sum(&text, "tokenway_tunnel_dead_paths_total"),
+        1.0,
+        "{text}"
+    );
+}
+
+#[tokio::test]
 async fn an_edge_with_a_token_shorter_than_the_gateway_accepts_does_not_start() {
     let dir = TempDir::new("short-token");
     let path = dir.0.join("edge.toml");
