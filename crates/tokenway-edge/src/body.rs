@@ -54,6 +54,14 @@ impl EdgeBody {
     }
 }
 
+impl Drop for EdgeBody {
+    /// A client that leaves mid-answer still counts in the duration histogram (it recorded
+    /// only answers read to their end), as the gateway's bodies do.
+    fn drop(&mut self) {
+        self.clock.finish();
+    }
+}
+
 impl Body for EdgeBody {
     type Data = Bytes;
     type Error = BoxError;
@@ -190,5 +198,33 @@ mod tests {
         let (frames, errored) = drain(body_of(vec![Ok("{\"a\""), Err("lost")], false)).await;
         assert_eq!(frames, ["{\"a\""]);
         assert!(errored);
+    }
+
+    #[tokio::test]
+    async fn an_answer_its_client_leaves_still_counts_in_the_durations() {
+        let metrics = crate::metrics::EdgeMetrics::new();
+        let histograms =
+            metrics.stream_histograms("/v1/chat/completions", &Arc::from("gw"), "tunnel");
+        let frames = [Ok::<_, BoxError>(Frame::data(Bytes::from_static(
+            b"data: 1\n\n",
+        )))];
+        let inner = StreamBody::new(futures_util::StreamExt::chain(
+            futures_util::stream::iter(frames),
+            futures_util::stream::pending(),
+        ))
+        .boxed_unsync();
+        let mut b = EdgeBody::new(
+            inner,
+            StreamClock::new(histograms, std::time::Instant::now(), true),
+        );
+        b.frame().await.expect("a frame").expect("data");
+        drop(b);
+        let text = tokenway_telemetry::render(&metrics.registry);
+        let count = text
+            .lines()
+            .find(|l| l.starts_with("tokenway_request_duration_seconds_count"))
+            .unwrap_or_default()
+            .to_string();
+        assert!(count.ends_with(" 1"), "{count}\n{text}");
     }
 }

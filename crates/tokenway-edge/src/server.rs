@@ -324,9 +324,15 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             strip(&mut parts.headers);
             // The local connection's version, not the tunnel's (HTTP/3 or HTTP/2).
             parts.version = version;
+            let mut clock = StreamClock::new(histograms, start, sse);
+            if !parts.status.is_success() {
+                // An error answer's bytes are no tokens (a fast 429 or 503 is no first token),
+                // as the gateway counts them.
+                clock = clock.error_answer();
+            }
             let resp = Response::from_parts(
                 parts,
-                EdgeBody::new(body, StreamClock::new(histograms, start, sse))
+                EdgeBody::new(body, clock)
                     .with_error_style(error_style)
                     .boxed_unsync(),
             );

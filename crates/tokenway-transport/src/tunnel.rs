@@ -194,10 +194,20 @@ pub struct Tunnel {
     v6: bool,
 }
 
+/// Longest wait for a gateway's name to resolve: the system resolver retries for up to 30 s
+/// when DNS packets are lost or its server is unreachable, and a link waiting on it does not
+/// dial the address it already knows.
+pub const RESOLVE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// The first address of `s` the endpoint can use (IPv4 only unless `v6`).
 async fn resolve(s: &str, key: &str, v6: bool) -> Result<SocketAddr, TransportError> {
-    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(s)
+    let addrs: Vec<SocketAddr> = tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host(s))
         .await
+        .map_err(|_| {
+            TransportError::Config(format!(
+                "{key} {s:?} does not resolve: no answer within {RESOLVE_TIMEOUT:?}"
+            ))
+        })?
         .map_err(|e| TransportError::Config(format!("{key} {s:?} does not resolve: {e}")))?
         .collect();
     addrs
@@ -405,6 +415,9 @@ impl Tunnel {
             self.set_conn(i, None);
         }
         self.links[i].wake.notify_one();
+        if let Conn::Quic(q) = conn {
+            tokio::spawn(close_if_still_silent(Arc::clone(q)));
+        }
     }
 
     /// After the local address changed: closes every TCP fallback connection, which cannot
@@ -468,11 +481,13 @@ impl Tunnel {
                 match self.links[i].current() {
                     Some(c) if !c.is_closed() => return Some((i, c)),
                     Some(c) => self.report_failure(i, &c),
-                    None => self.set_conn(i, None),
+                    None => self.mark_down_if_empty(i),
                 }
                 continue;
             }
-            changed.borrow_and_update();
+            // No `borrow_and_update` here: a link that came up since the pick is a change not
+            // yet seen, and `changed()` returns at once for it (marking it seen here made the
+            // request wait out `wait_for_link` and fail while a gateway was up).
             if !woken {
                 // Links waiting out a redial backoff (after an outage) dial now: the network
                 // may be back, and a request is waiting for it.
@@ -485,8 +500,27 @@ impl Tunnel {
                 .await
                 .is_err()
             {
-                return None;
+                // One last look: the deadline and a link coming up may have crossed.
+                let mut sel = lock(&self.selector);
+                let i = sel.pick(Instant::now(), None)?;
+                drop(sel);
+                return self.links[i]
+                    .current()
+                    .filter(|c| !c.is_closed())
+                    .map(|c| (i, c));
             }
+        }
+    }
+
+    /// Marks gateway `i` down if it still has no connection (one a link installs meanwhile
+    /// is kept, where an unconditional `set_conn(i, None)` dropped it).
+    fn mark_down_if_empty(&self, i: usize) {
+        // Selector, then connection: the order `set_early_conn` takes them in.
+        let mut sel = lock(&self.selector);
+        if lock(&self.links[i].conn).is_none() {
+            sel.set_up(i, false);
+            drop(sel);
+            self.changed.send_modify(|n| *n += 1);
         }
     }
 
@@ -720,6 +754,30 @@ async fn reprobe_quic(tunnel: std::sync::Weak<Tunnel>, i: usize) {
 }
 
 /// The datagrams a QUIC connection has received and sent.
+/// How long a connection set aside for a silent path ([`Tunnel::set_aside`]) may stay silent
+/// before it is closed, cutting the answers still on it: long enough to ride out a blackout
+/// (a lift, a tunnel), short enough that a gateway that died is not waited for until QUIC's
+/// idle timeout (30 s), with its clients' answers hanging.
+pub const ASIDE_GRACE: Duration = Duration::from_secs(10);
+
+/// Watches a connection set aside: closes it if its path stays silent for [`ASIDE_GRACE`];
+/// leaves it be (to close when its last answer is dropped) once anything arrives on it.
+async fn close_if_still_silent(q: Arc<crate::client::QuicClient>) {
+    let (rx, _) = datagram_counts(&q);
+    let until = tokio::time::Instant::now() + ASIDE_GRACE;
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        if q.connection().close_reason().is_some() || datagram_counts(&q).0 != rx {
+            return;
+        }
+        if tokio::time::Instant::now() >= until {
+            tracing::info!("a connection set aside for its silent path stayed silent; closing it");
+            q.close();
+            return;
+        }
+    }
+}
+
 fn datagram_counts(q: &crate::client::QuicClient) -> (u64, u64) {
     let stats = q.connection().stats();
     (stats.udp_rx.datagrams, stats.udp_tx.datagrams)

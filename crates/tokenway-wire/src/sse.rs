@@ -381,13 +381,14 @@ pub fn find_error_event(data: &[u8]) -> Option<StreamErrorCause> {
 }
 
 /// How many leading bytes of `data` (a piece of an event stream that starts at an event
-/// boundary) are whole events: up to and including the last blank line (`\n\n`, `\r\n\r\n` or
-/// `\r\r`). The rest is an event still arriving. `data.len()` when it ends at a boundary.
+/// boundary) are whole events: up to and including the last blank line, whatever mix of line
+/// endings ends it (`\n\n`, `\r\n\r\n`, `\r\r`, `\n\r`, `\r\n\r`, as the scanner reads
+/// them). The rest is an event still arriving. `data.len()` when it ends at a boundary.
 pub fn complete_events_len(data: &[u8]) -> usize {
-    if data.ends_with(b"\n\n") || data.ends_with(b"\r\r") {
+    if data.ends_with(b"\n\n") || data.ends_with(b"\r\r") || data.ends_with(b"\n\r") {
         return data.len();
     }
-    let ends = [&b"\n\n"[..], b"\r\r", b"\n\r\n"];
+    let ends = [&b"\n\n"[..], b"\r\r", b"\n\r\n", b"\n\r"];
     ends.iter()
         .filter_map(|end| {
             data.windows(end.len())
