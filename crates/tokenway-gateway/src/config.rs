@@ -631,6 +631,7 @@ impl GatewayConfig {
             ("timeouts.queue_ms", t.queue_ms),
             ("health.probe_interval_ms", self.health.probe_interval_ms),
             ("health.probe_timeout_ms", self.health.probe_timeout_ms),
+            ("health.min_ejection_ms", self.health.min_ejection_ms),
         ] {
             if !(1..=3_600_000).contains(&v) {
                 return Err(bad(key, "in 1..=3600000 milliseconds", v));

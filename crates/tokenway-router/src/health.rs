@@ -19,13 +19,31 @@
 //!
 //! Re-admission happens two ways, whichever comes first:
 //!
-//! - probes: `readmit_after_successes` consecutive successful probes *and* at least
-//!   `min_ejection` since the ejection; a failed probe resets the success count;
-//! - half-open trial: once `min_ejection` has passed (and no probe failed within the last
+//! - probes, for a backend ejected by probes or a refused connection (what a probe can see
+//!   again): `readmit_after_successes` consecutive successful probes *and* the ejection's hold
+//!   served; a failed probe resets the success count. A backend ejected by its live traffic
+//!   (5xx, timeouts, stalls, slow first tokens, a failed trial) is re-admitted only by live
+//!   traffic, its trial: a hung engine that still answers `/health` was re-admitted by two
+//!   probes every 2 s and took a share of the traffic into its 60 s first-byte timeout, over
+//!   and over. (With trials off, probes re-admit whatever the reason.)
+//! - half-open trial: once the hold has passed (and no probe failed within the last
 //!   `min_ejection`), the router lets exactly one live request through as a trial. Its first
-//!   token or success re-admits; its failure (5xx, timeout, connect error, stall) re-ejects
-//!   with [`EjectReason::TrialFailed`] and restarts the clock; a client cancel before the answer
-//!   says nothing and frees the trial slot for the next request.
+//!   token or success re-admits (its whole answer, for a backend ejected for stalls); its
+//!   failure (5xx, timeout, connect error, stall) re-ejects with [`EjectReason::TrialFailed`]
+//!   and restarts the clock; a client cancel before the answer says nothing and frees the
+//!   trial slot for the next request.
+//!
+//! The hold of an ejection doubles with each ejection that follows another within
+//! [`STRIKES_FORGIVEN_AFTER`] of healthy service: `min_ejection`, twice that, four times, up
+//! to [`MAX_HOLD`] (or `min_ejection` if larger), so a backend that keeps failing its trials
+//! costs ever fewer requests.
+//!
+//! Passive ejections (5xx and timeouts, stalls, TTFT outliers) take a `may_eject` from the
+//! router, which says no when the backend is the last healthy one of a model it serves or when
+//! half the backends are out already: a fleet-wide slowdown (queues longer than the first-byte
+//! timeout everywhere) otherwise ejected backends one after another, each pushing its load onto
+//! the rest, until every request got a 503. The failures still count, and eject once the
+//! guard allows it.
 //!
 //! While ejected, outcomes of requests that were already in flight are ignored. New backends
 //! start healthy so a gateway serves at once; the probe loop (~1 s) ejects dead ones within a
@@ -39,6 +57,12 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::InvalidSetting;
+
+/// The longest hold of an ejection reached by doubling (unless `min_ejection` is longer).
+pub const MAX_HOLD: Duration = Duration::from_secs(60);
+/// Healthy service after a re-admission that forgets earlier ejections (the next hold is
+/// `min_ejection` again).
+pub const STRIKES_FORGIVEN_AFTER: Duration = Duration::from_secs(300);
 
 /// Thresholds of the probe and error parts of the state machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,6 +207,12 @@ impl EjectReason {
     pub(crate) fn suggests_restart(&self) -> bool {
         matches!(self, Self::ProbeFailures { .. } | Self::ConnectError)
     }
+
+    /// Whether probes see what caused it (unreachable, or `/health` failing), so that
+    /// probes succeeding again may re-admit.
+    pub fn probes_can_clear(&self) -> bool {
+        matches!(self, Self::ProbeFailures { .. } | Self::ConnectError)
+    }
 }
 
 impl fmt::Display for EjectReason {
@@ -250,6 +280,10 @@ pub enum HealthState {
         consecutive_stalls: u32,
         /// TTFT outliers in a row.
         consecutive_ttft_outliers: u32,
+        /// Ejections not yet forgiven (see the module docs).
+        strikes: u32,
+        /// When it was last re-admitted, if ever.
+        readmitted: Option<Instant>,
     },
     /// Must not be ranked until re-admitted, except for one half-open trial.
     Ejected {
@@ -257,6 +291,10 @@ pub enum HealthState {
         since: Instant,
         /// Why.
         reason: EjectReason,
+        /// The least time it stays out (doubled per strike).
+        hold: Duration,
+        /// Ejections not yet forgiven, this one included.
+        strikes: u32,
         /// Successful probes in a row since the ejection (or the last failed probe).
         consecutive_probe_successes: u32,
         /// The half-open trial.
@@ -304,7 +342,38 @@ impl HealthState {
             consecutive_passive_failures: 0,
             consecutive_stalls: 0,
             consecutive_ttft_outliers: 0,
+            strikes: 0,
+            readmitted: None,
         }
+    }
+
+    /// Healthy again at `now`, remembering the strikes of the ejection that ends.
+    fn readmit(&mut self, now: Instant) -> HealthTransition {
+        let strikes = match self {
+            Self::Ejected { strikes, .. } => *strikes,
+            Self::Healthy { strikes, .. } => *strikes,
+        };
+        *self = Self::Healthy {
+            consecutive_probe_failures: 0,
+            consecutive_passive_failures: 0,
+            consecutive_stalls: 0,
+            consecutive_ttft_outliers: 0,
+            strikes,
+            readmitted: Some(now),
+        };
+        HealthTransition::Readmitted
+    }
+
+    /// Whether a trial passes only with its whole answer (the backend was ejected for
+    /// stalls: a first token says nothing of the next ones).
+    pub fn trial_needs_whole_answer(&self) -> bool {
+        matches!(
+            self,
+            Self::Ejected {
+                reason: EjectReason::Stalls { .. },
+                ..
+            }
+        )
     }
 
     /// Whether the backend may be ranked normally.
@@ -349,7 +418,7 @@ impl HealthState {
         }
         if let Self::Ejected { trial, .. } = self {
             *trial = Trial::Reserved {
-                until: now + cfg.min_ejection.max(Duration::from_millis(1)),
+                until: later(now, cfg.min_ejection.max(Duration::from_millis(1))),
             };
         }
         true
@@ -411,10 +480,7 @@ impl HealthState {
             return None;
         };
         match verdict {
-            Some(true) => {
-                *self = Self::new();
-                Some(HealthTransition::Readmitted)
-            }
+            Some(true) => Some(self.readmit(now)),
             Some(false) => Some(self.eject(EjectReason::TrialFailed, now, cfg)),
             None => {
                 *trial = Trial::Waiting { not_before: now };
@@ -423,12 +489,14 @@ impl HealthState {
         }
     }
 
-    /// Feed the result of one active probe.
+    /// Feed the result of one active probe; `trials` says whether half-open trials are on
+    /// (without them, probes re-admit whatever the ejection's reason).
     pub fn on_probe(
         &mut self,
         ok: bool,
         now: Instant,
         cfg: &HealthConfig,
+        trials: bool,
     ) -> Option<HealthTransition> {
         match self {
             Self::Healthy {
@@ -450,6 +518,8 @@ impl HealthState {
             }
             Self::Ejected {
                 since,
+                reason,
+                hold,
                 consecutive_probe_successes,
                 trial,
                 ..
@@ -459,11 +529,11 @@ impl HealthState {
                     // A failing probe says "still down": no trial for another min_ejection.
                     match trial {
                         Trial::Waiting { not_before } => {
-                            *not_before = (*not_before).max(now + cfg.min_ejection);
+                            *not_before = (*not_before).max(later(now, cfg.min_ejection));
                         }
                         Trial::Reserved { .. } => {
                             *trial = Trial::Waiting {
-                                not_before: now + cfg.min_ejection,
+                                not_before: later(now, cfg.min_ejection),
                             };
                         }
                         Trial::InFlight => {}
@@ -472,22 +542,24 @@ impl HealthState {
                 }
                 *consecutive_probe_successes = consecutive_probe_successes.saturating_add(1);
                 let enough = *consecutive_probe_successes >= cfg.readmit_after_successes.max(1);
-                let served = now.saturating_duration_since(*since) >= cfg.min_ejection;
-                if enough && served {
-                    *self = Self::new();
-                    return Some(HealthTransition::Readmitted);
+                let served = now.saturating_duration_since(*since) >= *hold;
+                if enough && served && (reason.probes_can_clear() || !trials) {
+                    return Some(self.readmit(now));
                 }
                 None
             }
         }
     }
 
-    /// Feed the outcome of one ordinary (non-trial) request attempt (passive health).
+    /// Feed the outcome of one ordinary (non-trial) request attempt (passive health);
+    /// `may_eject` is the router's guard on passive ejections (see the module docs; a refused
+    /// connection ejects regardless: nothing listens).
     pub fn on_outcome(
         &mut self,
         outcome: Outcome,
         now: Instant,
         cfg: &HealthConfig,
+        may_eject: bool,
     ) -> Option<HealthTransition> {
         let Self::Healthy {
             consecutive_passive_failures,
@@ -508,7 +580,9 @@ impl HealthState {
             Outcome::ConnectError => Some(self.eject(EjectReason::ConnectError, now, cfg)),
             Outcome::ServerError | Outcome::Timeout => {
                 *consecutive_passive_failures = consecutive_passive_failures.saturating_add(1);
-                if *consecutive_passive_failures >= cfg.passive_failures_to_eject.max(1) {
+                if may_eject
+                    && *consecutive_passive_failures >= cfg.passive_failures_to_eject.max(1)
+                {
                     let reason = EjectReason::PassiveFailures {
                         consecutive: *consecutive_passive_failures,
                     };
@@ -519,12 +593,14 @@ impl HealthState {
         }
     }
 
-    /// An open stream on this backend produced no token for the stall timeout.
+    /// An open stream on this backend produced no token for the stall timeout (`may_eject`:
+    /// the router's guard).
     pub fn on_stall(
         &mut self,
         now: Instant,
         cfg: &HealthConfig,
         ocfg: &OutlierConfig,
+        may_eject: bool,
     ) -> Option<HealthTransition> {
         let Self::Healthy {
             consecutive_stalls, ..
@@ -533,7 +609,7 @@ impl HealthState {
             return None;
         };
         *consecutive_stalls = consecutive_stalls.saturating_add(1);
-        if *consecutive_stalls >= ocfg.stalls_to_eject.max(1) {
+        if may_eject && *consecutive_stalls >= ocfg.stalls_to_eject.max(1) {
             let reason = EjectReason::Stalls {
                 consecutive: *consecutive_stalls,
             };
@@ -572,16 +648,49 @@ impl HealthState {
     }
 
     fn eject(&mut self, reason: EjectReason, now: Instant, cfg: &HealthConfig) -> HealthTransition {
+        let earlier = match *self {
+            Self::Ejected { strikes, .. } => strikes,
+            Self::Healthy {
+                strikes,
+                readmitted,
+                ..
+            } => {
+                let forgiven = readmitted
+                    .is_some_and(|t| now.saturating_duration_since(t) >= STRIKES_FORGIVEN_AFTER);
+                if forgiven {
+                    0
+                } else {
+                    strikes
+                }
+            }
+        };
+        let strikes = earlier.saturating_add(1);
+        let hold = hold_for(cfg.min_ejection, strikes);
         *self = Self::Ejected {
             since: now,
             reason,
+            hold,
+            strikes,
             consecutive_probe_successes: 0,
             trial: Trial::Waiting {
-                not_before: now + cfg.min_ejection,
+                not_before: later(now, hold),
             },
         };
         HealthTransition::Ejected { reason }
     }
+}
+
+/// The hold of an ejection with `strikes` (1 for the first): `min_ejection` doubled per
+/// strike after the first, up to [`MAX_HOLD`] (or `min_ejection` if longer).
+fn hold_for(min_ejection: Duration, strikes: u32) -> Duration {
+    let doubled = min_ejection.saturating_mul(1u32 << strikes.saturating_sub(1).min(16));
+    doubled.min(MAX_HOLD.max(min_ejection))
+}
+
+/// `now + d`, or as late as an `Instant` goes (a configured hold of years must not panic).
+fn later(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
 }
 
 #[cfg(test)]
@@ -594,7 +703,7 @@ mod tests {
 
     fn ejected_at(t0: Instant, cfg: &HealthConfig) -> HealthState {
         let mut h = HealthState::new();
-        assert!(h.on_outcome(Outcome::ConnectError, t0, cfg).is_some());
+        assert!(h.on_outcome(Outcome::ConnectError, t0, cfg, true).is_some());
         h
     }
 
@@ -608,11 +717,11 @@ mod tests {
         let cfg = HealthConfig::default();
         let t0 = Instant::now();
         let mut h = HealthState::new();
-        assert_eq!(h.on_probe(false, t0, &cfg), None);
-        assert_eq!(h.on_probe(false, t0 + ms(1000), &cfg), None);
+        assert_eq!(h.on_probe(false, t0, &cfg, true), None);
+        assert_eq!(h.on_probe(false, t0 + ms(1000), &cfg, true), None);
         assert!(h.is_healthy());
         assert_eq!(
-            h.on_probe(false, t0 + ms(2000), &cfg),
+            h.on_probe(false, t0 + ms(2000), &cfg, true),
             Some(HealthTransition::Ejected {
                 reason: EjectReason::ProbeFailures { consecutive: 3 }
             })
@@ -625,11 +734,11 @@ mod tests {
         let cfg = HealthConfig::default();
         let t0 = Instant::now();
         let mut h = HealthState::new();
-        h.on_probe(false, t0, &cfg);
-        h.on_probe(false, t0, &cfg);
-        h.on_probe(true, t0, &cfg);
-        h.on_probe(false, t0, &cfg);
-        h.on_probe(false, t0, &cfg);
+        h.on_probe(false, t0, &cfg, true);
+        h.on_probe(false, t0, &cfg, true);
+        h.on_probe(true, t0, &cfg, true);
+        h.on_probe(false, t0, &cfg, true);
+        h.on_probe(false, t0, &cfg, true);
         assert!(h.is_healthy());
     }
 
@@ -638,7 +747,7 @@ mod tests {
         let cfg = HealthConfig::default();
         let mut h = HealthState::new();
         assert_eq!(
-            h.on_outcome(Outcome::ConnectError, Instant::now(), &cfg),
+            h.on_outcome(Outcome::ConnectError, Instant::now(), &cfg, true),
             Some(HealthTransition::Ejected {
                 reason: EjectReason::ConnectError
             })
@@ -651,10 +760,10 @@ mod tests {
         let cfg = HealthConfig::default();
         let t0 = Instant::now();
         let mut h = HealthState::new();
-        assert_eq!(h.on_outcome(Outcome::ServerError, t0, &cfg), None);
-        assert_eq!(h.on_outcome(Outcome::Timeout, t0, &cfg), None);
+        assert_eq!(h.on_outcome(Outcome::ServerError, t0, &cfg, true), None);
+        assert_eq!(h.on_outcome(Outcome::Timeout, t0, &cfg, true), None);
         assert_eq!(
-            h.on_outcome(Outcome::ServerError, t0, &cfg),
+            h.on_outcome(Outcome::ServerError, t0, &cfg, true),
             Some(HealthTransition::Ejected {
                 reason: EjectReason::PassiveFailures { consecutive: 3 }
             })
@@ -666,14 +775,14 @@ mod tests {
         let cfg = HealthConfig::default();
         let t0 = Instant::now();
         let mut h = HealthState::new();
-        h.on_outcome(Outcome::ServerError, t0, &cfg);
-        h.on_outcome(Outcome::ServerError, t0, &cfg);
-        h.on_outcome(Outcome::Success, t0, &cfg);
-        h.on_outcome(Outcome::ServerError, t0, &cfg);
+        h.on_outcome(Outcome::ServerError, t0, &cfg, true);
+        h.on_outcome(Outcome::ServerError, t0, &cfg, true);
+        h.on_outcome(Outcome::Success, t0, &cfg, true);
+        h.on_outcome(Outcome::ServerError, t0, &cfg, true);
         for _ in 0..10 {
-            assert_eq!(h.on_outcome(Outcome::ClientCancelled, t0, &cfg), None);
+            assert_eq!(h.on_outcome(Outcome::ClientCancelled, t0, &cfg, true), None);
         }
-        assert_eq!(h.on_outcome(Outcome::Timeout, t0, &cfg), None);
+        assert_eq!(h.on_outcome(Outcome::Timeout, t0, &cfg, true), None);
         assert!(h.is_healthy());
     }
 
@@ -682,16 +791,16 @@ mod tests {
         let cfg = HealthConfig::default();
         let t0 = Instant::now();
         let mut h = ejected_at(t0, &cfg);
-        assert_eq!(h.on_probe(true, t0 + ms(2000), &cfg), None);
+        assert_eq!(h.on_probe(true, t0 + ms(2000), &cfg, true), None);
         // A failure in between resets the count.
-        assert_eq!(h.on_probe(false, t0 + ms(3000), &cfg), None);
-        assert_eq!(h.on_probe(true, t0 + ms(4000), &cfg), None);
+        assert_eq!(h.on_probe(false, t0 + ms(3000), &cfg, true), None);
+        assert_eq!(h.on_probe(true, t0 + ms(4000), &cfg, true), None);
         assert!(!h.is_healthy());
         assert_eq!(
-            h.on_probe(true, t0 + ms(5000), &cfg),
+            h.on_probe(true, t0 + ms(5000), &cfg, true),
             Some(HealthTransition::Readmitted)
         );
-        assert_eq!(h, HealthState::new());
+        assert!(h.is_healthy());
     }
 
     #[test]
@@ -699,11 +808,11 @@ mod tests {
         let cfg = HealthConfig::default();
         let t0 = Instant::now();
         let mut h = ejected_at(t0, &cfg);
-        assert_eq!(h.on_probe(true, t0 + ms(200), &cfg), None);
-        assert_eq!(h.on_probe(true, t0 + ms(400), &cfg), None);
-        assert_eq!(h.on_probe(true, t0 + ms(999), &cfg), None);
+        assert_eq!(h.on_probe(true, t0 + ms(200), &cfg, true), None);
+        assert_eq!(h.on_probe(true, t0 + ms(400), &cfg, true), None);
+        assert_eq!(h.on_probe(true, t0 + ms(999), &cfg, true), None);
         assert_eq!(
-            h.on_probe(true, t0 + ms(1000), &cfg),
+            h.on_probe(true, t0 + ms(1000), &cfg, true),
             Some(HealthTransition::Readmitted)
         );
     }
@@ -713,9 +822,12 @@ mod tests {
         let cfg = HealthConfig::default();
         let t0 = Instant::now();
         let mut h = ejected_at(t0, &cfg);
-        assert_eq!(h.on_outcome(Outcome::Success, t0 + ms(5000), &cfg), None);
         assert_eq!(
-            h.on_outcome(Outcome::ConnectError, t0 + ms(5000), &cfg),
+            h.on_outcome(Outcome::Success, t0 + ms(5000), &cfg, true),
+            None
+        );
+        assert_eq!(
+            h.on_outcome(Outcome::ConnectError, t0 + ms(5000), &cfg, true),
             None
         );
         assert!(!h.is_healthy());
@@ -730,17 +842,19 @@ mod tests {
         };
         let t0 = Instant::now();
         let mut h = HealthState::new();
-        assert_eq!(h.on_stall(t0, &cfg, &two), None);
-        h.on_outcome(Outcome::Success, t0, &cfg);
-        assert_eq!(h.on_stall(t0, &cfg, &two), None);
+        assert_eq!(h.on_stall(t0, &cfg, &two, true), None);
+        h.on_outcome(Outcome::Success, t0, &cfg, true);
+        assert_eq!(h.on_stall(t0, &cfg, &two, true), None);
         assert_eq!(
-            h.on_stall(t0, &cfg, &two),
+            h.on_stall(t0, &cfg, &two, true),
             Some(HealthTransition::Ejected {
                 reason: EjectReason::Stalls { consecutive: 2 }
             })
         );
         let mut h = HealthState::new();
-        assert!(h.on_stall(t0, &cfg, &OutlierConfig::default()).is_some());
+        assert!(h
+            .on_stall(t0, &cfg, &OutlierConfig::default(), true)
+            .is_some());
     }
 
     #[test]
@@ -794,8 +908,100 @@ mod tests {
                 reason: EjectReason::TrialFailed
             })
         );
-        assert!(!h.trial_available(t0 + ms(2499), &ocfg));
-        assert!(h.trial_available(t0 + ms(2500), &ocfg));
+        // The second ejection in a row holds twice as long: 2 s.
+        assert!(!h.trial_available(t0 + ms(3499), &ocfg));
+        assert!(h.trial_available(t0 + ms(3500), &ocfg));
+    }
+
+    #[test]
+    fn probes_readmit_only_what_they_can_see_and_repeat_ejections_hold_longer() {
+        let cfg = HealthConfig::default();
+        let ocfg = OutlierConfig::default();
+        let t0 = Instant::now();
+        // A hung engine: its requests time out, but `/health` answers.
+        let mut h = HealthState::new();
+        for _ in 0..3 {
+            h.on_outcome(Outcome::Timeout, t0, &cfg, true);
+        }
+        assert!(!h.is_healthy());
+        for s in 1..10 {
+            assert_eq!(h.on_probe(true, t0 + ms(1000 * s), &cfg, true), None);
+        }
+        assert!(
+            !h.is_healthy(),
+            "probes do not clear what live traffic showed"
+        );
+        // Its trial times out: ejected again, for 2 s, then 4 s, ... up to MAX_HOLD.
+        let mut at = t0 + ms(10_000);
+        let mut holds = Vec::new();
+        for _ in 0..8 {
+            assert!(h.begin_trial(at, &ocfg));
+            h.end_trial(Some(false), at + ms(60_000), &cfg);
+            let HealthState::Ejected { hold, .. } = h else {
+                panic!("ejected")
+            };
+            holds.push(hold.as_secs());
+            at += ms(60_000) + hold;
+        }
+        assert_eq!(holds, [2, 4, 8, 16, 32, 60, 60, 60]);
+        // Its trial answers: healthy, and after five healthy minutes the strikes are forgotten.
+        assert!(h.begin_trial(at, &ocfg));
+        assert_eq!(
+            h.end_trial(Some(true), at, &cfg),
+            Some(HealthTransition::Readmitted)
+        );
+        h.on_outcome(Outcome::ConnectError, at + ms(1000), &cfg, true);
+        let HealthState::Ejected { hold, .. } = h else {
+            panic!("ejected")
+        };
+        assert_eq!(hold, MAX_HOLD, "soon after: the strikes stand");
+        let mut h2 = HealthState::new();
+        h2.on_outcome(Outcome::ConnectError, t0, &cfg, true);
+        h2.on_probe(true, t0 + ms(1000), &cfg, true);
+        h2.on_probe(true, t0 + ms(2000), &cfg, true);
+        assert!(h2.is_healthy(), "a refused connection is cleared by probes");
+        h2.on_outcome(
+            Outcome::ConnectError,
+            t0 + ms(2000) + STRIKES_FORGIVEN_AFTER,
+            &cfg,
+            true,
+        );
+        let HealthState::Ejected { hold, .. } = h2 else {
+            panic!("ejected")
+        };
+        assert_eq!(
+            hold, cfg.min_ejection,
+            "forgiven after five healthy minutes"
+        );
+        // Without trials, probes re-admit whatever the reason.
+        let mut h3 = HealthState::new();
+        for _ in 0..3 {
+            h3.on_outcome(Outcome::ServerError, t0, &cfg, true);
+        }
+        h3.on_probe(true, t0 + ms(1000), &cfg, false);
+        assert_eq!(
+            h3.on_probe(true, t0 + ms(2000), &cfg, false),
+            Some(HealthTransition::Readmitted)
+        );
+    }
+
+    #[test]
+    fn the_router_may_forbid_a_passive_ejection_but_the_failures_still_count() {
+        let cfg = HealthConfig::default();
+        let ocfg = OutlierConfig::default();
+        let t0 = Instant::now();
+        let mut h = HealthState::new();
+        for _ in 0..5 {
+            assert_eq!(h.on_outcome(Outcome::Timeout, t0, &cfg, false), None);
+        }
+        assert_eq!(h.on_stall(t0, &cfg, &ocfg, false), None);
+        assert!(h.is_healthy());
+        assert!(h.on_outcome(Outcome::Timeout, t0, &cfg, true).is_some());
+        // A refused connection ejects regardless: nothing listens.
+        let mut h = HealthState::new();
+        assert!(h
+            .on_outcome(Outcome::ConnectError, t0, &cfg, false)
+            .is_some());
     }
 
     #[test]
@@ -807,7 +1013,7 @@ mod tests {
         assert!(h.begin_trial(t0 + ms(1000), &ocfg));
         assert_eq!(h.end_trial(None, t0 + ms(1200), &cfg), None);
         assert!(h.trial_available(t0 + ms(1200), &ocfg));
-        h.on_probe(false, t0 + ms(1300), &cfg);
+        h.on_probe(false, t0 + ms(1300), &cfg, true);
         assert!(!h.trial_available(t0 + ms(2299), &ocfg));
         assert!(h.trial_available(t0 + ms(2300), &ocfg));
         let off = OutlierConfig {
@@ -838,9 +1044,9 @@ mod tests {
         let cfg = HealthConfig::default();
         let t0 = Instant::now();
         let mut h = ejected_at(t0, &cfg);
-        h.on_probe(true, t0 + ms(1000), &cfg);
+        h.on_probe(true, t0 + ms(1000), &cfg, true);
         assert_eq!(
-            h.on_probe(true, t0 + ms(2000), &cfg),
+            h.on_probe(true, t0 + ms(2000), &cfg, true),
             Some(HealthTransition::Readmitted)
         );
         // A trial verdict arriving after that is ignored.

@@ -245,8 +245,11 @@ impl Router {
         match self.backends.get_mut(id.0) {
             Some(b) if !b.removed => {
                 b.removed = true;
-                b.prefix.clear();
-                b.pending.clear();
+                // Replaced, not cleared: a cleared map keeps its allocation (~800 KiB for the
+                // default index), and discovery churn adds a backend per pod replacement.
+                b.prefix = crate::prefix::PrefixIndex::new(0);
+                b.pending = crate::pending::PendingPrefills::default();
+                b.ends = Vec::new();
                 true
             }
             _ => false,
@@ -907,11 +910,12 @@ impl Router {
         }
         ticket.stalled = true;
         let cfg = self.cfg;
+        let may_eject = self.may_eject_passively(ticket.id);
         let b = self.backends.get_mut(ticket.id.0)?;
         let t = if std::mem::take(&mut ticket.trial) {
             b.health.end_trial(Some(false), now, &cfg.health)
         } else {
-            b.health.on_stall(now, &cfg.health, &cfg.outlier)
+            b.health.on_stall(now, &cfg.health, &cfg.outlier, may_eject)
         };
         after_transition(b, t)
     }
@@ -963,6 +967,7 @@ impl Router {
         now: Instant,
     ) -> Option<HealthTransition> {
         let cfg = self.cfg;
+        let may_eject = self.may_eject_passively(ticket.id);
         let b = self.backends.get_mut(ticket.id.0)?;
         b.inflight = b.inflight.saturating_sub(1);
         b.sized_inflight = b.sized_inflight.saturating_sub(1);
@@ -995,7 +1000,7 @@ impl Router {
         } else if ticket.stalled && outcome == Outcome::Timeout {
             None
         } else {
-            b.health.on_outcome(outcome, now, &cfg.health)
+            b.health.on_outcome(outcome, now, &cfg.health, may_eject)
         };
         after_transition(b, t)
     }
@@ -1030,18 +1035,29 @@ impl Router {
     /// turns every slow answer into a 503, and when all of a model's backends slow down at
     /// once (a burst of load, an overloaded gateway host) the cause is not the backend.
     fn may_judge_outlier(&self, id: BackendId, ttft: Duration) -> bool {
-        if ttft <= self.cfg.outlier.ttft_outlier_floor {
-            return false;
-        }
+        ttft > self.cfg.outlier.ttft_outlier_floor && self.may_eject_passively(id)
+    }
+
+    /// Whether `id` may be ejected for what its live traffic shows (5xx and timeouts, stalls,
+    /// slow first tokens): only while another healthy backend serves one of its models, and
+    /// while fewer than half the backends (rounded up) are out. See [`crate::health`].
+    fn may_eject_passively(&self, id: BackendId) -> bool {
         let Some(b) = self.backends.get(id.0) else {
             return false;
         };
-        self.backends.iter().enumerate().any(|(i, other)| {
-            i != id.0
-                && !other.removed
-                && other.health.is_healthy()
-                && other.spec.models.iter().any(|m| b.spec.models.contains(m))
-        })
+        let live = self.backends.iter().filter(|o| !o.removed).count();
+        let out = self
+            .backends
+            .iter()
+            .filter(|o| !o.removed && !o.health.is_healthy())
+            .count();
+        out < live.div_ceil(2)
+            && self.backends.iter().enumerate().any(|(i, other)| {
+                i != id.0
+                    && !other.removed
+                    && other.health.is_healthy()
+                    && other.spec.models.iter().any(|m| b.spec.models.contains(m))
+            })
     }
 
     /// An attempt on `id` ended: one fewer in flight, and passive health sees the outcome (as
@@ -1054,6 +1070,7 @@ impl Router {
         now: Instant,
     ) -> Option<HealthTransition> {
         let cfg = self.cfg;
+        let may_eject = self.may_eject_passively(id);
         let b = self.backends.get_mut(id.0)?;
         b.inflight = b.inflight.saturating_sub(1);
         let t = if b.health.trial_in_flight() {
@@ -1064,7 +1081,7 @@ impl Router {
             };
             b.health.end_trial(verdict, now, &cfg.health)
         } else {
-            b.health.on_outcome(outcome, now, &cfg.health)
+            b.health.on_outcome(outcome, now, &cfg.health, may_eject)
         };
         after_transition(b, t)
     }
@@ -1073,11 +1090,12 @@ impl Router {
     /// [`Router::stalled`]; the later `Timeout` outcome of that attempt counts too).
     pub fn on_stall(&mut self, id: BackendId, now: Instant) -> Option<HealthTransition> {
         let cfg = self.cfg;
+        let may_eject = self.may_eject_passively(id);
         let b = self.backends.get_mut(id.0)?;
         let t = if b.health.trial_in_flight() {
             b.health.end_trial(Some(false), now, &cfg.health)
         } else {
-            b.health.on_stall(now, &cfg.health, &cfg.outlier)
+            b.health.on_stall(now, &cfg.health, &cfg.outlier, may_eject)
         };
         after_transition(b, t)
     }
@@ -1085,8 +1103,9 @@ impl Router {
     /// An active probe of `id` finished. Returns the health transition it caused, if any.
     pub fn on_probe(&mut self, id: BackendId, ok: bool, now: Instant) -> Option<HealthTransition> {
         let health = self.cfg.health;
+        let trials = self.cfg.outlier.half_open_trial;
         let b = self.backends.get_mut(id.0)?;
-        let t = b.health.on_probe(ok, now, &health);
+        let t = b.health.on_probe(ok, now, &health, trials);
         after_transition(b, t)
     }
 
@@ -1253,7 +1272,10 @@ fn observe_ttft(
         });
     b.recent.push(ttft);
     let t = if trial {
-        b.health.end_trial(Some(true), now, &cfg.health)
+        // A backend ejected for stalls passes its trial with the whole answer (at its end).
+        (!b.health.trial_needs_whole_answer())
+            .then(|| b.health.end_trial(Some(true), now, &cfg.health))
+            .flatten()
     } else {
         b.health.on_ttft(outlier, now, &cfg.health, o)
     };

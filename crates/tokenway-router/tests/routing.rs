@@ -312,11 +312,13 @@ fn a_stalled_backend_is_ejected_at_the_first_stall_and_readmitted_after_a_good_t
     assert_eq!(route.reason, RouteReason::HalfOpenTrial);
     let mut trial = r.start_attempt(hung, &req, t0 + ms(3000));
     assert!(trial.is_trial());
+    // Ejected for a stall, its trial passes with the whole answer, not its first token.
+    assert_eq!(r.first_token(&mut trial, ms(40), t0 + ms(3040)), None);
+    assert_eq!(r.backend(hung).map(|v| v.healthy), Some(false));
     assert_eq!(
-        r.first_token(&mut trial, ms(40), t0 + ms(3040)),
+        r.end_attempt(trial, Outcome::Success, t0 + ms(3100)),
         Some(HealthTransition::Readmitted)
     );
-    assert_eq!(r.end_attempt(trial, Outcome::Success, t0 + ms(3100)), None);
     assert_eq!(r.backend(hung).map(|v| v.healthy), Some(true));
 }
 
@@ -341,15 +343,47 @@ fn half_open_lets_exactly_one_trial_through() {
     for k in 1..5 {
         assert_eq!(r.rank(M, at + ms(500 * k)), Ok(vec![BackendId(1)]));
     }
-    // It fails: ejected again, a new trial after another min_ejection.
+    // It fails: ejected again, a new trial after twice min_ejection (a second strike).
     assert_eq!(
         r.end_attempt(trial, Outcome::ConnectError, at + ms(100)),
         Some(HealthTransition::Ejected {
             reason: EjectReason::TrialFailed
         })
     );
-    assert_eq!(r.rank(M, at + ms(1099)), Ok(vec![BackendId(1)]));
-    assert_eq!(r.rank(M, at + ms(1100)), Ok(vec![down, BackendId(1)]));
+    assert_eq!(r.rank(M, at + ms(2099)), Ok(vec![BackendId(1)]));
+    assert_eq!(r.rank(M, at + ms(2100)), Ok(vec![down, BackendId(1)]));
+}
+
+#[test]
+fn passive_ejection_spares_the_last_healthy_backend_and_half_the_fleet() {
+    let t0 = Instant::now();
+    let mut r = cost_router(&["a", "b", "c", "d"]);
+    // A fleet-wide slowdown: every backend's requests time out.
+    let mut ejected = 0;
+    for round in 0..3 {
+        for id in 0..4 {
+            let at = t0 + ms(10 * round);
+            if r.on_attempt_end(BackendId(id), Outcome::Timeout, at)
+                .is_some()
+            {
+                ejected += 1;
+            }
+        }
+    }
+    assert_eq!(ejected, 2, "at most half the fleet is ejected passively");
+    // Two backends serving the model: the second is never ejected passively.
+    let mut r = cost_router(&["a", "b"]);
+    for round in 0..5 {
+        r.on_attempt_end(BackendId(0), Outcome::ServerError, t0 + ms(round));
+    }
+    assert_eq!(r.backend(BackendId(0)).map(|v| v.healthy), Some(false));
+    for round in 0..5 {
+        assert_eq!(
+            r.on_attempt_end(BackendId(1), Outcome::ServerError, t0 + ms(round)),
+            None
+        );
+    }
+    assert_eq!(r.backend(BackendId(1)).map(|v| v.healthy), Some(true));
 }
 
 #[test]
