@@ -331,25 +331,36 @@ async fn an_answer_that_is_not_streamed_may_take_longer_than_the_first_byte_time
 #[tokio::test]
 async fn a_trial_answered_with_a_server_error_keeps_the_backend_ejected() {
     let failing = sim("[faults]\nerror_rate = 1.0\n");
+    // A healthy second backend: the last healthy backend of a model is never ejected for its
+    // answers, and it takes the retries of the failing one's.
+    let ok = sim(FAST_SIM);
     // No probe re-admits it during the test: only requests judge it.
-    let gw = gateway(&[&failing], "", "[health]\nprobe_interval_ms = 3600000\n");
+    let gw = gateway(
+        &[&failing, &ok],
+        "policy = \"round_robin\"",
+        "[health]\nprobe_interval_ms = 3600000\n",
+    );
     let url = format!("{}/v1/chat/completions", gw.url());
     let admin_url = format!("{}/admin/backends", gw.url());
     let state = || async {
         let v: serde_json::Value = serde_json::from_str(&get(&admin_url).await.body).expect("JSON");
         v["backends"][0].clone()
     };
-    // Three 500s in a row (each the only candidate's answer, passed on) eject it.
-    for i in 0..3 {
+    // Three 500s in a row eject it; each of them is retried on the other backend.
+    for i in 0..8 {
         let r = post(&url, &chat(&format!("e{i}"), true, 2), None).await;
-        assert_eq!(r.status, 500, "{}", r.body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        if state().await["state"] != "healthy" {
+            break;
+        }
     }
     let b = state().await;
     assert_eq!(b["eject_reason"], "passive_failures", "{b}");
-    // After the minimum ejection its next request is a trial; the trial's 500 fails it.
+    // After the hold its next request is a trial; the trial's 500 fails it (and the request
+    // is answered by the other backend).
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     let r = post(&url, &chat("trial", true, 2), None).await;
-    assert_eq!(r.status, 500, "{}", r.body);
+    assert_eq!(r.status, 200, "{}", r.body);
     let b = state().await;
     assert_ne!(b["state"], "healthy", "{b}");
     assert_eq!(b["eject_reason"], "trial_failed", "{b}");
