@@ -606,6 +606,13 @@ impl GatewayConfig {
         if self.region.is_empty() {
             return Err(bad("region", "a non-empty string", "\"\""));
         }
+        if let Some(why) = tokenway_telemetry::label_value_problem(&self.region) {
+            return Err(bad(
+                "region",
+                &format!("a name without {why} (it labels metrics)"),
+                format!("{:?}", self.region),
+            ));
+        }
         if self.queue_max > 1_000_000 {
             return Err(bad(
                 "queue_max",
@@ -900,6 +907,15 @@ pub fn validate_backends(backends: &[BackendConfig], key: &str) -> Result<(), Ga
             ));
         }
         let name = b.display_name();
+        for (field, v) in [("name", &name), ("region", &b.region)] {
+            if let Some(why) = tokenway_telemetry::label_value_problem(v) {
+                return Err(bad(
+                    &format!("{key}[{i}].{field}"),
+                    &format!("a name without {why} (it labels metrics)"),
+                    format!("{v:?}"),
+                ));
+            }
+        }
         if !names.insert(name.clone()) {
             return Err(GatewayError::Config(format!(
                 "{key}[{i}].name {name:?} is used twice; names must be unique"
@@ -949,6 +965,17 @@ mod tests {
         assert!(e.to_string().contains("policy"), "{e}");
         let e = GatewayConfig::from_toml_str("lisen = \"1.2.3.4:5\"\n").unwrap_err();
         assert!(e.to_string().contains("lisen"), "{e}");
+        // Names label metrics, written unescaped: a quote would break the whole page.
+        let e = GatewayConfig::from_toml_str(
+            "[[backends]]\nname = 'gpu \"a\"'\nurl = \"http://127.0.0.1:8000\"\n",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("backends[0].name"), "{e}");
+        let e = GatewayConfig::from_toml_str(
+            "[[backends]]\nregion = \"eu\\\\west\"\nurl = \"http://127.0.0.1:8000\"\n",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("backends[0].region"), "{e}");
     }
 
     #[test]

@@ -175,6 +175,18 @@ impl SimConfig {
                 format!("{bad:?}"),
             ));
         }
+        if let Some(bad) = self
+            .model_names
+            .iter()
+            .find(|m| tokenway_telemetry::label_value_problem(m).is_some())
+        {
+            return Err(SimError::invalid(
+                "sim.model_names",
+                "names without a double quote, a backslash or a control character (they label \
+                 metrics)",
+                format!("{bad:?}"),
+            ));
+        }
         non_negative_ms("sim.base_latency_ms", self.base_latency_ms)?;
         non_negative_ms("sim.network_rtt_ms", self.network_rtt_ms)?;
         non_negative_ms(
@@ -266,6 +278,12 @@ mod tests {
             err.to_string(),
             "sim.prefill_tokens_per_second must be a finite number >= 0.001 (got 0)"
         );
+    }
+
+    #[test]
+    fn a_model_name_that_would_break_the_metrics_page_is_rejected() {
+        let err = SimConfig::from_toml_str("model_names = ['org/m \"v2\"']").unwrap_err();
+        assert!(err.to_string().contains("sim.model_names"), "{err}");
     }
 
     #[test]

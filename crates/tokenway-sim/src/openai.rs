@@ -357,9 +357,26 @@ impl Job {
             )
             .with_param(limit_param));
         }
+        // Every token of every choice is checked against every stop string: a list of
+        // millions pinned a worker for minutes.
+        if job.stop.len() > MAX_STOP_STRINGS
+            || job.stop.iter().any(|s| s.len() > MAX_STOP_STRING_BYTES)
+        {
+            return Err(ApiError::invalid_request(format!(
+                "stop takes at most {MAX_STOP_STRINGS} strings of at most \
+                 {MAX_STOP_STRING_BYTES} bytes, got {} strings.",
+                job.stop.len()
+            ))
+            .with_param("stop"));
+        }
         Ok(job)
     }
 }
+
+/// Most stop strings a request may give (OpenAI takes 4; vLLM does not bound them).
+pub const MAX_STOP_STRINGS: usize = 64;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_STRING_BYTES: usize = 1024;
 
 /// Parses `body`; a key given twice counts with its last value, as Python's `json` (vLLM's
 /// parser) reads it, where serde's derive refuses it: such a body is read again through a map
@@ -877,6 +894,19 @@ mod tests {
         assert_eq!(e.param, Some("stream_options"));
         let e = Job::parse(Api::Chat, br#"["m", []]"#, 4).unwrap_err();
         assert!(e.message.contains("JSON object"), "{}", e.message);
+    }
+
+    #[test]
+    fn more_stop_strings_than_a_request_may_give_are_a_400_naming_stop() {
+        let stops: Vec<String> = (0..=MAX_STOP_STRINGS).map(|i| format!("s{i}")).collect();
+        let body = serde_json::json!({"prompt": "x", "stop": stops}).to_string();
+        let e = Job::parse(Api::Completions, body.as_bytes(), 4).unwrap_err();
+        assert_eq!(e.param, Some("stop"));
+        let long = "x".repeat(MAX_STOP_STRING_BYTES + 1);
+        let body = serde_json::json!({"prompt": "x", "stop": long}).to_string();
+        assert!(Job::parse(Api::Completions, body.as_bytes(), 4).is_err());
+        let body = serde_json::json!({"prompt": "x", "stop": ["a", "b"]}).to_string();
+        assert!(Job::parse(Api::Completions, body.as_bytes(), 4).is_ok());
     }
 
     #[test]

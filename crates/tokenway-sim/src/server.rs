@@ -724,6 +724,11 @@ async fn tokenize(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<SimB
         Ok(j) => j,
         Err(e) => return error_response(&e),
     };
+    // A prompt longer than the model takes is refused as completions refuse it, before its
+    // token list is built (a 32 MiB prompt is 8 M of them).
+    if let Err(e) = job.check_context(c.max_model_len, 1, c.bytes_per_token) {
+        return error_response(&e);
+    }
     let tokens: Vec<u64> = job
         .prompts
         .iter()
@@ -735,12 +740,20 @@ async fn tokenize(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<SimB
             h.finish() % 100_000
         })
         .collect();
-    let answer = serde_json::json!({
-        "count": tokens.len(),
-        "max_model_len": c.max_model_len,
-        "tokens": tokens,
-    });
-    json_response(StatusCode::OK, Bytes::from(answer.to_string()))
+    // Serialized from the list itself: a `serde_json::Value` array costs 32 bytes a token.
+    #[derive(serde::Serialize)]
+    struct Tokenized<'a> {
+        count: usize,
+        max_model_len: u32,
+        tokens: &'a [u64],
+    }
+    let answer = serde_json::to_vec(&Tokenized {
+        count: tokens.len(),
+        max_model_len: c.max_model_len,
+        tokens: &tokens,
+    })
+    .expect("invariant: numbers serialize");
+    json_response(StatusCode::OK, Bytes::from(answer))
 }
 
 /// The `error_after_tokens` fault's error.

@@ -34,7 +34,37 @@ pub fn render(registry: &Registry) -> String {
     out
 }
 
+/// Why `s` cannot be a metric label value, if it cannot. The encoder writes label values as
+/// they are (prometheus-client does not escape them), so a `"`, a `\\` or a line break in
+/// one (a backend or model name from a config file) broke the whole `/metrics` page for
+/// every scraper. Configs refuse such names instead.
+pub fn label_value_problem(s: &str) -> Option<&'static str> {
+    if s.contains('"') {
+        Some("a double quote")
+    } else if s.contains('\\') {
+        Some("a backslash")
+    } else if s.chars().any(char::is_control) {
+        Some("a control character (a line break, a tab)")
+    } else {
+        None
+    }
+}
+
 /// A fresh registry with the `tokenway` prefix on every series.
 pub fn new_registry() -> Registry {
     Registry::with_prefix("tokenway")
+}
+
+#[cfg(test)]
+mod label_tests {
+    use super::*;
+
+    #[test]
+    fn names_that_would_break_the_exposition_are_named() {
+        assert_eq!(label_value_problem("gpu-1.eu:8000"), None);
+        assert_eq!(label_value_problem("org/model v2"), None);
+        assert!(label_value_problem("org/model \"v2\"").is_some());
+        assert!(label_value_problem("a\\b").is_some());
+        assert!(label_value_problem("a\nb").is_some());
+    }
 }

@@ -123,6 +123,12 @@ impl TunnelClientConfig {
             if g.name.trim().is_empty() {
                 return bad(format!("gateways[{i}].name must not be empty"));
             }
+            if let Some(why) = tokenway_telemetry::label_value_problem(&g.name) {
+                return bad(format!(
+                    "gateways[{i}].name {:?} must not contain {why} (it labels metrics)",
+                    g.name
+                ));
+            }
             if self.gateways[..i].iter().any(|o| o.name == g.name) {
                 return bad(format!("gateways[{i}].name {:?} is used twice", g.name));
             }
