@@ -440,6 +440,55 @@ impl Shared {
         self.router().remove_backend(id);
         self.backend_metrics.healthy.remove(&u.labels);
         self.backend_metrics.inflight.remove(&u.labels);
+        for cause in STREAM_ERROR_CAUSES {
+            self.backend_metrics
+                .stream_errors
+                .remove(&tokenway_telemetry::StreamErrorLabels {
+                    backend: u.labels.backend.clone(),
+                    region: u.labels.region.clone(),
+                    cause,
+                });
+        }
+        // Its latency and request series go too: discovery names a backend by its address, so
+        // every pod replacement added series that were never removed, without bound.
+        let gone: Vec<StreamKey> = {
+            let mut h = self
+                .stream_histograms
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            let keys: Vec<StreamKey> = h.keys().filter(|k| k.0 == id.0).copied().collect();
+            for k in &keys {
+                h.remove(k);
+            }
+            keys
+        };
+        for (_, route, transport, region) in gone {
+            let labels = StreamLabels {
+                route: route.to_string(),
+                backend: u.name.clone(),
+                transport: transport.to_string(),
+                client_region: self.regions[region].clone(),
+                backend_region: u.labels.region.clone(),
+            };
+            self.metrics.ttft.remove(&labels);
+            self.metrics.inter_token.remove(&labels);
+            self.metrics.duration.remove(&labels);
+        }
+        let mut counters = self
+            .request_counters
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        counters.retain(|(route, backend, status), _| {
+            if backend.as_deref() != Some(u.name.as_str()) {
+                return true;
+            }
+            self.metrics.requests.remove(&RequestLabels {
+                route: route.to_string(),
+                backend: u.name.clone(),
+                status: *status,
+            });
+            false
+        });
     }
 
     /// Records a health change in logs and gauges.
@@ -531,6 +580,14 @@ impl Shared {
     }
 }
 
+/// The `cause` labels of `tokenway_stream_errors_total`.
+pub const STREAM_ERROR_CAUSES: [&str; 4] = [
+    "backend_error_event",
+    "backend_rejected",
+    "upstream_failed",
+    "upstream_stalled",
+];
+
 /// The model name a backend lists to take every model no backend names.
 pub const WILDCARD_MODEL: &str = "*";
 
@@ -601,8 +658,10 @@ impl Attempt {
         self.shared.upstream(self.id).name.clone()
     }
 
-    /// Counts an answer that failed after its first byte (`tokenway_stream_errors_total`).
+    /// Counts an answer that failed after its first byte (`tokenway_stream_errors_total`);
+    /// `cause` is one of [`STREAM_ERROR_CAUSES`].
     pub fn count_stream_error(&self, cause: &'static str) {
+        debug_assert!(STREAM_ERROR_CAUSES.contains(&cause), "{cause}");
         let u = self.shared.upstream(self.id);
         self.shared
             .backend_metrics
@@ -723,6 +782,29 @@ impl Drop for Attempt {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_removed_backend_takes_its_series_with_it() {
+        let c = crate::config::GatewayConfig::from_toml_str(
+            "[[backends]]\nname = \"gone-pod\"\nurl = \"http://127.0.0.1:9\"\nmodels = [\"m\"]\n\
+             [[backends]]\nname = \"kept\"\nurl = \"http://127.0.0.1:10\"\nmodels = [\"m\"]\n",
+        )
+        .expect("config");
+        let shared = Shared::new(c).expect("state");
+        for (id, _) in shared.live_upstreams() {
+            let name = shared.upstream(id).name.clone();
+            shared
+                .request_counter("/v1/chat/completions", Some(name), 200)
+                .inc();
+            shared.stream_histograms(id, "/v1/chat/completions", "h1", "local")[0].observe(0.1);
+        }
+        let text = tokenway_telemetry::render(&shared.registry);
+        assert!(text.contains("backend=\"gone-pod\""), "{text}");
+        shared.remove_backend(BackendId(0));
+        let text = tokenway_telemetry::render(&shared.registry);
+        assert!(!text.contains("gone-pod"), "{text}");
+        assert!(text.contains("backend=\"kept\""), "{text}");
+    }
 
     #[test]
     fn a_backend_url_without_a_port_connects_to_port_80() {

@@ -64,6 +64,23 @@ impl PeakEwma {
     pub fn secs_or(&self, default: Duration) -> f64 {
         self.state.map_or(default.as_secs_f64(), |(v, _)| v)
     }
+
+    /// The estimate at `now`: it drifts back towards `default` with time constant `τ` while
+    /// no sample comes (`default` before the first sample). Without the drift one slow first
+    /// token (a long prompt's) froze a backend's estimate, the policy sent it nothing, and no
+    /// sample came to bring the estimate down: it starved.
+    pub fn secs_at(&self, now: Instant, default: Duration) -> f64 {
+        let d = default.as_secs_f64();
+        let Some((v, last)) = self.state else {
+            return d;
+        };
+        let tau = self.tau.as_secs_f64();
+        if tau <= 0.0 {
+            return v;
+        }
+        let w = (-now.saturating_duration_since(last).as_secs_f64() / tau).exp();
+        d + (v - d) * w
+    }
 }
 
 /// An exponentially decaying count of events: each event adds one, and the count decays by
@@ -108,6 +125,21 @@ mod tests {
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
+    }
+
+    #[test]
+    fn a_stale_estimate_drifts_back_to_the_default_when_no_sample_comes() {
+        let t0 = Instant::now();
+        let mut e = PeakEwma::new(Duration::from_secs(10));
+        assert_eq!(e.secs_at(t0, ms(100)), 0.1);
+        // One long prompt's 20 s first token.
+        e.observe(Duration::from_secs(20), t0);
+        assert!((e.secs_at(t0, ms(100)) - 20.0).abs() < 1e-9);
+        let later = e.secs_at(t0 + Duration::from_secs(30), ms(100));
+        assert!(later < 1.2, "{later}");
+        assert!(e.secs_at(t0 + Duration::from_secs(300), ms(100)) - 0.1 < 1e-6);
+        // What is stored is unchanged: the next sample still weighs against it.
+        assert_eq!(e.secs_or(ms(100)), 20.0);
     }
 
     #[test]

@@ -332,7 +332,7 @@ impl Router {
                     (est.score, est.cached_blocks, share, done, Some(est.ttft))
                 }
                 Policy::P2cEwma => (
-                    b.ttft.secs_or(self.cfg.default_ttft) * (f64::from(b.inflight) + 1.0),
+                    b.ttft.secs_at(now, self.cfg.default_ttft) * (f64::from(b.inflight) + 1.0),
                     0,
                     0.0,
                     (0, None),

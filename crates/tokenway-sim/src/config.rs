@@ -234,11 +234,21 @@ impl SimConfig {
                 self.default_max_tokens,
             ));
         }
-        if self.block_tokens == 0 {
-            return Err(SimError::invalid("sim.block_tokens", ">= 1", 0));
+        // Bounded so that their product (a block's bytes) cannot overflow, and a token-id
+        // prompt (each id stands for `bytes_per_token` bytes) cannot ask for terabytes.
+        if !(1..=4096).contains(&self.block_tokens) {
+            return Err(SimError::invalid(
+                "sim.block_tokens",
+                "in 1..=4096",
+                self.block_tokens,
+            ));
         }
-        if self.bytes_per_token == 0 {
-            return Err(SimError::invalid("sim.bytes_per_token", ">= 1", 0));
+        if !(1..=64).contains(&self.bytes_per_token) {
+            return Err(SimError::invalid(
+                "sim.bytes_per_token",
+                "in 1..=64",
+                self.bytes_per_token,
+            ));
         }
         if !(1..=MAX_EMBEDDING_DIMENSIONS).contains(&self.embedding_dimensions) {
             return Err(SimError::invalid(
@@ -278,6 +288,14 @@ mod tests {
             err.to_string(),
             "sim.prefill_tokens_per_second must be a finite number >= 0.001 (got 0)"
         );
+    }
+
+    #[test]
+    fn block_and_token_sizes_are_bounded() {
+        let err = SimConfig::from_toml_str("bytes_per_token = 1000000").unwrap_err();
+        assert!(err.to_string().contains("sim.bytes_per_token"), "{err}");
+        let err = SimConfig::from_toml_str("block_tokens = 4294967296").unwrap_err();
+        assert!(err.to_string().contains("sim.block_tokens"), "{err}");
     }
 
     #[test]

@@ -35,6 +35,18 @@ pub fn load(args: &EdgeArgs) -> anyhow::Result<EdgeConfig> {
 /// Runs `tokenway edge`.
 pub async fn run(args: EdgeArgs) -> anyhow::Result<()> {
     let config = load(&args)?;
+    // The edge adds the tunnel token to whatever it relays: reachable from elsewhere, it is an
+    // authenticated way into the gateway for anyone who can reach the port.
+    for (what, addr) in std::iter::once(("listen", config.listen)).chain(
+        config
+            .forwards
+            .iter()
+            .map(|f| ("forwards[].listen", f.listen)),
+    ) {
+        if !addr.ip().is_loopback() {
+            tracing::warn!(%addr, key = what, "the edge listens beyond this machine: anyone who reaches this address uses the tunnel with the edge's token (and its /admin routes); bind a loopback address unless that is intended");
+        }
+    }
     let edge = tokenway_edge::bind(config).await?;
     if let Some(a) = edge.local_addr() {
         println!("tokenway edge listening on http://{a}");
