@@ -84,22 +84,28 @@ impl Forward {
 }
 
 async fn carry(mut local: TcpStream, tunnel: &Tunnel, target: &str) -> Result<(), String> {
-    let (conn, token) = tunnel
-        .connection()
-        .await
-        .ok_or_else(|| "no gateway is reachable".to_string())?;
+    let (conn, token) = tunnel.connection().await.ok_or_else(|| {
+        abort(&local);
+        "no gateway is reachable".to_string()
+    })?;
     let mut headers = HeaderMap::new();
     headers.insert(AUTH_HEADER, token);
     headers.insert(IDEMPOTENCY_HEADER, idempotency_key());
     match conn {
         Conn::Quic(q) => {
-            let (tx, rx) = mpsc::channel::<Bytes>(16);
+            let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(16);
             let mut req = Request::connect(target)
                 .body(ChannelBody { rx })
                 .map_err(|e| format!("bad target {target:?}: {e}"))?;
             *req.headers_mut() = headers;
-            let resp = q.send_request(req).await.map_err(|e| e.message)?;
+            // The application is told of a failure with a reset, never a FIN (which reads as
+            // "the target accepted and closed").
+            let resp = q.send_request(req).await.map_err(|e| {
+                abort(&local);
+                e.message
+            })?;
             if !resp.status().is_success() {
+                abort(&local);
                 return Err(format!("the gateway refused the target: {}", resp.status()));
             }
             let clean = {
@@ -109,9 +115,15 @@ async fn carry(mut local: TcpStream, tunnel: &Tunnel, target: &str) -> Result<()
                     loop {
                         buf.reserve(16 * 1024);
                         match rd.read_buf(&mut buf).await {
-                            Ok(0) | Err(_) => return,
+                            Ok(0) => return,
+                            // The application reset its connection: the stream is reset too
+                            // (the body's error), so the target is not told a clean end.
+                            Err(e) => {
+                                let _ = tx.send(Err(e)).await;
+                                return;
+                            }
                             Ok(_) => {
-                                if tx.send(buf.split().freeze()).await.is_err() {
+                                if tx.send(Ok(buf.split().freeze())).await.is_err() {
                                     return;
                                 }
                             }
@@ -155,8 +167,11 @@ async fn carry(mut local: TcpStream, tunnel: &Tunnel, target: &str) -> Result<()
             let upgraded = t
                 .connect_stream(target, headers)
                 .await
-                .map_err(|e| e.message)?
-                .map_err(|status| format!("the gateway refused the target: {status}"))?;
+                .map_err(|e| e.message)
+                .and_then(|r| {
+                    r.map_err(|status| format!("the gateway refused the target: {status}"))
+                })
+                .inspect_err(|_| abort(&local))?;
             let mut remote = TokioIo::new(upgraded);
             tokio::io::copy_bidirectional(&mut local, &mut remote)
                 .await
@@ -178,19 +193,20 @@ fn abort(local: &TcpStream) {
     }
 }
 
-/// A request body fed by a channel; ends when the sender is dropped.
+/// A request body fed by a channel; ends when the sender is dropped, and fails (resetting
+/// the stream) with an error sent through it.
 struct ChannelBody {
-    rx: mpsc::Receiver<Bytes>,
+    rx: mpsc::Receiver<std::io::Result<Bytes>>,
 }
 
 impl Body for ChannelBody {
     type Data = Bytes;
-    type Error = std::convert::Infallible;
+    type Error = std::io::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        self.rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+        self.rx.poll_recv(cx).map(|o| o.map(|r| r.map(Frame::data)))
     }
 }

@@ -48,6 +48,10 @@ pub struct ProxyRequest<'a> {
 /// Why an attempt failed before its first byte.
 enum Failure {
     Connect(String),
+    /// No connection within the connect timeout: a busy backend's full accept queue looks the
+    /// same as a dead one's, so this ejects only as 5xx and timeouts do (three in a row), and
+    /// its prefix index is kept (a refused connection ejects at once and forgets it).
+    ConnectTimeout(String),
     /// This gateway could not open a connection (no health effect on the backend).
     Local(String),
     Reset(String),
@@ -113,6 +117,7 @@ async fn try_backend(
     let sent = match written {
         Err(_) => return fail(attempt, Failure::Timeout),
         Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
+        Ok(Err(H1Error::ConnectTimeout(e))) => return fail(attempt, Failure::ConnectTimeout(e)),
         Ok(Err(H1Error::Local(e))) => return fail(attempt, Failure::Local(e)),
         Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
         Ok(Ok(sent)) => sent,
@@ -121,6 +126,7 @@ async fn try_backend(
     let (head, mut body) = match tokio::time::timeout_at(deadline, sent.response()).await {
         Err(_) => return fail(attempt, Failure::Timeout),
         Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
+        Ok(Err(H1Error::ConnectTimeout(e))) => return fail(attempt, Failure::ConnectTimeout(e)),
         Ok(Err(H1Error::Local(e))) => return fail(attempt, Failure::Local(e)),
         Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
         Ok(Ok(answer)) => answer,
@@ -545,6 +551,7 @@ impl Failure {
     fn outcome(&self) -> Outcome {
         match self {
             Failure::Connect(_) => Outcome::ConnectError,
+            Failure::ConnectTimeout(_) => Outcome::Timeout,
             Failure::Local(_) => Outcome::ClientCancelled,
             Failure::Reset(_) => Outcome::ServerError,
             Failure::Status(s) if s.is_server_error() => Outcome::ServerError,
@@ -557,7 +564,7 @@ impl Failure {
 
     fn describe(&self) -> String {
         match self {
-            Failure::Connect(e) => format!("connect failed: {e}"),
+            Failure::Connect(e) | Failure::ConnectTimeout(e) => format!("connect failed: {e}"),
             Failure::Local(e) => e.clone(),
             Failure::Reset(e) => format!("connection failed: {e}"),
             Failure::Status(s) => format!("answered {s}"),

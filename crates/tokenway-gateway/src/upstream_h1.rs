@@ -52,9 +52,13 @@ const IDLE_SWEEP: Duration = Duration::from_secs(15);
 /// Why a request to a backend failed.
 #[derive(Debug, thiserror::Error)]
 pub enum H1Error {
-    /// No TCP connection could be made.
+    /// No TCP connection could be made: refused, unreachable.
     #[error("connect: {0}")]
     Connect(String),
+    /// The connection was not set up within the connect timeout: the backend may just be
+    /// busy (its accept queue full), so this counts as a passive failure, not as down.
+    #[error("connect: {0}")]
+    ConnectTimeout(String),
     /// This host could not open a connection (out of file descriptors, ephemeral ports or
     /// buffers): the gateway's trouble, not the backend's.
     #[error("this gateway cannot open a connection: {0}")]
@@ -207,7 +211,7 @@ impl H1Pool {
     async fn connect(&self, authority: &str) -> Result<TcpStream, H1Error> {
         let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(authority))
             .await
-            .map_err(|_| H1Error::Connect(format!("{authority}: timed out")))?
+            .map_err(|_| H1Error::ConnectTimeout(format!("{authority}: timed out")))?
             .map_err(|e| {
                 if is_local_failure(&e) {
                     H1Error::Local(format!("{authority}: {e}"))

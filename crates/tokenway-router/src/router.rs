@@ -500,6 +500,12 @@ impl Router {
         if !within(b) {
             return None;
         }
+        // A prefill predicted done by now that is not done: the prediction failed (its request
+        // is stuck in a queue), and a hold would only poll until `prefill_hold_max` for every
+        // request with this prefix until that one gets its first token.
+        if b.ready_at.is_some_and(|r| r <= now) {
+            return None;
+        }
         // Tokens per tracked block: the untracked tail is never cached anywhere.
         let tracked = f64::from(req.prompt_tokens - req.untracked_tokens.min(req.prompt_tokens));
         let saved_tokens = tracked * (b.cached_blocks - done) as f64 / req.blocks.len() as f64;
@@ -1404,6 +1410,10 @@ mod tests {
         assert!(route.hold.is_some());
         let spent = second.clone().with_held(b, r.cfg.cost.prefill_hold_max);
         assert_eq!(r.route(&spent, t1 + hold).expect("routable").hold, None);
+        // Past its predicted end (306 ms) with no first token the prediction failed (the first
+        // request is stuck in a queue): a new request is not held for it, where it used to be
+        // held for the whole `prefill_hold_max`.
+        assert_eq!(r.route(&second, t0 + ms(350)).expect("routable").hold, None);
         // The first token arrives: the prefix is done and the held request goes to b now.
         let t2 = t0 + ms(400);
         r.first_token(&mut ticket, ms(400), t2);

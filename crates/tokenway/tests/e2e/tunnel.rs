@@ -570,6 +570,60 @@ async fn port_forwarding_works_over_the_tcp_fallback_too() {
     port_forwarding(true).await;
 }
 
+#[tokio::test]
+async fn an_application_reset_reaches_the_forward_target_as_a_reset() {
+    // The target notes how its connection ended.
+    let target = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the target");
+    let target_addr = target.local_addr().expect("target address");
+    let (ended_tx, ended) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let Ok((mut c, _)) = target.accept().await else {
+            return;
+        };
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        let end = loop {
+            match c.read(&mut buf).await {
+                Ok(0) => break Ok(got),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => break Err(e.kind()),
+            }
+        };
+        let _ = ended_tx.send(end);
+    });
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(
+        &backend,
+        "",
+        &format!("forward_allow = [\"{target_addr}\"]"),
+    );
+    let local = free_tcp_port();
+    let _edge = edge(&edge_config(
+        &fingerprint(&gw),
+        tunnel_addr(&gw),
+        gw.tls_addr,
+        "",
+        &format!("[[forwards]]\nlisten = \"{local}\"\ntarget = \"{target_addr}\"\n"),
+    ));
+    let mut app = tokio::net::TcpStream::connect(local)
+        .await
+        .expect("connect");
+    app.write_all(b"a half-sent upload").await.expect("write");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The application crashes: its connection is reset, not closed.
+    app.set_zero_linger().expect("SO_LINGER 0");
+    drop(app);
+    let end = tokio::time::timeout(Duration::from_secs(10), ended)
+        .await
+        .expect("the target's connection ends in time")
+        .expect("an end");
+    // Before, the edge took the reset for an end of stream and the target saw a clean FIN: a
+    // cut upload that looked complete.
+    assert_eq!(end, Err(std::io::ErrorKind::ConnectionReset));
+}
+
 /// An echo server reached through the tunnel, a non-allow-listed one refused; with
 /// `udp_unusable` the edge's QUIC address is a closed port, so everything rides the HTTP/2
 /// over TLS fallback (CONNECT on the gateway's TCP front).
