@@ -392,6 +392,11 @@ impl Tunnel {
     /// Closes `conn` of gateway `i` (it no longer answers) and has the link redial at once.
     fn retire(&self, i: usize, conn: &Conn) {
         conn.close();
+        self.unlink(i, conn);
+    }
+
+    /// Takes `conn` off gateway `i` if it is still the link's, and wakes the link to redial.
+    fn unlink(&self, i: usize, conn: &Conn) {
         let same = lock(&self.links[i].conn)
             .as_ref()
             .is_some_and(|c| c.same(conn));
@@ -408,13 +413,7 @@ impl Tunnel {
     /// for 4 s, although QUIC would have carried them on when the path came back.
     fn set_aside(&self, i: usize, conn: &Conn) {
         conn.set_aside();
-        let same = lock(&self.links[i].conn)
-            .as_ref()
-            .is_some_and(|c| c.same(conn));
-        if same {
-            self.set_conn(i, None);
-        }
-        self.links[i].wake.notify_one();
+        self.unlink(i, conn);
         if let Conn::Quic(q) = conn {
             tokio::spawn(close_if_still_silent(Arc::clone(q)));
         }
@@ -452,16 +451,9 @@ impl Tunnel {
 
     /// Drops `conn` of gateway `i` when it is dead, and wakes the link to redial.
     fn report_failure(&self, i: usize, conn: &Conn) {
-        if !conn.is_closed() {
-            return;
+        if conn.is_closed() {
+            self.unlink(i, conn);
         }
-        let same = lock(&self.links[i].conn)
-            .as_ref()
-            .is_some_and(|c| c.same(conn));
-        if same {
-            self.set_conn(i, None);
-        }
-        self.links[i].wake.notify_one();
     }
 
     /// A live connection to the best gateway, waiting for a link to come up.

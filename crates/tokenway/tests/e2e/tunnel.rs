@@ -1047,10 +1047,12 @@ async fn with_udp_blocked_a_resumption_ticket_does_not_keep_the_edge_off_tcp() {
     assert!(!r.body.contains("0-RTT rejected"), "{}", r.body);
 }
 
-#[tokio::test]
-async fn a_quic_path_that_goes_silent_is_left_for_tcp_long_before_the_idle_timeout() {
-    let backend = sim(FAST_SIM);
-    let gw = tunnel_gateway(&backend, "", "");
+/// A tunnel gateway in front of `backend` and an edge whose QUIC packets pass through a
+/// relay that drops everything once its flag is set (TCP to the gateway stays open).
+async fn edge_behind_a_udp_relay(
+    backend: &Proc,
+) -> (Proc, Proc, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    let gw = tunnel_gateway(backend, "", "");
     let (relay, blocked) = udp_relay(tunnel_addr(&gw)).await;
     let edge = edge(&edge_config(
         &fingerprint(&gw),
@@ -1059,6 +1061,13 @@ async fn a_quic_path_that_goes_silent_is_left_for_tcp_long_before_the_idle_timeo
         "connect_timeout_ms = 1000",
         "",
     ));
+    (gw, edge, blocked)
+}
+
+#[tokio::test]
+async fn a_quic_path_that_goes_silent_is_left_for_tcp_long_before_the_idle_timeout() {
+    let backend = sim(FAST_SIM);
+    let (_gw, edge, blocked) = edge_behind_a_udp_relay(&backend).await;
     let url = format!("{}/v1/chat/completions", edge.url());
     let r = post(&url, &chat("over quic", true, 4), None).await;
     assert_eq!(r.status, 200, "{}", r.body);
@@ -1092,15 +1101,7 @@ async fn a_quic_path_that_goes_silent_is_left_for_tcp_long_before_the_idle_timeo
 async fn a_stream_rides_out_a_blackout_that_moves_new_requests_to_tcp() {
     // 30 tokens at 200 ms: a 6 s answer, with a 4 s blackout in its middle.
     let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 200.0\n");
-    let gw = tunnel_gateway(&backend, "", "");
-    let (relay, blocked) = udp_relay(tunnel_addr(&gw)).await;
-    let edge = edge(&edge_config(
-        &fingerprint(&gw),
-        relay,
-        gw.tls_addr,
-        "connect_timeout_ms = 1000",
-        "",
-    ));
+    let (_gw, edge, blocked) = edge_behind_a_udp_relay(&backend).await;
     let url = format!("{}/v1/chat/completions", edge.url());
     let r = post(&url, &chat("warm up", true, 2), None).await;
     assert_eq!(r.status, 200, "{}", r.body);
