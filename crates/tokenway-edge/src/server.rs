@@ -61,6 +61,8 @@ pub struct Local {
     pub metrics: Arc<EdgeMetrics>,
     /// `max_body_bytes`.
     pub max_body_bytes: usize,
+    /// The bound on request bodies held, all requests together.
+    pub bodies: crate::body_budget::BodyBudget,
 }
 
 /// Serves `listener` until `stop` changes.
@@ -258,22 +260,51 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
     if declared.is_some_and(|n| n > limit as u64) {
         return too_large();
     }
-    let body = match Limited::new(body, limit).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => return too_large(),
-        Err(e) => {
-            return count(
-                local,
-                route,
-                &Arc::from("none"),
-                error(
-                    StatusCode::BAD_REQUEST,
-                    "bad_request",
-                    &format!("cannot read the request body: {e}"),
-                ),
-            )
-        }
+    // The body is held (for a retry on a fresh connection) within the edge's bound on held
+    // bodies, taken as it arrives (a declared length at once).
+    let mut held = local.bodies.hold();
+    let busy = || {
+        let mut r = error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "edge_busy",
+            "the edge holds as many request bodies as it may; retry shortly",
+        );
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        count(local, route, &Arc::from("none"), r)
     };
+    if !held.grow(declared.unwrap_or(0) as usize) {
+        return busy();
+    }
+    let mut collected = bytes::BytesMut::new();
+    let mut limited = std::pin::pin!(Limited::new(body, limit));
+    while let Some(frame) = limited.frame().await {
+        match frame {
+            Ok(f) => {
+                if let Ok(data) = f.into_data() {
+                    let more = (collected.len() + data.len()).saturating_sub(held.bytes());
+                    if !held.grow(more) {
+                        return busy();
+                    }
+                    collected.extend_from_slice(&data);
+                }
+            }
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => return too_large(),
+            Err(e) => {
+                return count(
+                    local,
+                    route,
+                    &Arc::from("none"),
+                    error(
+                        StatusCode::BAD_REQUEST,
+                        "bad_request",
+                        &format!("cannot read the request body: {e}"),
+                    ),
+                )
+            }
+        }
+    }
+    let body = collected.freeze();
     let mut headers = std::mem::take(&mut parts.headers);
     strip(&mut headers);
     // The gateway takes request heads up to 64 KiB (RFC 9114's field section size: names,
@@ -309,7 +340,10 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
         headers,
         body,
     };
-    match local.tunnel.send(&out).await {
+    let sent = local.tunnel.send(&out).await;
+    // The answer's head is in (or the request failed): the body is no longer held for a retry.
+    drop(held);
+    match sent {
         Ok(answer) => {
             let histograms =
                 local

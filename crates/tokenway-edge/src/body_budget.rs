@@ -1,0 +1,102 @@
+//! A bound on the request bodies the edge holds, all local connections together.
+//!
+//! The edge reads a request's whole body before sending it (so that a request can be sent
+//! again on a fresh connection), up to `max_body_bytes` each; with no bound on their number,
+//! one h2c client with 1024 streams of 32 MiB made it hold 32 GiB. A body takes its bytes
+//! from this budget as they arrive and gives them back when the request no longer needs them;
+//! a request that finds no room is answered 503 at once (with `Retry-After`), its body unread.
+
+use std::sync::Arc;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// The least the budget holds: at least two of the largest bodies.
+pub const MIN_BUDGET_BYTES: usize = 256 << 20;
+
+/// The budget.
+#[derive(Debug)]
+pub struct BodyBudget {
+    permits: Arc<Semaphore>,
+}
+
+/// Bytes of the budget taken by one body; given back when dropped.
+#[derive(Debug)]
+pub struct Held {
+    permits: Arc<Semaphore>,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl BodyBudget {
+    /// A budget for bodies of at most `max_body_bytes` each: the larger of
+    /// [`MIN_BUDGET_BYTES`] and twice that.
+    pub fn for_bodies_of(max_body_bytes: usize) -> Self {
+        let bytes = MIN_BUDGET_BYTES
+            .max(max_body_bytes.saturating_mul(2))
+            .min(Semaphore::MAX_PERMITS)
+            .min(u32::MAX as usize);
+        Self {
+            permits: Arc::new(Semaphore::new(bytes)),
+        }
+    }
+
+    /// An empty hold, to grow as a body arrives.
+    pub fn hold(&self) -> Held {
+        Held {
+            permits: Arc::clone(&self.permits),
+            permit: None,
+        }
+    }
+}
+
+impl Held {
+    /// Takes `bytes` more, at once or not at all: false when the budget has no room.
+    pub fn grow(&mut self, bytes: usize) -> bool {
+        if bytes == 0 {
+            return true;
+        }
+        let Ok(n) = u32::try_from(bytes) else {
+            return false;
+        };
+        match Arc::clone(&self.permits).try_acquire_many_owned(n) {
+            Ok(p) => {
+                match &mut self.permit {
+                    Some(held) => held.merge(p),
+                    None => self.permit = Some(p),
+                }
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.permit
+            .as_ref()
+            .map_or(0, OwnedSemaphorePermit::num_permits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_take_their_bytes_while_they_are_held_and_past_the_bound_are_refused() {
+        let budget = BodyBudget::for_bodies_of(1 << 20);
+        let total = MIN_BUDGET_BYTES;
+        let mut a = budget.hold();
+        assert!(a.grow(total - 10));
+        assert_eq!(a.bytes(), total - 10);
+        let mut b = budget.hold();
+        assert!(b.grow(10));
+        assert!(!b.grow(1), "the budget is full");
+        drop(a);
+        assert!(b.grow(1_000), "a body that is done gives its bytes back");
+        // Large bodies: room for two of the largest.
+        let budget = BodyBudget::for_bodies_of(512 << 20);
+        let (mut x, mut y) = (budget.hold(), budget.hold());
+        assert!(x.grow(512 << 20) && y.grow(512 << 20));
+        assert!(!budget.hold().grow(1));
+    }
+}
