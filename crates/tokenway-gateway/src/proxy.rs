@@ -237,15 +237,15 @@ pub async fn forward(
     reservation: Option<Reservation>,
 ) -> Forwarded {
     let mut reservation = reservation;
-    let candidates: Vec<BackendId> = routed
-        .backends
-        .iter()
-        .copied()
-        .take(shared.config.max_attempts as usize)
-        .collect();
+    // Every ranked backend is a candidate; `max_attempts` bounds the attempts made, so a
+    // backend skipped because it is full does not use one up (cutting the list first ended a
+    // request with a 502 while backends further down had room).
+    let candidates: Vec<BackendId> = routed.backends.clone();
+    let max_attempts = (shared.config.max_attempts as usize).max(1);
+    let mut attempts = 0;
     let mut next = 0;
     let mut last_failure = None;
-    while next < candidates.len() {
+    while next < candidates.len() && attempts < max_attempts {
         let id = candidates[next];
         next += 1;
         // The slot reserved when the request was routed is the first candidate's; a retry
@@ -257,10 +257,17 @@ pub async fn forward(
                 None => continue,
             },
         };
-        let primary = try_backend(shared, id, held, &req, &routed, &candidates[next..]);
+        attempts += 1;
+        // The candidates still to try after this one, as far as attempts are left for them.
+        let later = if attempts < max_attempts {
+            &candidates[next..]
+        } else {
+            &candidates[next..next]
+        };
+        let primary = try_backend(shared, id, held, &req, &routed, later);
         // A whole answer is not hedged: its wait is the whole generation, not a late first
         // token, and a hedge would run it twice.
-        let delay = if next < candidates.len() && !req.request.whole_answer {
+        let delay = if !later.is_empty() && !req.request.whole_answer {
             shared.router().hedge_delay(id, Instant::now())
         } else {
             None
@@ -283,9 +290,15 @@ pub async fn forward(
                         return None;
                     }
                     next += 1;
+                    attempts += 1;
+                    let later = if attempts < max_attempts {
+                        &candidates[next..]
+                    } else {
+                        &candidates[next..next]
+                    };
                     Some((
                         hedge_id,
-                        try_backend(shared, hedge_id, held, &req, &routed, &candidates[next..]),
+                        try_backend(shared, hedge_id, held, &req, &routed, later),
                     ))
                 };
                 Box::pin(hedged(shared, id, primary, delay, hedge, &mut last_failure)).await
@@ -325,12 +338,16 @@ pub async fn forward(
                 f.describe()
             ),
         ),
-        None => ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "upstream_error",
-            "upstream_unavailable",
-            "every backend answered with a server error",
-        ),
+        // No attempt was made: every candidate filled up between the routing and the send.
+        None => ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "upstream_error",
+                "backends_busy",
+                "every backend that serves the model is at its max_inflight; retry shortly",
+            )
+        },
     };
     Forwarded::uncounted(error.into_response(), None)
 }
