@@ -236,20 +236,19 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_request_being_worked_on_keeps_its_connection_however_long_it_takes() {
-        // A preheat answers only when it is done, minutes later: the client waits on a
-        // connection where nothing moves, and that is not idleness.
+    /// A plain-HTTP server of two connection slots with `handler` and the `idle` bound, served
+    /// until the test ends; its address.
+    async fn start<H, Fut>(idle: Duration, handler: H) -> std::net::SocketAddr
+    where
+        H: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Response<Body>> + Send + 'static,
+    {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let limits = Limits {
             max_connections: 2,
             grace: Duration::from_secs(1),
-            idle: Duration::from_millis(200),
-        };
-        let handler = |_req| async {
-            tokio::time::sleep(Duration::from_millis(1000)).await;
-            Response::new(crate::range_server::full("done"))
+            idle,
         };
         tokio::spawn(serve(
             listener,
@@ -259,6 +258,18 @@ mod tests {
             handler,
             std::future::pending(),
         ));
+        addr
+    }
+
+    #[tokio::test]
+    async fn a_request_being_worked_on_keeps_its_connection_however_long_it_takes() {
+        // A preheat answers only when it is done, minutes later: the client waits on a
+        // connection where nothing moves, and that is not idleness.
+        let addr = start(Duration::from_millis(200), |_req| async {
+            tokio::time::sleep(Duration::from_millis(1000)).await;
+            Response::new(crate::range_server::full("done"))
+        })
+        .await;
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
         s.write_all(b"POST /v1/preheat HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
             .await
@@ -271,22 +282,10 @@ mod tests {
 
     #[tokio::test]
     async fn connections_idle_past_the_limit_are_closed_and_free_their_slots() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let limits = Limits {
-            max_connections: 2,
-            grace: Duration::from_secs(1),
-            idle: Duration::from_millis(300),
-        };
-        let handler = |_req| async { Response::new(crate::range_server::full("ok")) };
-        tokio::spawn(serve(
-            listener,
-            None,
-            "test",
-            limits,
-            handler,
-            std::future::pending(),
-        ));
+        let addr = start(Duration::from_millis(300), |_req| async {
+            Response::new(crate::range_server::full("ok"))
+        })
+        .await;
         // One client connects and never says a word; another makes a request and then keeps
         // its connection idle. Together they hold both slots.
         let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
