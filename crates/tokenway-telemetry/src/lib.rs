@@ -22,10 +22,13 @@ pub use prometheus_client::metrics::{
 pub use prometheus_client::registry::Registry;
 pub use tracing_setup::init_tracing;
 
-/// The content type of the Prometheus text exposition format.
-pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// The content type of what [`render`] writes: OpenMetrics text, which is what
+/// prometheus-client encodes (counter families declared without `_total`, samples with it, a
+/// closing `# EOF`) and what Prometheus asks for first. Served as Prometheus text 0.0.4, the
+/// same bytes made 0.0.4 parsers (promtool, Telegraf) see every counter as untyped.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Encodes every series of `registry` in the Prometheus text format.
+/// Encodes every series of `registry` in the OpenMetrics text format, ending with `# EOF`.
 pub fn render(registry: &Registry) -> String {
     let mut out = String::with_capacity(16 * 1024);
     // Encoding into a String cannot fail: `fmt::Write` for String is infallible.
