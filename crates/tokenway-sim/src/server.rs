@@ -507,9 +507,15 @@ fn text_response(
 /// millisecond tick, so a zero-cost setting (`base_latency_ms = 0`, `time_per_output_token_ms =
 /// 0`) would otherwise still cost up to a millisecond per step, and the benches that use such a
 /// sim would measure the timer instead of the network path.
+///
+/// A deadline already past still spends one unit of the task's cooperative budget: a zero-cost
+/// decode of two million tokens has no other await, and without it held its worker thread for
+/// about a second while every other connection on that thread waited.
 async fn wait_until(deadline: Instant) {
     if deadline > Instant::now() {
         sleep_until(deadline).await;
+    } else {
+        tokio::task::coop::consume_budget().await;
     }
 }
 

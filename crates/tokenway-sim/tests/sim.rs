@@ -598,6 +598,9 @@ async fn models_health_and_metrics_endpoints() {
     sim.stream("/v1/completions", body).await;
     let (status, text) = sim.get("/metrics").await;
     assert_eq!(status, StatusCode::OK);
+    // Two registries in one OpenMetrics page: one `# EOF`, at the end.
+    assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+    assert!(text.ends_with("# EOF\n"), "{text}");
     assert!(
         text.contains(
             "tokenway_requests_total{route=\"/v1/completions\",backend=\"self\",status=\"200\"} 1"
@@ -810,4 +813,45 @@ async fn refuse_connections_resets_every_connection() {
         .await
         .expect("connections are accepted again");
     assert_eq!(res.status(), StatusCode::OK);
+}
+
+/// A zero-cost decode has no timer to wait on: it still gives the thread to other requests. The
+/// test runtime has one thread, so without that the health check could not be answered until
+/// the long answer was finished.
+#[tokio::test]
+async fn a_zero_cost_decode_lets_other_requests_through() {
+    let sim = start(SimConfig {
+        base_latency_ms: 0.0,
+        time_per_output_token_ms: 0.0,
+        prefill_tokens_per_second: 1_000_000.0,
+        ..SimConfig::default()
+    })
+    .await;
+    assert_eq!(sim.get("/health").await.0, StatusCode::OK);
+    let long = {
+        let client = sim.client.clone();
+        let request = sim.request(
+            Method::POST,
+            "/v1/completions",
+            json!({"model": "sim-model", "prompt": "x", "max_tokens": 400_000, "ignore_eos": true})
+                .to_string(),
+        );
+        tokio::spawn(async move {
+            let resp = client.request(request).await.unwrap();
+            let status = resp.status();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, body.len())
+        })
+    };
+    // Let the long request reach its decode loop.
+    tokio::task::yield_now().await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(sim.get("/health").await, (StatusCode::OK, "ok".to_owned()));
+    assert!(
+        !long.is_finished(),
+        "the long answer finished before the health check: the test proves nothing"
+    );
+    let (status, len) = long.await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert!(len > 400_000, "{len}");
 }
