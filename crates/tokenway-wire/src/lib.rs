@@ -22,5 +22,6 @@ pub mod openai_fields;
 pub mod packet;
 pub mod sse;
 pub mod sse_hold;
+pub mod sse_output;
 
 pub use error::WireError;

@@ -87,6 +87,8 @@ pub struct SseScanner {
     /// Still at the very start of the stream (BOM not yet ruled in or out).
     in_prefix: bool,
     events: u64,
+    /// Of `events`, those that were `data: [DONE]`.
+    dones: u64,
     comments: u64,
     saw_done: bool,
 }
@@ -107,6 +109,7 @@ impl SseScanner {
             bom_matched: 0,
             in_prefix: true,
             events: 0,
+            dones: 0,
             comments: 0,
             saw_done: false,
         }
@@ -141,30 +144,59 @@ impl SseScanner {
         out
     }
 
-    /// Whether a data event other than a lone `data: [DONE]` ended inside `chunk` (what a clock
-    /// of token arrivals needs), leaving the scanner where [`feed`](Self::feed) would. A chunk
-    /// that ends with a blank line (`\n\n`) ends at an event boundary whatever it holds, so once
-    /// an event up to its first `\n\n` is seen to be a token, the rest is not scanned: a burst
-    /// of events that arrived together costs one event's scan. The totals
-    /// ([`events`](Self::events), [`comments`](Self::comments), [`saw_done`](Self::saw_done))
-    /// then leave out what was skipped.
+    /// Whether an event that carries output ended inside `chunk` (what a clock of token
+    /// arrivals needs), leaving the scanner where [`feed`](Self::feed) would.
+    ///
+    /// An event is output when it is a data event other than a lone `data: [DONE]` and, if
+    /// it is whole in `chunk` and ends with a blank line `\n\n`, when
+    /// [`event_carries_output`](crate::sse_output::event_carries_output) says so: role, finish,
+    /// usage and error chunks of an OpenAI stream, and the framing events of Anthropic's and
+    /// the Responses API's, are not tokens. An event that began in an earlier chunk, or ends
+    /// with CR line endings, counts as output unread.
+    ///
+    /// Once an output event is seen and the rest of the chunk ends with `\n\n` (an event
+    /// boundary whatever it holds), the rest is not scanned: a burst of events that arrived
+    /// together costs one event's scan. The totals ([`events`](Self::events),
+    /// [`comments`](Self::comments), [`saw_done`](Self::saw_done)) then leave out what was
+    /// skipped.
     pub fn feed_tokens(&mut self, chunk: &[u8]) -> bool {
-        if chunk.ends_with(b"\n\n") {
-            if let Some(i) = memchr::memmem::find(chunk, b"\n\n") {
-                let head = self.feed(&chunk[..i + 2]);
-                if head.events > u32::from(head.done) {
+        let mut whole = self.at_event_start();
+        let mut rest = chunk;
+        while let Some(i) = memchr::memmem::find(rest, b"\n\n") {
+            let (event, tail) = rest.split_at(i + 2);
+            let output = self.feed_data_events(event)
+                && (!whole || crate::sse_output::event_carries_output(event));
+            if output {
+                if tail.is_empty() || tail.ends_with(b"\n\n") {
                     // The state `feed` would leave after the chunk's closing blank line.
                     self.line = Line::Start;
                     self.pending = Pending::default();
                     self.after_cr = false;
-                    return true;
+                } else {
+                    self.feed(tail);
                 }
-                let rest = self.feed(&chunk[i + 2..]);
-                return head.events.saturating_add(rest.events) > u32::from(head.done || rest.done);
+                return true;
             }
+            // A blank line `\n\n` dispatches whatever came before it: the next event starts
+            // here.
+            whole = true;
+            rest = tail;
         }
-        let r = self.feed(chunk);
-        r.events > u32::from(r.done)
+        self.feed_data_events(rest)
+    }
+
+    /// Feeds `bytes`; whether a data event other than `[DONE]` ended inside them.
+    fn feed_data_events(&mut self, bytes: &[u8]) -> bool {
+        let (events, dones) = (self.events, self.dones);
+        self.feed(bytes);
+        self.events - events > self.dones - dones
+    }
+
+    /// Whether the scanner stands at the start of an event: nothing of one has been seen.
+    fn at_event_start(&self) -> bool {
+        self.line == Line::Start
+            && self.pending == Pending::default()
+            && (!self.in_prefix || self.bom_matched == 0)
     }
 
     /// Total data events dispatched so far.
@@ -313,6 +345,7 @@ impl SseScanner {
             // Several data lines join with "\n", so only a single `[DONE]` line is the marker.
             if p.data_lines == 1 && p.last_value_done {
                 self.saw_done = true;
+                self.dones += 1;
                 out.done = true;
             }
         } else if p.any_line {
@@ -820,6 +853,8 @@ mod tests {
             Just(b"data: [DONE]\n\n".to_vec()),
             Just(b": keep-alive\n\n".to_vec()),
             Just(b"data: a\r\ndata: b\r\n\r\n".to_vec()),
+            Just(b"data: {\"choices\":[]}\n\n".to_vec()),
+            Just(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n".to_vec()),
         ];
         proptest::collection::vec(piece, 0..12).prop_map(|v| v.concat())
     }
@@ -843,6 +878,22 @@ mod tests {
         assert!(s.feed_tokens(b" of it\n\n"));
     }
 
+    #[test]
+    fn role_and_usage_chunks_are_not_tokens_unless_they_began_earlier() {
+        let role =
+            b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n";
+        let token = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n";
+        let usage = b"data: {\"choices\":[],\"usage\":{\"completion_tokens\":1}}\n\n";
+        let mut s = SseScanner::new();
+        assert!(!s.feed_tokens(role));
+        assert!(s.feed_tokens(&[&role[..], &token[..]].concat()));
+        assert!(!s.feed_tokens(&[&usage[..], b"data: [DONE]\n\n"].concat()));
+        assert_eq!(s.events(), 5);
+        // Split, the usage chunk's end cannot be read whole: it counts.
+        assert!(!s.feed_tokens(&usage[..10]));
+        assert!(s.feed_tokens(&usage[10..]));
+    }
+
     proptest! {
         #[test]
         fn feed_tokens_answers_and_leaves_the_state_as_feed_does(
@@ -855,8 +906,17 @@ mod tests {
             let mut start = 0;
             for p in points.into_iter().chain([input.len()]) {
                 let piece = &input[start..p];
-                let r = full.feed(piece);
-                prop_assert_eq!(fast.feed_tokens(piece), r.events > u32::from(r.done));
+                // Byte by byte, each event ends alone: whether one other than `[DONE]` did.
+                let events = piece.iter().fold(false, |any, b| {
+                    let r = full.feed(std::slice::from_ref(b));
+                    any || (r.events > 0 && !r.done)
+                });
+                let tokens = fast.feed_tokens(piece);
+                prop_assert!(!tokens || events);
+                // Only events the chunk shows to hold no output are left out.
+                if memchr::memmem::find(piece, b"\"choices\":[]").is_none() {
+                    prop_assert_eq!(tokens, events);
+                }
                 prop_assert_eq!(state(&fast), state(&full));
                 start = p;
             }
