@@ -20,6 +20,7 @@ pub mod cost;
 mod embeddings;
 mod error;
 mod openai;
+mod prefill;
 mod server;
 mod text;
 

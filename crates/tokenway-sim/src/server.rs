@@ -38,6 +38,7 @@ use crate::choice::{Choice, Ending, Finish};
 use crate::cost::{self, PrefixCache};
 use crate::embeddings::EmbedJob;
 use crate::openai::{self, Api, ApiError, Encoder, Job, Usage};
+use crate::prefill::PrefillSchedule;
 use crate::{Faults, SimConfig, SimError};
 
 /// Largest request body accepted; larger bodies get 413.
@@ -168,8 +169,10 @@ struct Shared {
     waiting: AtomicUsize,
     /// KV-cache tokens held by running requests (prompt and tokens generated so far).
     kv_held_tokens: AtomicU64,
-    /// With `prefill_shared`, when the prefill work already scheduled is done.
-    prefill_free_at: Mutex<Instant>,
+    /// With `prefill_shared`, the prefill turns of the requests in prefill.
+    prefill: Mutex<PrefillSchedule>,
+    /// Bumped when turns of `prefill` move earlier (a request left before its turn was done).
+    prefill_moved: watch::Sender<()>,
     /// Woken whenever KV-cache tokens are given back.
     kv_freed: tokio::sync::Notify,
     /// Requests holding a slot but waiting for room in the KV cache.
@@ -204,24 +207,21 @@ impl Shared {
     /// The prefill of `tokens` uncached prompt tokens of a request admitted at `admitted`: at
     /// `prefill_tokens_per_second` from admission, or, with `prefill_shared`, after the prefill
     /// work scheduled before it (one engine's prefill throughput, shared as chunked prefill
-    /// shares it). A request that leaves before its turn is done gives its rest back when no
-    /// other was scheduled after it.
+    /// shares it). A request that leaves before its turn is done gives the rest back to the
+    /// turns after it ([`PrefillSchedule`]).
     fn prefill_turn(self: &Arc<Self>, admitted: Instant, tokens: usize) -> PrefillTurn {
         let work = cost::prefill_time(tokens, self.config.prefill_tokens_per_second);
         if !self.config.prefill_shared || work.is_zero() {
             return PrefillTurn {
                 shared: None,
-                start: admitted,
+                id: 0,
                 done: admitted + work,
             };
         }
-        let mut free = lock(&self.prefill_free_at);
-        let start = (*free).max(admitted);
-        let done = start + work;
-        *free = done;
+        let (id, done) = lock(&self.prefill).schedule(admitted, work);
         PrefillTurn {
             shared: Some(self.clone()),
-            start,
+            id,
             done,
         }
     }
@@ -321,15 +321,36 @@ impl Shared {
 struct PrefillTurn {
     /// Set while the turn holds a place in the shared schedule.
     shared: Option<Arc<Shared>>,
-    start: Instant,
+    id: u64,
     done: Instant,
 }
 
 impl PrefillTurn {
-    /// Waits until the prefill is done (the turn is then used up) and `then` more.
+    /// Waits until the prefill is done (the turn is then used up) and `then` more. In the
+    /// shared schedule the end moves earlier when a request before this one leaves.
     async fn wait(mut self, then: Duration) {
-        wait_until(self.done).await;
-        self.shared = None;
+        if let Some(shared) = self.shared.clone() {
+            // Subscribed before the first read: a move after it wakes the wait.
+            let mut moved = shared.prefill_moved.subscribe();
+            loop {
+                if let Some(done) = lock(&shared.prefill).done(self.id) {
+                    self.done = done;
+                }
+                tokio::select! {
+                    () = wait_until(self.done) => break,
+                    changed = moved.changed() => {
+                        if changed.is_err() {
+                            wait_until(self.done).await;
+                            break;
+                        }
+                    }
+                }
+            }
+            lock(&shared.prefill).leave(self.id, Instant::now());
+            self.shared = None;
+        } else {
+            wait_until(self.done).await;
+        }
         wait_until(self.done + then).await;
     }
 }
@@ -339,9 +360,9 @@ impl Drop for PrefillTurn {
         let Some(shared) = self.shared.take() else {
             return;
         };
-        let mut free = lock(&shared.prefill_free_at);
-        if *free == self.done {
-            *free = self.start.max(Instant::now());
+        let moved = lock(&shared.prefill).leave(self.id, Instant::now());
+        if moved {
+            shared.prefill_moved.send_replace(());
         }
     }
 }
@@ -386,7 +407,8 @@ pub async fn serve(
         slots: Arc::new(Semaphore::new(config.max_concurrency)),
         waiting: AtomicUsize::new(0),
         kv_held_tokens: AtomicU64::new(0),
-        prefill_free_at: Mutex::new(Instant::now()),
+        prefill: Mutex::new(PrefillSchedule::default()),
+        prefill_moved: watch::Sender::new(()),
         kv_freed: tokio::sync::Notify::new(),
         kv_waiting: AtomicUsize::new(0),
         kv_line: tokio::sync::Mutex::new(()),

@@ -855,3 +855,52 @@ async fn a_zero_cost_decode_lets_other_requests_through() {
     assert_eq!(status, StatusCode::OK);
     assert!(len > 400_000, "{len}");
 }
+
+/// A request that leaves during its prefill gives the engine's prefill time back to the
+/// requests after it: the second request here would wait ten minutes behind the first's
+/// abandoned prefill otherwise.
+#[tokio::test]
+async fn a_prefill_left_early_gives_its_time_to_the_requests_behind_it() {
+    let sim = start(SimConfig {
+        base_latency_ms: 0.0,
+        time_per_output_token_ms: 1.0,
+        // 6,000 tokens of prompt: ten minutes of prefill.
+        prefill_tokens_per_second: 10.0,
+        prefill_shared: true,
+        ..SimConfig::default()
+    })
+    .await;
+    let long = {
+        let client = sim.client.clone();
+        let request = sim.request(
+            Method::POST,
+            "/v1/completions",
+            json!({"model": "sim-model", "prompt": "abcd".repeat(6_000), "max_tokens": 1})
+                .to_string(),
+        );
+        tokio::spawn(async move { client.request(request).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let short = {
+        let client = sim.client.clone();
+        let request = sim.request(
+            Method::POST,
+            "/v1/completions",
+            json!({"model": "sim-model", "prompt": "x", "max_tokens": 1}).to_string(),
+        );
+        tokio::spawn(async move {
+            let resp = client.request(request).await.unwrap();
+            let status = resp.status();
+            resp.into_body().collect().await.unwrap();
+            status
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!short.is_finished(), "the second request did not wait");
+    long.abort();
+    let status = tokio::time::timeout(Duration::from_secs(60), short)
+        .await
+        .expect("the second request still waits for the first one's prefill")
+        .unwrap();
+    assert_eq!(status, StatusCode::OK);
+}
