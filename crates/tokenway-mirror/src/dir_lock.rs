@@ -45,8 +45,10 @@ impl DirLock {
         match file.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
-                let mut holder = String::new();
-                let _ = file.read_to_string(&mut holder);
+                // "pid N on host": a few dozen bytes; whatever else is there is not read.
+                let mut holder = Vec::new();
+                let _ = (&mut file).take(256).read_to_end(&mut holder);
+                let holder = String::from_utf8_lossy(&holder);
                 let holder = holder.trim();
                 let who = if holder.is_empty() {
                     "another pull".to_string()

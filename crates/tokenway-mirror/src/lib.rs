@@ -34,6 +34,7 @@ pub mod http_client;
 pub mod http_error;
 pub mod http_range;
 pub mod http_serve;
+pub mod local_read;
 pub mod manifest;
 pub mod mirror;
 pub mod origin;

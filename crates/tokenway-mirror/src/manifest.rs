@@ -654,6 +654,9 @@ pub fn manifest_key(model: &str, revision: &str) -> String {
     format!("models/{model}/revisions/{revision}.json")
 }
 
+/// Largest tag object read: a tag holds one revision name.
+pub const MAX_TAG_BYTES: u64 = 4 << 10;
+
 /// Object key of a tag.
 pub fn tag_key(model: &str, tag: &str) -> String {
     format!("models/{model}/tags/{tag}")

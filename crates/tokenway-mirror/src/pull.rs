@@ -39,13 +39,15 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures_util::stream::{self, FuturesUnordered, StreamExt};
 use object_store::path::Path as StorePath;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::ObjectStore;
 
 use crate::dir_lock::DirLock;
 use crate::holdings::Holdings;
 use crate::manifest::{
     manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
+    MAX_TAG_BYTES,
 };
+use crate::origin::small_get::{get_small, Small};
 use crate::outage::Outage;
 use crate::piece_bits::PieceBits;
 use crate::piece_queue::{spread_order, PieceQueue};
@@ -53,7 +55,7 @@ use crate::piece_writer::PieceWriter;
 use crate::progress::PieceProgress;
 use crate::publish::read_full;
 use crate::rate_limit::RateLimit;
-use crate::source::{FetchError, SourceKind};
+use crate::source::{FetchError, SourceKind, MAX_MANIFEST_BYTES};
 use crate::sources::{SourceSet, SourceState};
 use crate::straggler::{should_hedge, Straggler, FLOOR};
 use crate::verified::{Stamp, Verified};
@@ -233,12 +235,15 @@ pub async fn resolve(store: &dyn ObjectStore, mref: &ModelRef) -> Result<Manifes
         Selector::Revision(r) => r.clone(),
         Selector::Tag(t) => {
             let key = tag_key(&mref.model, t);
-            let bytes = get_all(store, &key, || format!("tag {t} of model {}", mref.model)).await?;
+            let bytes = get_all(store, &key, MAX_TAG_BYTES, || {
+                format!("tag {t} of model {}", mref.model)
+            })
+            .await?;
             parse_tag(&bytes)?
         }
     };
     let key = manifest_key(&mref.model, &revision);
-    let bytes = get_all(store, &key, || {
+    let bytes = get_all(store, &key, MAX_MANIFEST_BYTES as u64, || {
         format!("revision {revision} of model {}", mref.model)
     })
     .await?;
@@ -255,25 +260,29 @@ pub async fn resolve(store: &dyn ObjectStore, mref: &ModelRef) -> Result<Manifes
     Ok(manifest)
 }
 
+/// The origin's small object `key` (a tag or a manifest), of at most `limit` bytes.
 async fn get_all(
     store: &dyn ObjectStore,
     key: &str,
+    limit: u64,
     what: impl Fn() -> String,
 ) -> Result<bytes::Bytes, MirrorError> {
     let path = StorePath::from(key);
-    let res = match store.get(&path).await {
-        Ok(r) => r,
-        Err(object_store::Error::NotFound { .. }) => {
-            return Err(MirrorError::NotFound {
-                what: what(),
-                key: key.into(),
-            })
-        }
-        Err(e) => return Err(MirrorError::store(format!("reading {key}"), e)),
-    };
-    res.bytes()
-        .await
-        .map_err(|e| MirrorError::store(format!("reading {key}"), e))
+    match get_small(store, &path, limit).await {
+        Ok(Small::Bytes(b)) => Ok(b),
+        Ok(Small::TooLarge(n)) => Err(MirrorError::Remote {
+            url: format!("origin object {key}"),
+            reason: format!(
+                "{} holds {n} bytes or more, where at most {limit} can be valid",
+                what()
+            ),
+        }),
+        Err(object_store::Error::NotFound { .. }) => Err(MirrorError::NotFound {
+            what: what(),
+            key: key.into(),
+        }),
+        Err(e) => Err(MirrorError::store(format!("reading {key}"), e)),
+    }
 }
 
 /// Stops a pull: set from outside (`PullOptions::cancel`) or by the pull itself (piece
@@ -904,8 +913,8 @@ fn open_partial(
         .len();
     let pieces = entry.pieces.len() as u64;
     let mut progress = if len == entry.size {
-        std::fs::read(progress_path)
-            .ok()
+        // The record is a little JSON around two hex digits per eight pieces.
+        crate::local_read::read_at_most(progress_path, pieces.div_ceil(8) * 2 + 4096)
             .and_then(|b| PieceProgress::decode(&b, &entry.hash, entry.piece_size, pieces))
     } else {
         None
@@ -1527,6 +1536,22 @@ mod tests {
             SourceState::new("origin".into(), Source::Origin(store), None),
             mirror("b"),
         ]
+    }
+
+    #[tokio::test]
+    async fn a_tag_object_larger_than_a_tag_can_be_is_refused_unread() {
+        use object_store::ObjectStoreExt as _;
+        let store = object_store::memory::InMemory::new();
+        let key = StorePath::from(tag_key("org/m", "latest"));
+        let huge = vec![b'a'; MAX_TAG_BYTES as usize + 1];
+        store.put(&key, huge.into()).await.expect("put");
+        let mref = ModelRef::parse("org/m:latest").expect("ref");
+        let err = resolve(&store, &mref)
+            .await
+            .expect_err("refused")
+            .to_string();
+        assert!(err.contains("4097 bytes or more"), "{err}");
+        assert!(err.contains("tag latest of model org/m"), "{err}");
     }
 
     fn names(c: &[Arc<SourceState>]) -> Vec<&str> {

@@ -14,6 +14,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use crate::http_client::{get, send, send_watched, HttpClient, HttpError, Timeouts};
 use crate::http_range::range_header;
 use crate::manifest::{blob_key, FileEntry, Manifest, ModelRef, Selector};
+use crate::origin::small_get::{get_small, Small};
 use crate::MirrorError;
 
 /// How long one piece request may go without bytes, and take in all besides its size's worth
@@ -201,7 +202,18 @@ impl Source {
                 let path = StorePath::from(key.as_str());
                 origin_get(
                     &path,
-                    async { store.get(&path).await?.bytes().await },
+                    async {
+                        match get_small(store.as_ref(), &path, want).await? {
+                            Small::Bytes(b) => Ok(b),
+                            Small::TooLarge(n) => Err(object_store::Error::Generic {
+                                store: "origin",
+                                source: format!(
+                                    "{key} holds {n} bytes or more; the outboard is {want}"
+                                )
+                                .into(),
+                            }),
+                        }
+                    },
                     piece_deadline(want),
                 )
                 .await?

@@ -24,6 +24,9 @@ use crate::manifest::Blake3Hash;
 pub const STATE_DIR: &str = ".tokenway";
 /// The list, under [`STATE_DIR`].
 pub const VERIFIED_FILE: &str = "verified.json";
+/// Largest verified list read back (about 200 bytes a file: room for some 300,000 files); a
+/// longer one is damaged and rebuilt.
+pub const MAX_VERIFIED_BYTES: u64 = 64 << 20;
 
 /// What the file system said of a verified file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -80,8 +83,7 @@ pub struct Verified {
 impl Verified {
     /// The list of `out`, or an empty one if there is none or it cannot be read.
     pub fn load(out: &Path) -> Self {
-        let files = std::fs::read(Self::path_in(out))
-            .ok()
+        let files = crate::local_read::read_at_most(&Self::path_in(out), MAX_VERIFIED_BYTES)
             .and_then(|b| serde_json::from_slice::<Saved>(&b).ok())
             .filter(|s| s.version == VERSION)
             .map(|s| s.files)

@@ -23,15 +23,19 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use object_store::path::Path as StorePath;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::ObjectStore;
 use tokenway_telemetry::Counter;
 
 use super::recent::Recent;
 use crate::http_error::ServeError;
+use crate::local_read::read_at_most_async;
 use crate::lock;
 use crate::manifest::{
     manifest_key, parse_tag, tag_key, Blake3Hash, FileEntry, Manifest, ModelRef, Selector,
+    MAX_TAG_BYTES,
 };
+use crate::origin::small_get::{get_small, Small};
+use crate::source::MAX_MANIFEST_BYTES;
 
 /// Manifests kept in memory (the disk copy has them all).
 pub const MEMO_MANIFESTS: usize = 256;
@@ -151,14 +155,15 @@ enum Got {
     Down(String),
 }
 
-async fn origin_get(origin: &dyn ObjectStore, key: &str) -> Got {
+/// The origin's object `key`, which holds at most `limit` bytes when it is what it should be.
+async fn origin_get(origin: &dyn ObjectStore, key: &str, limit: u64) -> Got {
     let path = StorePath::from(key);
-    let res = tokio::time::timeout(ORIGIN_TIMEOUT, async {
-        origin.get(&path).await?.bytes().await
-    })
-    .await;
+    let res = tokio::time::timeout(ORIGIN_TIMEOUT, get_small(origin, &path, limit)).await;
     match res {
-        Ok(Ok(b)) => Got::Bytes(b),
+        Ok(Ok(Small::Bytes(b))) => Got::Bytes(b),
+        Ok(Ok(Small::TooLarge(n))) => Got::Down(format!(
+            "its {key} holds {n} bytes or more, where at most {limit} can be valid"
+        )),
         Ok(Err(object_store::Error::NotFound { .. })) => Got::NotFound,
         Ok(Err(e)) => Got::Down(e.to_string()),
         Err(_) => Got::Down(format!("no answer within {ORIGIN_TIMEOUT:?}")),
@@ -211,16 +216,17 @@ impl ManifestCache {
         }
         let key = tag_key(model, tag);
         let local = self.dir.join(&key);
-        let copy = tokio::fs::read(&local)
+        let copy = read_at_most_async(&local, MAX_TAG_BYTES)
             .await
-            .ok()
             .and_then(|b| parse_tag(&b).ok());
         // With a copy to fall back on, a slow or hung origin is not waited for long.
         let got = match &copy {
-            Some(_) => tokio::time::timeout(STALE_TAG_AFTER, origin_get(origin, &key))
-                .await
-                .unwrap_or_else(|_| Got::Down(format!("no answer within {STALE_TAG_AFTER:?}"))),
-            None => origin_get(origin, &key).await,
+            Some(_) => {
+                tokio::time::timeout(STALE_TAG_AFTER, origin_get(origin, &key, MAX_TAG_BYTES))
+                    .await
+                    .unwrap_or_else(|_| Got::Down(format!("no answer within {STALE_TAG_AFTER:?}")))
+            }
+            None => origin_get(origin, &key, MAX_TAG_BYTES).await,
         };
         let answer = match got {
             Got::Bytes(b) => {
@@ -299,9 +305,10 @@ impl ManifestCache {
             }
             Ok(m)
         };
-        let manifest = match tokio::fs::read(&local).await.ok().and_then(|b| check(&b).ok()) {
+        let copy = read_at_most_async(&local, MAX_MANIFEST_BYTES as u64).await;
+        let manifest = match copy.and_then(|b| check(&b).ok()) {
             Some(m) => m,
-            None => match origin_get(origin, &key).await {
+            None => match origin_get(origin, &key, MAX_MANIFEST_BYTES as u64).await {
                 Got::Bytes(b) => {
                     let m = check(&b).map_err(|e| ServeError::origin(format!("the origin holds an invalid manifest for {model}@{revision}: {e}")))?;
                     write_atomic(&local, &b).await;
@@ -361,14 +368,14 @@ impl ManifestCache {
             return Ok(b);
         }
         let local = self.dir.join(&key);
-        if let Ok(b) = tokio::fs::read(&local).await {
+        if let Some(b) = read_at_most_async(&local, entry.outboard_len().unwrap_or(0)).await {
             if let Ok(b) = verified_outboard(entry, b.into()).await {
                 lock(&self.verified).insert(memo_key, b.clone());
                 return Ok(b);
             }
             tracing::warn!(path = %local.display(), "a cached outboard does not verify; fetching it again");
         }
-        match origin_get(origin, &key).await {
+        match origin_get(origin, &key, entry.outboard_len().unwrap_or(0)).await {
             Got::Bytes(b) => {
                 let b = verified_outboard(entry, b).await.map_err(|e| {
                     ServeError::origin(format!(

@@ -44,6 +44,7 @@ use crate::MirrorError;
 
 pub mod azure;
 pub mod s3;
+pub mod small_get;
 
 /// Opens an origin URL as an object store: `file:///absolute/dir` (created if missing),
 /// `s3://bucket[/prefix]` (configured from `AWS_*` environment variables) or
