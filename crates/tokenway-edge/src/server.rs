@@ -373,10 +373,18 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             count(local, route, &answer.gateway, resp)
         }
         Err(e) => {
-            let mut r = error(StatusCode::BAD_GATEWAY, e.code, &e.message);
-            // A refused token is the edge's configuration, not a passing fault: the OpenAI
-            // clients' retries (two, on any 502) would only be refused again.
-            if e.code == tokenway_transport::tunnel::AUTH_FAILED {
+            let status = if e.code == tokenway_transport::tunnel::HEAD_TOO_LARGE {
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
+            } else {
+                StatusCode::BAD_GATEWAY
+            };
+            let mut r = error(status, e.code, &e.message);
+            // A refused token is the edge's configuration and an oversized head the request's
+            // own, not passing faults: the OpenAI clients' retries (two, on any 502) would
+            // only be refused again.
+            if e.code == tokenway_transport::tunnel::AUTH_FAILED
+                || e.code == tokenway_transport::tunnel::HEAD_TOO_LARGE
+            {
                 r.headers_mut()
                     .insert("x-should-retry", HeaderValue::from_static("false"));
             }

@@ -65,6 +65,10 @@ pub struct RequestError {
     /// The request was not processed by the server (the connection died, or 0-RTT data was
     /// rejected), so it may be sent again, on a fresh connection when this one is closed.
     pub retryable: bool,
+    /// The request's head is larger than the server accepts (its
+    /// `SETTINGS_MAX_FIELD_SECTION_SIZE`): the request's own fault, the same anywhere, and
+    /// nothing was sent.
+    pub head_too_large: bool,
 }
 
 impl RequestError {
@@ -72,8 +76,20 @@ impl RequestError {
         Self {
             message: message.into(),
             retryable,
+            head_too_large: false,
         }
     }
+}
+
+/// How a request that got no response head failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Failed {
+    /// Not processed by the server: may be sent again.
+    Unprocessed,
+    /// Maybe processed: not sent again.
+    Final,
+    /// Its head is over the server's limit; never sent.
+    HeadTooLarge,
 }
 
 /// Where the 0-RTT attempt of a connection stands.
@@ -426,18 +442,33 @@ impl QuicClient {
                     }
                     // A head over the gateway's limit is the request's fault: sending it
                     // again anywhere fails the same way.
-                    let too_big = matches!(e, h3::error::StreamError::HeaderTooBig { .. });
-                    (format!("cannot open a request stream: {e}"), !too_big)
+                    if matches!(e, h3::error::StreamError::HeaderTooBig { .. }) {
+                        (
+                            format!(
+                                "the request's headers are larger than the gateway accepts: {e}"
+                            ),
+                            Failed::HeadTooLarge,
+                        )
+                    } else {
+                        (
+                            format!("cannot open a request stream: {e}"),
+                            Failed::Unprocessed,
+                        )
+                    }
                 })?;
             // The head has gone out at the default class; the body follows at the chosen one.
             priorities.set(stream.id(), priority);
             let (send, mut recv) = stream.split();
             tokio::spawn(pump_request(body, send));
-            let head = recv
-                .recv_response()
-                .await
-                .map_err(|e| (format!("no response: {e}"), is_rejected(&e)))?;
-            Ok::<_, (String, bool)>((head, recv))
+            let head = recv.recv_response().await.map_err(|e| {
+                let fate = if is_rejected(&e) {
+                    Failed::Unprocessed
+                } else {
+                    Failed::Final
+                };
+                (format!("no response: {e}"), fate)
+            })?;
+            Ok::<_, (String, Failed)>((head, recv))
         };
         // A connection set aside while the request waits for its head: the request leaves it.
         let mut aside = self.inner.aside.subscribe();
@@ -446,7 +477,7 @@ impl QuicClient {
                 r = result => r,
                 Ok(_) = aside.wait_for(|a| *a) => Err((
                     "the QUIC path went silent before the gateway answered".to_string(),
-                    true,
+                    Failed::Unprocessed,
                 )),
             }
         };
@@ -467,7 +498,7 @@ impl QuicClient {
             };
             tokio::select! {
                 r = result => r,
-                () = rejected => Err((self.early_data_lost(), true)),
+                () = rejected => Err((self.early_data_lost(), Failed::Unprocessed)),
             }
         } else {
             result.await
@@ -482,7 +513,12 @@ impl QuicClient {
                 };
                 Ok(Response::from_parts(parts, body.boxed_unsync()))
             }
-            Err((message, retryable)) => {
+            Err((message, Failed::HeadTooLarge)) => Err(RequestError {
+                message,
+                retryable: false,
+                head_too_large: true,
+            }),
+            Err((message, fate)) => {
                 // An error may be the first sign of a 0-RTT rejection: wait for the verdict so
                 // that a retry goes to the rebuilt session.
                 if *self.inner.zero_rtt.borrow() == ZeroRtt::Pending {
@@ -504,7 +540,7 @@ impl QuicClient {
                 };
                 Err(RequestError::new(
                     message,
-                    retryable || rejected || self.is_closed(),
+                    fate == Failed::Unprocessed || rejected || self.is_closed(),
                 ))
             }
         }

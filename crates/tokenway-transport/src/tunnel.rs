@@ -128,12 +128,15 @@ pub struct Outgoing {
 
 /// [`SendError::code`] of a token the gateway refused.
 pub const AUTH_FAILED: &str = "tunnel_auth_failed";
+/// [`SendError::code`] of a request whose headers are larger than the gateway accepts.
+pub const HEAD_TOO_LARGE: &str = "request_header_fields_too_large";
 
 /// Why a request got no answer from the tunnel.
 #[derive(Debug, thiserror::Error)]
 #[error("{message}")]
 pub struct SendError {
-    /// The OpenAI-style error code: `gateway_unreachable` or `tunnel_auth_failed`.
+    /// The OpenAI-style error code: `gateway_unreachable`, [`AUTH_FAILED`] or
+    /// [`HEAD_TOO_LARGE`].
     pub code: &'static str,
     /// What happened.
     pub message: String,
@@ -142,7 +145,11 @@ pub struct SendError {
 impl From<RequestError> for SendError {
     fn from(e: RequestError) -> Self {
         Self {
-            code: "gateway_unreachable",
+            code: if e.head_too_large {
+                HEAD_TOO_LARGE
+            } else {
+                "gateway_unreachable"
+            },
             message: e.message,
         }
     }
@@ -583,10 +590,7 @@ impl Tunnel {
         loop {
             let Some((i, conn)) = self.acquire(avoid).await else {
                 return Err(last
-                    .unwrap_or_else(|| RequestError {
-                        message: self.unreachable(),
-                        retryable: false,
-                    })
+                    .unwrap_or_else(|| RequestError::new(self.unreachable(), false))
                     .into());
             };
             if *self.links[i].token.borrow() == TokenCheck::Refused {
@@ -626,6 +630,8 @@ impl Tunnel {
                     avoid = Some(i);
                     last = Some(e);
                 }
+                // The request's fault, not the gateway's: nothing to report.
+                Err(e) if e.head_too_large => return Err(e.into()),
                 Err(e) => {
                     self.report_failure(i, &conn);
                     return Err(e.into());

@@ -91,6 +91,9 @@ struct ServerState {
     conn: Mutex<Option<quinn::Connection>>,
 }
 
+/// The test server's `SETTINGS_MAX_FIELD_SECTION_SIZE`.
+const SERVER_MAX_HEAD: u64 = 16 << 10;
+
 /// Chunks of the `/stream` response.
 const STREAM_CHUNKS: usize = 300;
 /// Pause between two chunks of the `/stream` response (a token stream).
@@ -142,7 +145,11 @@ async fn serve_connection(incoming: quinn::Incoming, state: Arc<ServerState>) {
     let conn = Connection::new(conn);
     let priorities = conn.priorities();
     *state.priorities.lock().expect("not poisoned") = Some(priorities.clone());
-    let Ok(mut h3) = h3::server::builder().build::<_, Bytes>(conn).await else {
+    let Ok(mut h3) = h3::server::builder()
+        .max_field_section_size(SERVER_MAX_HEAD)
+        .build::<_, Bytes>(conn)
+        .await
+    else {
         return;
     };
     while let Ok(Some(resolver)) = h3.accept().await {
@@ -455,6 +462,54 @@ async fn quic_client_carries_a_bulk_upload_and_a_small_request_together() {
         .expect("upload task");
     assert_eq!(count(&uploaded), BULK, "the whole upload arrived");
     assert!(seen <= BULK);
+}
+
+/// A request head over the server's limit fails as the request's own fault (not retryable,
+/// marked as such) and leaves the connection serving the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_over_the_servers_limit_is_the_requests_fault_and_the_connection_lives_on() {
+    let server = start_server(false);
+    let settings = QuicSettings {
+        zero_rtt: false,
+        ..QuicSettings::default()
+    };
+    let ep = client_endpoint();
+    let client = QuicClient::connect(QuicConnect {
+        endpoint: &ep,
+        addr: server.addr,
+        server_name: "localhost",
+        tls: pinned_tls(&server),
+        settings: &settings,
+        initial_rtt: None,
+        peer: "test",
+        metrics: None,
+        timeout: Duration::from_secs(5),
+    })
+    .await
+    .expect("connected");
+    // Settle the server's SETTINGS first: the limit is known once they arrive.
+    let ping = request(Method::POST, "/ping", Full::new(Bytes::from_static(b"hi")));
+    body_of(&client, ping).await;
+    let mut big = request(Method::POST, "/ping", Full::new(Bytes::from_static(b"hi")));
+    big.headers_mut().insert(
+        "x-big",
+        http::HeaderValue::from_str(&"a".repeat(SERVER_MAX_HEAD as usize)).expect("value"),
+    );
+    let err = tokio::time::timeout(DEADLINE, client.send_request(big))
+        .await
+        .expect("in time")
+        .expect_err("refused");
+    assert!(err.head_too_large, "{err}");
+    assert!(!err.retryable, "{err}");
+    assert!(
+        err.message.contains("larger than the gateway accepts"),
+        "{err}"
+    );
+    assert!(!client.is_closed());
+    let ping = request(Method::POST, "/ping", Full::new(Bytes::from_static(b"hi")));
+    tokio::time::timeout(DEADLINE, body_of(&client, ping))
+        .await
+        .expect("the next request is answered");
 }
 
 /// Not a pass/fail property (the outcome depends on scheduling): how far the bulk upload got
