@@ -1294,6 +1294,11 @@ fn after_transition(b: &mut BackendState, t: Option<HealthTransition>) -> Option
         if reason.suggests_restart() {
             b.prefix.clear();
             b.pending.clear();
+            // The engine that comes back may run a different batch limit (a restart is when
+            // `--max-num-seqs` changes), and what it reported before is about the old one:
+            // the slots are learned again, never kept from a larger past.
+            b.batch_slots = None;
+            b.load = None;
         }
     }
     t
@@ -1656,6 +1661,14 @@ mod tests {
         };
         r.on_load_signal(BackendId(0), signal, now);
         assert_eq!(r.backends[0].batch_slots, Some(4));
+        // A signal without a queue teaches nothing: the slots stay.
+        let idle = LoadSignal {
+            waiting: 0,
+            running: 1,
+            kv_cache_usage: None,
+        };
+        r.on_load_signal(BackendId(0), idle, now);
+        assert_eq!(r.backends[0].batch_slots, Some(4));
         let full = r.start_attempt(BackendId(0), &other, now);
         let t1 = now + Duration::from_secs(6);
         let route = r.route(&second_turn(), t1).expect("routable");
@@ -1970,6 +1983,35 @@ mod tests {
         r.add_backend(spec("b", &["m", "a"], 1));
         r.add_backend(spec("c", &[], 1));
         assert_eq!(r.models(), vec!["a", "m", "z"]);
+    }
+
+    #[test]
+    fn a_restarted_engine_learns_its_batch_slots_again() {
+        let t0 = Instant::now();
+        let mut r = router(Policy::CostAware, 2);
+        let queued = LoadSignal {
+            waiting: 3,
+            running: 8,
+            kv_cache_usage: None,
+        };
+        r.on_load_signal(BackendId(1), queued, t0);
+        assert_eq!(r.backends[1].batch_slots, Some(8));
+        // Unreachable: probably restarting. It comes back with a smaller batch limit.
+        assert!(matches!(
+            r.on_attempt_end(BackendId(1), Outcome::ConnectError, t0),
+            Some(HealthTransition::Ejected { .. })
+        ));
+        assert_eq!(r.backends[1].batch_slots, None);
+        assert!(r.backends[1].load.is_none());
+        r.on_probe(BackendId(1), true, t0 + ms(1000));
+        r.on_probe(BackendId(1), true, t0 + ms(2000));
+        let smaller = LoadSignal {
+            waiting: 1,
+            running: 4,
+            kv_cache_usage: None,
+        };
+        r.on_load_signal(BackendId(1), smaller, t0 + ms(3000));
+        assert_eq!(r.backends[1].batch_slots, Some(4), "not the old engine's 8");
     }
 
     #[test]
