@@ -268,7 +268,9 @@ pub async fn forward(
         // A whole answer is not hedged: its wait is the whole generation, not a late first
         // token, and a hedge would run it twice.
         let delay = if !later.is_empty() && !req.request.whole_answer {
-            shared.router().hedge_delay(id, Instant::now())
+            shared
+                .router()
+                .hedge_delay(id, &req.request, Instant::now())
         } else {
             None
         };

@@ -3,7 +3,7 @@
 //! "The Tail at Scale" (Dean & Barroso, CACM 2013): send the request to a second replica once
 //! the first has been outstanding longer than the p95 of its kind, keep whichever answers first
 //! and cancel the other. Only ~5 % of requests wait that long, so the extra load is small, and
-//! a budget caps it anyway: every routed request earns `budget_ratio` of a hedge token, a hedge
+//! a budget caps it anyway: every attempt started earns `budget_ratio` of a hedge token, a hedge
 //! spends one, and at most `budget_burst` tokens are saved up. A backend that turns slow for
 //! everyone therefore cannot double the cluster's load through hedges.
 //!
@@ -28,7 +28,7 @@ pub struct HedgeConfig {
     pub min_delay: Duration,
     /// Nor longer than this (default 10 s).
     pub max_delay: Duration,
-    /// Hedge tokens earned per routed request (default 0.1: at most ~10 % extra requests).
+    /// Hedge tokens earned per attempt started (default 0.1: at most ~10 % extra requests).
     pub budget_ratio: f64,
     /// Most hedge tokens saved up (default 10).
     pub budget_burst: f64,

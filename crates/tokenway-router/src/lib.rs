@@ -56,5 +56,7 @@ pub use hedge::{HedgeConfig, HedgeWinner};
 pub use policy::Policy;
 pub use prefix::{prompt_blocks, BlockHash, PrefixIndex, MAX_PROMPT_BLOCKS};
 pub use request::{Held, RouteRequest, SessionKey, SessionKind};
-pub use router::{AttemptTicket, Route, RouteReason, Router, DEFAULT_TTFT_ESTIMATE};
+pub use router::{
+    AttemptTicket, Route, RouteReason, Router, DEFAULT_TTFT_ESTIMATE, HEDGE_EXPECTED_SLACK,
+};
 pub use snapshot::{BackendSnapshot, RouterSnapshot};

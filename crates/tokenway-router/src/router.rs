@@ -35,6 +35,11 @@ pub const DEFAULT_TTFT_ESTIMATE: Duration = Duration::from_millis(100);
 /// predicted, the gateway looks again after this long (until `cost.prefill_hold_max`).
 pub const HOLD_POLL: Duration = Duration::from_millis(10);
 
+/// A hedge waits at least this many times the cost model's expected TTFT of its request
+/// ([`Router::hedge_delay`]): the estimate is a mean, and a first token a little later than
+/// it is not yet a late one.
+pub const HEDGE_EXPECTED_SLACK: f64 = 1.5;
+
 /// Why the first backend of a [`Route`] was chosen (for logs and the `server-timing` header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RouteReason {
@@ -361,7 +366,6 @@ impl Router {
                 RouteError::Saturated { model }
             });
         }
-        self.hedge_budget.earn(&self.cfg.hedge);
         let mut reason = match self.policy {
             Policy::CostAware => RouteReason::LowestCost,
             p => RouteReason::Policy(p),
@@ -817,6 +821,9 @@ impl Router {
         ticket.work_ahead = est.work_ahead;
         ticket.predicted = est.ttft;
         let outlier_cfg = self.cfg.outlier;
+        // Earned per attempt started, not per `route`: a request held for a prefill or queued
+        // for a slot is routed again and again, and earned a share of a hedge each time.
+        self.hedge_budget.earn(&self.cfg.hedge);
         let b = &mut self.backends[id.0];
         b.inflight = b.inflight.saturating_add(1);
         b.sized_inflight = b.sized_inflight.saturating_add(1);
@@ -1153,17 +1160,27 @@ impl Router {
             .map_or(0, |b| b.prefix.cached_prefix(blocks))
     }
 
-    /// How long to wait for the first token on `id` before hedging to the next ranked backend:
-    /// its recent p95 TTFT, clamped to `[hedge.min_delay, hedge.max_delay]`. `None` when
+    /// How long to wait for the first token of `req` on `id` before hedging to the next ranked
+    /// backend: the backend's recent p95 TTFT, or [`HEDGE_EXPECTED_SLACK`] times the cost
+    /// model's expected TTFT of this request there if that is later, clamped to
+    /// `[hedge.min_delay, hedge.max_delay]`. Call it before the attempt starts. `None` when
     /// hedging is off, the backend has fewer than `hedge.min_samples` TTFTs, or the hedge
     /// budget is spent.
-    pub fn hedge_delay(&self, id: BackendId, _now: Instant) -> Option<Duration> {
+    ///
+    /// The p95 is of the backend's recent requests, mostly short chat turns; a request with a
+    /// long uncached prompt, or one behind a long queue, is expected later than that, and
+    /// hedged on the p95 alone every such request was sent twice and its long prefill run on
+    /// two engines.
+    pub fn hedge_delay(&self, id: BackendId, req: &RouteRequest, now: Instant) -> Option<Duration> {
         let h = &self.cfg.hedge;
         if !h.enabled || !self.hedge_budget.available() {
             return None;
         }
-        let p95 = self.backends.get(id.0)?.recent.p95(h.min_samples)?;
-        Some(p95.clamp(h.min_delay, h.max_delay.max(h.min_delay)))
+        let b = self.backends.get(id.0)?;
+        let p95 = b.recent.p95(h.min_samples)?;
+        let expected = self.estimate(b, req, now).ttft * HEDGE_EXPECTED_SLACK;
+        let delay = Duration::try_from_secs_f64(expected).map_or(h.max_delay, |e| e.max(p95));
+        Some(delay.clamp(h.min_delay, h.max_delay.max(h.min_delay)))
     }
 
     /// The gateway is about to send a hedge (the delay passed without a first token): spends

@@ -538,25 +538,32 @@ fn hedge_delay_tracks_the_backends_recent_p95() {
     let mut r = Router::with_config(Policy::CostAware, cfg, 1);
     let a = r.add_backend(spec("a", "eu", 0));
     let b = r.add_backend(spec("b", "eu", 0));
-    assert_eq!(r.hedge_delay(a, t0), None, "no samples yet");
+    let plain = RouteRequest::new(M);
+    assert_eq!(r.hedge_delay(a, &plain, t0), None, "no samples yet");
     for i in 1..=100u64 {
         r.on_first_byte(a, ms(i), t0 + ms(i));
     }
     // The last 64 samples are 37..=100 ms; nearest-rank p95 is the 61st: 97 ms.
-    assert_eq!(r.hedge_delay(a, t0), Some(ms(97)));
+    assert_eq!(r.hedge_delay(a, &plain, t0), Some(ms(97)));
     // A lasting change of regime is learned (240 ms stays under the outlier floor).
     for _ in 0..64 {
         r.on_first_byte(a, ms(240), t0 + ms(200));
     }
-    assert_eq!(r.hedge_delay(a, t0), Some(ms(240)));
+    assert_eq!(r.hedge_delay(a, &plain, t0), Some(ms(240)));
     // The budget caps hedges: 10 saved up, then one per ten routed requests.
     let sent = (0..20).filter(|_| r.on_hedge_sent(t0)).count();
     assert_eq!(sent, 10);
-    assert_eq!(r.hedge_delay(a, t0), None);
-    for _ in 0..11 {
+    assert_eq!(r.hedge_delay(a, &plain, t0), None);
+    // Earned by attempts started, not by routing (a held request is routed many times).
+    for _ in 0..20 {
         r.rank(M, t0).expect("eligible");
     }
-    assert!(r.hedge_delay(a, t0).is_some());
+    assert_eq!(r.hedge_delay(a, &plain, t0), None);
+    for _ in 0..11 {
+        let t = r.start_attempt(a, &plain, t0);
+        r.end_attempt(t, Outcome::ClientCancelled, t0);
+    }
+    assert!(r.hedge_delay(a, &plain, t0).is_some());
     r.on_hedge_result(a, b, HedgeWinner::Hedge, t0);
     let s = r.snapshot(t0);
     assert_eq!(
@@ -567,13 +574,45 @@ fn hedge_delay_tracks_the_backends_recent_p95() {
 }
 
 #[test]
+fn a_request_expected_late_is_not_hedged_before_its_expected_first_token() {
+    let t0 = Instant::now();
+    let cfg = RouterConfig {
+        hedge: HedgeConfig {
+            enabled: true,
+            ..HedgeConfig::default()
+        },
+        ..RouterConfig::default()
+    };
+    let mut r = Router::with_config(Policy::CostAware, cfg, 1);
+    let a = r.add_backend(spec("a", "eu", 0));
+    r.add_backend(spec("b", "eu", 0));
+    // Recent first tokens of short chat turns: p95 97 ms.
+    for i in 1..=100u64 {
+        r.on_first_byte(a, ms(i), t0 + ms(i));
+    }
+    let short = RouteRequest::new(M).with_prompt_tokens(100);
+    assert_eq!(r.hedge_delay(a, &short, t0), Some(ms(97)));
+    // 20,000 uncached prompt tokens at the prior 10,000 tokens/s, plus the 50 ms prior
+    // overhead: expected at 2.05 s; hedged only past 1.5 times that, not at the p95.
+    let long = RouteRequest::new(M).with_prompt_tokens(20_000);
+    let delay = r.hedge_delay(a, &long, t0).expect("armed");
+    assert!(
+        (ms(3_000)..=ms(3_200)).contains(&delay),
+        "{delay:?} for a first token expected at ~2.05 s"
+    );
+    // Never past max_delay (10 s), however long the prompt.
+    let huge = RouteRequest::new(M).with_prompt_tokens(1_000_000);
+    assert_eq!(r.hedge_delay(a, &huge, t0), Some(Duration::from_secs(10)));
+}
+
+#[test]
 fn hedging_is_off_by_default() {
     let t0 = Instant::now();
     let mut r = cost_router(&["a"]);
     for i in 0..50 {
         r.on_first_byte(BackendId(0), ms(10 + i), t0);
     }
-    assert_eq!(r.hedge_delay(BackendId(0), t0), None);
+    assert_eq!(r.hedge_delay(BackendId(0), &RouteRequest::new(M), t0), None);
     assert!(!r.on_hedge_sent(t0));
 }
 
