@@ -141,8 +141,14 @@ impl BackendState {
     }
 
     pub(crate) fn has_headroom(&self) -> bool {
-        self.spec.max_inflight == 0
-            || self.inflight.saturating_add(self.reserved) < self.spec.max_inflight
+        self.spec.max_inflight == 0 || self.occupied() < self.spec.max_inflight
+    }
+
+    /// Attempts in flight and slots reserved for attempts about to start (routed, their
+    /// request being written): what every load measure counts, so that a burst routed while
+    /// connections open does not all see the same idle backend.
+    pub(crate) fn occupied(&self) -> u32 {
+        self.inflight.saturating_add(self.reserved)
     }
 
     pub(crate) fn observe_rtt(&mut self, rtt: Duration, now: Instant) {
@@ -162,7 +168,8 @@ impl BackendState {
     /// attempt of unknown size, and, when a fresh load signal shows more requests than this
     /// router has in flight, the average work of each extra one.
     pub(crate) fn effective_work(&self, now: Instant, cfg: &CostConfig) -> f64 {
-        let unsized_attempts = self.inflight.saturating_sub(self.sized_inflight);
+        // A reserved attempt's size is not known yet: it is priced as an average one.
+        let unsized_attempts = self.occupied().saturating_sub(self.sized_inflight);
         let mut w = self.work_tokens as f64 + f64::from(unsized_attempts) * self.avg_attempt_work;
         if let Some(l) = self.load.as_ref().filter(|l| l.fresh(now, cfg).is_some()) {
             w += f64::from(l.others()) * self.avg_attempt_work;

@@ -85,6 +85,7 @@ impl FromStr for Policy {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Candidate {
     pub(crate) id: BackendId,
+    /// Attempts in flight plus slots reserved for attempts about to start.
     pub(crate) inflight: u32,
     /// The policy's cost: expected seconds to first token for `cost`, peak-EWMA TTFT ×
     /// (in-flight + 1) for `p2c_ewma`, unused otherwise.

@@ -337,7 +337,7 @@ impl Router {
                     (est.score, est.cached_blocks, share, done, Some(est.ttft))
                 }
                 Policy::P2cEwma => (
-                    b.ttft.secs_at(now, self.cfg.default_ttft) * (f64::from(b.inflight) + 1.0),
+                    b.ttft.secs_at(now, self.cfg.default_ttft) * (f64::from(b.occupied()) + 1.0),
                     0,
                     0.0,
                     (0, None),
@@ -347,7 +347,7 @@ impl Router {
             };
             cands.push(Candidate {
                 id: BackendId(i),
-                inflight: b.inflight,
+                inflight: b.occupied(),
                 cost,
                 cached_blocks,
                 share,
@@ -661,7 +661,7 @@ impl Router {
             .as_ref()
             .filter(|l| l.fresh(now, &self.cfg.cost).is_some())
             .map_or(0, TimedSignal::others);
-        b.inflight.saturating_add(others) < slots
+        b.occupied().saturating_add(others) < slots
     }
 
     /// Expected seconds a request sent to `id` now waits for a batch slot: 0 with a free
@@ -680,7 +680,7 @@ impl Router {
             .as_ref()
             .filter(|l| l.fresh(now, &self.cfg.cost).is_some())
             .map_or(0, TimedSignal::others);
-        let n = b.inflight.saturating_add(others);
+        let n = b.occupied().saturating_add(others);
         if n < slots {
             return Some(0.0);
         }
@@ -1965,6 +1965,29 @@ mod tests {
         r.reserve(b);
         r.reserve(b);
         assert!(r.route(&req, now).is_err());
+    }
+
+    #[test]
+    fn a_burst_routed_before_its_attempts_start_spreads_over_the_backends() {
+        // Each request reserves the slot of its first backend and starts its attempt only once
+        // its request is written (a connect away): the reservations are load like attempts.
+        let now = Instant::now();
+        for policy in [Policy::LeastInflight, Policy::P2cEwma, Policy::CostAware] {
+            let mut r = router(policy, 2);
+            let req = RouteRequest::new(M).with_prompt_tokens(1000);
+            let mut first = Vec::new();
+            for _ in 0..4 {
+                let route = r.route(&req, now).expect("routable");
+                r.reserve(route.backends[0]);
+                first.push(route.backends[0]);
+            }
+            let on = |b: BackendId| first.iter().filter(|&&f| f == b).count();
+            assert_eq!(
+                (on(BackendId(0)), on(BackendId(1))),
+                (2, 2),
+                "{policy:?}: {first:?}"
+            );
+        }
     }
 
     #[test]
