@@ -112,11 +112,17 @@ impl PrefixCache {
         }
     }
 
-    /// Tokens of the prompt already cached: the number of leading blocks present times
-    /// `block_tokens`. Does not change recency (the caller inserts after prefill).
-    pub fn cached_tokens(&self, blocks: &[BlockHash]) -> usize {
+    /// Tokens of a prompt of `prompt_tokens` tokens already cached: the number of leading
+    /// blocks present times `block_tokens`, short of the whole prompt. As on vLLM, at least
+    /// the last token is computed again to get the logits of the first output token, so a
+    /// prompt cached whole, a whole number of blocks long, recomputes its last block (vLLM
+    /// caps a hit at `prompt_tokens - 1` tokens and rounds it down to whole blocks). Does not
+    /// change recency (the caller inserts after prefill).
+    pub fn cached_tokens(&self, blocks: &[BlockHash], prompt_tokens: usize) -> usize {
+        let most = prompt_tokens.saturating_sub(1) / self.block_tokens;
         blocks
             .iter()
+            .take(most)
             .take_while(|b| self.stamps.contains_key(b))
             .count()
             * self.block_tokens
@@ -216,9 +222,22 @@ mod tests {
         let prompt = vec![b'x'; 64 * 5 + 3];
         let blocks = block_hashes(&prompt, 16, 4);
         let mut cache = PrefixCache::new(100_000, 16);
-        assert_eq!(cache.cached_tokens(&blocks), 0);
+        assert_eq!(cache.cached_tokens(&blocks, usize::MAX), 0);
         cache.insert(&blocks);
-        assert_eq!(cache.cached_tokens(&blocks), 5 * 16);
+        assert_eq!(cache.cached_tokens(&blocks, usize::MAX), 5 * 16);
+    }
+
+    #[test]
+    fn a_prompt_cached_whole_computes_its_last_block_again() {
+        // Five whole blocks of 16 tokens, 80 tokens: at most 79 may hit, so four blocks do.
+        let prompt = vec![b'x'; 64 * 5];
+        let blocks = block_hashes(&prompt, 16, 4);
+        let mut cache = PrefixCache::new(100_000, 16);
+        cache.insert(&blocks);
+        assert_eq!(cache.cached_tokens(&blocks, 80), 4 * 16);
+        // One token more and every whole block hits.
+        assert_eq!(cache.cached_tokens(&blocks, 81), 5 * 16);
+        assert_eq!(cache.cached_tokens(&blocks, 0), 0);
     }
 
     #[test]
@@ -229,7 +248,10 @@ mod tests {
         p2.extend_from_slice(&[b'2'; 64 * 2]);
         let mut cache = PrefixCache::new(100_000, 16);
         cache.insert(&block_hashes(&p1, 16, 4));
-        assert_eq!(cache.cached_tokens(&block_hashes(&p2, 16, 4)), 3 * 16);
+        assert_eq!(
+            cache.cached_tokens(&block_hashes(&p2, 16, 4), usize::MAX),
+            3 * 16
+        );
     }
 
     #[test]
@@ -246,9 +268,9 @@ mod tests {
         cache.insert(&a); // touch a: b is now least recently used
         cache.insert(&c);
         assert_eq!(cache.len_blocks(), 4);
-        assert_eq!(cache.cached_tokens(&a), 32);
-        assert_eq!(cache.cached_tokens(&c), 32);
-        assert_eq!(cache.cached_tokens(&b), 0);
+        assert_eq!(cache.cached_tokens(&a, usize::MAX), 32);
+        assert_eq!(cache.cached_tokens(&c, usize::MAX), 32);
+        assert_eq!(cache.cached_tokens(&b, usize::MAX), 0);
     }
 
     #[test]
@@ -259,7 +281,7 @@ mod tests {
         cache.insert(&long);
         cache.insert(&block_hashes(&[b'z'; 64], 16, 4));
         // The head two blocks survive, so the prefix still hits 2 blocks.
-        assert_eq!(cache.cached_tokens(&long), 32);
+        assert_eq!(cache.cached_tokens(&long, usize::MAX), 32);
     }
 
     #[test]
@@ -268,7 +290,7 @@ mod tests {
         let blocks = block_hashes(&[b'a'; 640], 16, 4);
         cache.insert(&blocks);
         assert!(cache.is_empty());
-        assert_eq!(cache.cached_tokens(&blocks), 0);
+        assert_eq!(cache.cached_tokens(&blocks, usize::MAX), 0);
         assert_eq!(cache.usage(), 0.0);
     }
 }

@@ -974,7 +974,7 @@ impl Generator {
         for prompt in &self.job.prompts {
             let total = cost::prompt_tokens(prompt.len(), c.bytes_per_token);
             let hashes = cost::block_hashes(prompt, c.block_tokens, c.bytes_per_token);
-            cached_tokens += lock(&self.shared.cache).cached_tokens(&hashes).min(total);
+            cached_tokens += lock(&self.shared.cache).cached_tokens(&hashes, total);
             prompt_tokens += total;
             blocks.push(hashes);
             choices.extend((0..self.job.n).map(|i| Choice::new(&ending, prompt, i)));
