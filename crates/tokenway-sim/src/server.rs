@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http::{header, Method, Request, Response, StatusCode, Version};
+use http::{header, HeaderValue, Method, Request, Response, StatusCode, Version};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -563,7 +563,13 @@ async fn handle(
         "/admin/faults" => "/admin/faults",
         _ => "other",
     };
-    let resp = match (req.method(), route) {
+    // HEAD is GET without a body (hyper leaves the body out), as Starlette serves it.
+    let method = if req.method() == Method::HEAD {
+        Method::GET
+    } else {
+        req.method().clone()
+    };
+    let resp = match (&method, route) {
         (&Method::POST, "/v1/chat/completions") => completion(&shared, Api::Chat, req).await,
         (&Method::POST, "/v1/completions") => completion(&shared, Api::Completions, req).await,
         (&Method::POST, "/v1/embeddings") => embeddings(&shared, req).await,
@@ -580,6 +586,26 @@ async fn handle(
         }
         (&Method::GET, "/admin/faults") => faults_response(&lock(&shared.faults)),
         (&Method::POST, "/admin/faults") => set_faults(&shared, req).await,
+        // A known path asked with another method: 405 with the methods it takes, as vLLM's
+        // FastAPI answers, not "unknown route".
+        (_, known) if known != "other" => {
+            let allow = match known {
+                "/admin/faults" => "GET, HEAD, POST",
+                "/v1/models" | "/health" | "/metrics" => "GET, HEAD",
+                _ => "POST",
+            };
+            let mut resp = error_response(
+                &ApiError::new(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "invalid_request_error",
+                    format!("Method Not Allowed: {} {known} takes {allow}", req.method()),
+                )
+                .with_code("method_not_allowed"),
+            );
+            resp.headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static(allow));
+            resp
+        }
         (method, _) => error_response(
             &ApiError::new(
                 StatusCode::NOT_FOUND,

@@ -564,6 +564,16 @@ async fn bad_requests_get_openai_error_bodies() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(v["error"]["type"], "invalid_request_error");
 
+    // A known path with the wrong method: 405 naming what it takes, not "unknown route".
+    let (status, body) = sim.get("/v1/chat/completions").await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "{body}");
+    assert!(body.contains("takes POST"), "{body}");
+    let (status, _) = sim.call(Method::DELETE, "/health", Bytes::new()).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    // HEAD is GET without the body.
+    let (status, body) = sim.call(Method::HEAD, "/health", Bytes::new()).await;
+    assert_eq!((status, body.len()), (StatusCode::OK, 0));
+
     // More output than a context holds: a 400 naming the parameter, as vLLM answers.
     let (status, v) = sim
         .post_json(
