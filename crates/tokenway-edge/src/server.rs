@@ -17,6 +17,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
 use tokenway_transport::client::BoxError;
 use tokio::net::TcpListener;
 
@@ -65,12 +66,20 @@ pub struct Local {
     pub bodies: crate::body_budget::BodyBudget,
 }
 
-/// Serves `listener` until `stop` changes.
+/// How long open local connections get to finish after shutdown is asked (as the gateway's).
+pub const DRAIN: Duration = Duration::from_secs(5);
+
+/// Serves `listener` until `stop` changes, then drains: no new connection is accepted, an
+/// HTTP/1.1 connection finishes the response in flight and closes, an HTTP/2 one sends GOAWAY
+/// and finishes its streams; after [`DRAIN`] what is still open is dropped. Before, the
+/// connections were left to the process's exit: a token stream in flight at a restart was cut
+/// mid-answer without an error event.
 pub async fn serve(
     listener: TcpListener,
     local: Arc<Local>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
+    let graceful = GracefulShutdown::new();
     loop {
         let (stream, _peer) = tokio::select! {
             r = listener.accept() => match r {
@@ -81,22 +90,33 @@ pub async fn serve(
                     continue;
                 }
             },
-            _ = stop.changed() => return,
+            _ = stop.changed() => break,
         };
         let _ = stream.set_nodelay(true);
         let local = local.clone();
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder.http1().timer(TokioTimer::new()).keep_alive(true);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(1024);
+        let svc = service_fn(move |req| handle(local.clone(), req));
+        let conn = builder
+            .serve_connection(TokioIo::new(stream), svc)
+            .into_owned();
+        let conn = graceful.watch(conn);
         tokio::spawn(async move {
-            let mut builder = auto::Builder::new(TokioExecutor::new());
-            builder.http1().timer(TokioTimer::new()).keep_alive(true);
-            builder
-                .http2()
-                .timer(TokioTimer::new())
-                .max_concurrent_streams(1024);
-            let svc = service_fn(move |req| handle(local.clone(), req));
-            if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
+            if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "local connection ended with an error");
             }
         });
+    }
+    drop(listener);
+    if tokio::time::timeout(DRAIN, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::info!("local connections still open after the drain period; closing them");
     }
 }
 

@@ -1291,6 +1291,65 @@ async fn an_edge_refuses_a_declared_oversized_body_before_reading_it() {
 }
 
 #[tokio::test]
+async fn at_shutdown_the_edge_finishes_a_stream_in_flight_then_exits() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // 30 tokens at 40 ms: the stream is still running when the edge is told to stop.
+    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 40.0\n");
+    let gw = tunnel_gateway(&backend, "", "");
+    let mut edge = edge_for(&gw, "", "");
+    let body = chat("drain the edge", true, 30);
+    let mut conn = tokio::net::TcpStream::connect(edge.addr)
+        .await
+        .expect("connect");
+    conn.write_all(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .expect("write");
+    let mut answer = vec![0u8; 64 << 10];
+    let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut answer))
+        .await
+        .expect("a first frame in time")
+        .expect("read");
+    let mut text = answer[..n].to_vec();
+    assert!(
+        text.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&text)
+    );
+    // SIGTERM, as a service manager stops it.
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &edge.child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(term.success());
+    // The answer finishes, and then the edge closes the connection (keep-alive ends).
+    tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut text))
+        .await
+        .expect("the connection closes after the answer")
+        .expect("read");
+    let text = String::from_utf8_lossy(&text);
+    assert!(text.contains("data: [DONE]"), "{text}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = edge.child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the edge did not exit after draining"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status}");
+}
+
+#[tokio::test]
 async fn a_request_head_larger_than_the_gateway_takes_is_a_431_not_a_retried_502() {
     let backend = sim(FAST_SIM);
     let gw = tunnel_gateway(&backend, "", "");
