@@ -307,7 +307,7 @@ pub async fn forward(
             }
         };
         match tried {
-            Tried::Failed { backend, failure } => last_failure = Some((backend, failure)),
+            Tried::Failed { backend, failure } => note_failure(&mut last_failure, backend, failure),
             Tried::Answered(answer) => {
                 let counted = answer.head.parts.status == StatusCode::OK;
                 let backend = if counted {
@@ -331,6 +331,31 @@ pub async fn forward(
             "upstream_timeout",
             format!("no backend answered in time (last tried: {backend})"),
         ),
+        // A busy answer set aside for a backend that then filled up, or failed too: the client
+        // is told to come back, as the busy backend would have told it, not given a 502.
+        Some((backend, f @ Failure::Status(StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE))) => {
+            ApiError {
+                retry_after: Some(1),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "upstream_error",
+                    "backends_busy",
+                    format!(
+                        "the backends that serve the model are busy (last tried: {backend}: {}); retry shortly",
+                        f.describe()
+                    ),
+                )
+            }
+        }
+        Some((backend, f @ Failure::Status(StatusCode::NOT_FOUND))) => ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!(
+                "no backend serves the model now (last tried: {backend}: {})",
+                f.describe()
+            ),
+        ),
         Some((backend, f)) => ApiError::new(
             StatusCode::BAD_GATEWAY,
             "upstream_error",
@@ -352,6 +377,22 @@ pub async fn forward(
         },
     };
     Forwarded::uncounted(error.into_response(), None)
+}
+
+/// Keeps `failure` as the one the client hears about, unless a backend already answered busy
+/// (429 or 503) and this one is not: a busy cluster answers 503 with `Retry-After` even when
+/// the attempt after the busy answer failed otherwise.
+fn note_failure(last: &mut Option<(String, Failure)>, backend: String, failure: Failure) {
+    let busy = |f: &Failure| {
+        matches!(
+            f,
+            Failure::Status(StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE)
+        )
+    };
+    if last.as_ref().is_some_and(|(_, f)| busy(f)) && !busy(&failure) {
+        return;
+    }
+    *last = Some((backend, failure));
 }
 
 /// A backend's answer, ready to relay.
@@ -471,7 +512,7 @@ where
     let outcome = match first {
         answered @ Tried::Answered(_) if !error_answer(&answered) => (answered, from_primary),
         Tried::Failed { backend, failure } => {
-            *last_failure = Some((backend, failure));
+            note_failure(last_failure, backend, failure);
             if from_primary {
                 (hedge.await, false)
             } else {
@@ -707,5 +748,33 @@ mod tests {
             push_millis(&mut out, d);
             assert_eq!(out, want, "{d:?}");
         }
+    }
+
+    #[test]
+    fn a_busy_answer_is_what_the_client_hears_when_every_attempt_failed() {
+        let mut last = None;
+        note_failure(&mut last, "a".into(), Failure::Timeout);
+        note_failure(
+            &mut last,
+            "b".into(),
+            Failure::Status(StatusCode::TOO_MANY_REQUESTS),
+        );
+        // A connect error after the busy answer does not hide it.
+        note_failure(&mut last, "c".into(), Failure::Connect("refused".into()));
+        let Some((backend, failure)) = &last else {
+            panic!("a failure is kept");
+        };
+        assert_eq!(backend, "b");
+        assert!(matches!(
+            failure,
+            Failure::Status(StatusCode::TOO_MANY_REQUESTS)
+        ));
+        // A later busy answer replaces an earlier one.
+        note_failure(
+            &mut last,
+            "d".into(),
+            Failure::Status(StatusCode::SERVICE_UNAVAILABLE),
+        );
+        assert_eq!(last.as_ref().map(|(b, _)| b.as_str()), Some("d"));
     }
 }

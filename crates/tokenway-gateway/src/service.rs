@@ -315,6 +315,9 @@ where
     }
     let held_since = Instant::now();
     let mut queued = false;
+    // The peer region is asked once; when it cannot take the request, the local answer
+    // (a queued wait, or a 503 with Retry-After) stands, not the tunnel's 502.
+    let mut overflow_tried = false;
     loop {
         // The router may say "hold": a backend is prefilling this prompt's prefix for another
         // request right now. Wait, then route again as a held request; the router bounds the
@@ -339,8 +342,18 @@ where
         let Err(RouteError::Saturated { model }) = &routed else {
             break;
         };
-        if queued || overflow.is_some() {
+        if queued {
             break;
+        }
+        if let Some(tunnel) = overflow.filter(|_| !overflow_tried) {
+            overflow_tried = true;
+            // Boxed: the rare overflow's kilobytes stay out of every request's future.
+            match Box::pin(crate::overflow::forward(tunnel, &parts, body.clone())).await {
+                Ok((resp, peer)) => return Ok(Forwarded::uncounted(resp, Some(peer))),
+                Err(e) => {
+                    tracing::info!(error = %e.message, "the peer region cannot take a request this region has no slot for; it waits for a local one");
+                }
+            }
         }
         queued = true;
         let model = model.clone();
@@ -362,13 +375,24 @@ where
         Ok(routed) => routed,
         // Nothing local can take it (none healthy, all saturated, model not served here).
         Err(
-            RouteError::NoHealthyBackend { .. }
+            e @ (RouteError::NoHealthyBackend { .. }
             | RouteError::Saturated { .. }
-            | RouteError::UnknownModel { .. },
-        ) if overflow.is_some() => {
+            | RouteError::UnknownModel { .. }),
+        ) if overflow.is_some() && !overflow_tried => {
             let tunnel = overflow.expect("checked");
-            let (resp, peer) = Box::pin(crate::overflow::forward(tunnel, &parts, body)).await?;
-            return Ok(Forwarded::uncounted(resp, Some(peer)));
+            match Box::pin(crate::overflow::forward(tunnel, &parts, body)).await {
+                Ok((resp, peer)) => return Ok(Forwarded::uncounted(resp, Some(peer))),
+                // A model this region does not serve: the peer's failure is the answer.
+                Err(overflow_error) if matches!(e, RouteError::UnknownModel { .. }) => {
+                    return Err(overflow_error)
+                }
+                // This region's own 503 with Retry-After (its backends will be back or free),
+                // rather than a 502 saying that the peer could not be reached.
+                Err(overflow_error) => {
+                    tracing::info!(error = %overflow_error.message, "the peer region cannot take a request this region cannot serve now");
+                    return Err(route_error(shared, e));
+                }
+            }
         }
         Err(e) => return Err(route_error(shared, e)),
     };

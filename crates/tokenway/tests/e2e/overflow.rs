@@ -102,6 +102,38 @@ async fn a_request_that_already_overflowed_is_not_sent_on_again() {
     );
 }
 
+#[tokio::test]
+async fn with_the_peer_region_down_an_unservable_request_gets_this_regions_503() {
+    let backend = sim(FAST_SIM);
+    let peer = gateway(
+        &[&backend],
+        "",
+        &format!("[tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n"),
+    );
+    let local = gateway_overflowing_to(&peer);
+    drop(peer);
+    // The dead local backend is ejected by the first attempt (or its probes); from then on no
+    // backend here is healthy and the peer cannot be reached: the answer is this region's
+    // 503 with Retry-After, which clients retry, not the tunnel's 502.
+    let mut last = None;
+    for _ in 0..3 {
+        let r = hyper_post_with_header(
+            &format!("{}/v1/chat/completions", local.url()),
+            &chat("nowhere to go", true, 4),
+            ("x-test", "1"),
+        )
+        .await;
+        let done = r.0 == 503;
+        last = Some(r);
+        if done {
+            break;
+        }
+    }
+    let (status, body) = last.expect("answered");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("no_healthy_backend"), "{body}");
+}
+
 /// POST with one extra header; (status, body).
 async fn hyper_post_with_header(url: &str, body: &str, header: (&str, &str)) -> (u16, String) {
     use http_body_util::BodyExt;
