@@ -99,7 +99,9 @@ pub async fn serve(
         builder
             .http2()
             .timer(TokioTimer::new())
-            .max_concurrent_streams(1024);
+            .max_concurrent_streams(1024)
+            // The heads HTTP/1.1 clients may send (MAX_REQUEST_HEAD_BYTES), not h2's 16 KiB.
+            .max_header_list_size(MAX_REQUEST_HEAD_BYTES as u32);
         let svc = service_fn(move |req| handle(local.clone(), req));
         let conn = builder
             .serve_connection(TokioIo::new(stream), svc)

@@ -575,6 +575,9 @@ async fn serve_h2<S>(
         .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(1024)
+        // The head limit of the other fronts (HTTP/1.1, HTTP/3), not h2's 16 KiB default: an
+        // edge falling back to TCP sends what it sent over QUIC.
+        .max_header_list_size(64 << 10)
         .keep_alive_interval(Some(Duration::from_secs(20)));
     let stream = StallGuard::new(stream, shared.config.timeouts.client_write());
     let write_deadline = shared.config.timeouts.client_write();

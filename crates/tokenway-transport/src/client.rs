@@ -474,6 +474,8 @@ impl QuicClient {
         let mut aside = self.inner.aside.subscribe();
         let result = async move {
             tokio::select! {
+                // An answer that came as the path was set aside is kept, not sent again.
+                biased;
                 r = result => r,
                 Ok(_) = aside.wait_for(|a| *a) => Err((
                     "the QUIC path went silent before the gateway answered".to_string(),
@@ -595,7 +597,13 @@ pub(crate) fn absolute_uri(uri: Uri, server_name: &str) -> Result<Uri, RequestEr
         return Ok(uri);
     }
     let pq = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-    format!("https://{server_name}{pq}")
+    // An IPv6 address goes in brackets in a URI (RFC 3986 §3.2.2); bare, `2001:db8::1` does not
+    // parse as an authority and every request failed.
+    let host = match server_name.parse::<std::net::Ipv6Addr>() {
+        Ok(_) => format!("[{server_name}]"),
+        Err(_) => server_name.to_owned(),
+    };
+    format!("https://{host}{pq}")
         .parse()
         .map_err(|e| RequestError::new(format!("bad request URI: {e}"), false))
 }
@@ -686,5 +694,18 @@ mod tests {
         let hinted = Request::new(http_body_util::Full::new(Bytes::from(vec![0u8; 100])));
         assert_eq!(body_len(&hinted), 100);
         assert!(body_len(&hinted) <= BULK_BODY_BYTES);
+    }
+
+    #[test]
+    fn a_gateway_named_by_address_gets_a_valid_uri() {
+        let uri = |name: &str| {
+            absolute_uri(Uri::from_static("/v1/models?x=1"), name)
+                .expect("a valid URI")
+                .to_string()
+        };
+        assert_eq!(uri("gw.example"), "https://gw.example/v1/models?x=1");
+        assert_eq!(uri("198.18.0.1"), "https://198.18.0.1/v1/models?x=1");
+        assert_eq!(uri("2001:db8::1"), "https://[2001:db8::1]/v1/models?x=1");
+        assert_eq!(uri("::1"), "https://[::1]/v1/models?x=1");
     }
 }

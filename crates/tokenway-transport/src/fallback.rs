@@ -15,7 +15,7 @@ use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Body;
 use hyper::client::conn::http2;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use rustls_pki_types::ServerName;
 use tokenway_telemetry::quic::{ConnectLabels, QuicMetrics};
 use tokio::net::TcpStream;
@@ -32,6 +32,42 @@ pub struct TcpClient {
     server_name: String,
     addr: SocketAddr,
     driver: tokio::task::AbortHandle,
+    tasks: ConnTasks,
+}
+
+/// hyper's executor for one connection, keeping a handle to every task it spawns. hyper runs
+/// the HTTP/2 connection itself (the task that owns the socket) and each stream's body pump as
+/// tasks of their own; aborting only the task hyper hands back started a graceful close that
+/// waited for every open stream, so requests on a dead path hung until the keep-alive gave up
+/// (10 to 20 s) instead of failing at once to be retried on the next connection.
+#[derive(Clone, Default)]
+struct ConnTasks(Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>);
+
+impl ConnTasks {
+    /// Aborts every task of the connection still running.
+    fn abort_all(&self) {
+        for task in lock(&self.0).drain(..) {
+            task.abort();
+        }
+    }
+}
+
+impl<F> hyper::rt::Executor<F> for ConnTasks
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, fut: F) {
+        let task = tokio::spawn(fut).abort_handle();
+        let mut tasks = lock(&self.0);
+        // Bounded by the tasks running: finished ones are dropped as new ones come.
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(task);
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl std::fmt::Debug for TcpClient {
@@ -68,12 +104,15 @@ impl TcpClient {
             if tls_stream.get_ref().1.alpn_protocol() != Some(crate::ALPN_H2) {
                 return Err(err("the server did not agree to HTTP/2 (ALPN h2)".into()));
             }
-            let (sender, conn) = http2::Builder::new(TokioExecutor::new())
+            let tasks = ConnTasks::default();
+            let (sender, conn) = http2::Builder::new(tasks.clone())
                 .timer(TokioTimer::new())
                 .keep_alive_interval(Some(Duration::from_secs(10)))
                 .keep_alive_timeout(Duration::from_secs(10))
                 .initial_stream_window_size(4 << 20)
                 .initial_connection_window_size(16 << 20)
+                // Response heads as large as the QUIC path takes (h2's default is 16 KiB).
+                .max_header_list_size(64 << 10)
                 .handshake(TokioIo::new(tls_stream))
                 .await
                 .map_err(|e| err(format!("HTTP/2 handshake: {e}")))?;
@@ -87,6 +126,7 @@ impl TcpClient {
                 server_name: server_name.to_string(),
                 addr,
                 driver: driver.abort_handle(),
+                tasks,
             })
         };
         let client = tokio::time::timeout(timeout, connect)
@@ -113,9 +153,11 @@ impl TcpClient {
         self.addr
     }
 
-    /// Closes the connection at once.
+    /// Closes the connection at once: the socket is dropped and requests waiting on it fail
+    /// (as retryable) now, not when the keep-alive notices.
     pub fn close(&self) {
         self.driver.abort();
+        self.tasks.abort_all();
     }
 
     /// Sends one request; bodies stream both ways.

@@ -71,21 +71,21 @@ impl Selector {
         self.gateways.get(i).and_then(|g| g.srtt)
     }
 
-    /// The gateway to use now. With `avoid` (a retry after a failure there) the best other
-    /// reachable gateway is returned, without moving the sticky choice.
-    pub fn pick(&mut self, now: Instant, avoid: Option<usize>) -> Option<usize> {
-        let best = |avoid: Option<usize>| {
+    /// The gateway to use now. With gateways to `avoid` (a retry after failures or refusals
+    /// there) the best other reachable gateway is returned, without moving the sticky choice.
+    pub fn pick(&mut self, now: Instant, avoid: &[usize]) -> Option<usize> {
+        let best = |avoid: &[usize]| {
             self.gateways
                 .iter()
                 .enumerate()
-                .filter(|(i, g)| g.up && Some(*i) != avoid)
+                .filter(|(i, g)| g.up && !avoid.contains(i))
                 .min_by_key(|(i, g)| (g.srtt.unwrap_or(Duration::MAX), *i))
                 .map(|(i, _)| i)
         };
-        if avoid.is_some() {
+        if !avoid.is_empty() {
             return best(avoid);
         }
-        let best = best(None);
+        let best = best(&[]);
         let current = self.current.filter(|&c| self.gateways[c].up);
         let due = self
             .evaluated_at
@@ -132,47 +132,54 @@ mod tests {
     fn picks_the_lowest_rtt_and_sticks_until_reevaluation() {
         let t0 = Instant::now();
         let mut s = two(t0);
-        assert_eq!(s.pick(t0, None), Some(1));
+        assert_eq!(s.pick(t0, &[]), Some(1));
         // Gateway 0 becomes much faster, but the choice is sticky until re-evaluation.
         for _ in 0..40 {
             s.observe_rtt(0, MS);
             s.observe_rtt(1, 10 * MS);
         }
-        assert_eq!(s.pick(t0 + Duration::from_secs(5), None), Some(1));
-        assert_eq!(s.pick(t0 + Duration::from_secs(10), None), Some(0));
+        assert_eq!(s.pick(t0 + Duration::from_secs(5), &[]), Some(1));
+        assert_eq!(s.pick(t0 + Duration::from_secs(10), &[]), Some(0));
     }
 
     #[test]
     fn a_slightly_better_gateway_does_not_take_over() {
         let t0 = Instant::now();
         let mut s = two(t0);
-        assert_eq!(s.pick(t0, None), Some(1));
+        assert_eq!(s.pick(t0, &[]), Some(1));
         for _ in 0..40 {
             s.observe_rtt(0, 9 * MS);
         }
-        assert_eq!(s.pick(t0 + Duration::from_secs(11), None), Some(1));
+        assert_eq!(s.pick(t0 + Duration::from_secs(11), &[]), Some(1));
     }
 
     #[test]
     fn fails_over_at_once_when_the_current_gateway_goes_down() {
         let t0 = Instant::now();
         let mut s = two(t0);
-        assert_eq!(s.pick(t0, None), Some(1));
+        assert_eq!(s.pick(t0, &[]), Some(1));
         s.set_up(1, false);
-        assert_eq!(s.pick(t0 + MS, None), Some(0));
+        assert_eq!(s.pick(t0 + MS, &[]), Some(0));
         s.set_up(0, false);
-        assert_eq!(s.pick(t0 + 2 * MS, None), None);
+        assert_eq!(s.pick(t0 + 2 * MS, &[]), None);
     }
 
     #[test]
     fn a_retry_avoids_the_failed_gateway_without_moving_the_sticky_choice() {
         let t0 = Instant::now();
         let mut s = two(t0);
-        assert_eq!(s.pick(t0, None), Some(1));
-        assert_eq!(s.pick(t0 + MS, Some(1)), Some(0));
-        assert_eq!(s.pick(t0 + 2 * MS, None), Some(1));
+        assert_eq!(s.pick(t0, &[]), Some(1));
+        assert_eq!(s.pick(t0 + MS, &[1]), Some(0));
+        assert_eq!(s.pick(t0 + 2 * MS, &[]), Some(1));
+        // Two avoided of three: the third, however far.
+        let mut three = Selector::new(3, Duration::from_secs(10));
+        for i in 0..3 {
+            three.set_up(i, true);
+        }
+        assert_eq!(three.pick(t0, &[0, 1]), Some(2));
+        assert_eq!(three.pick(t0, &[1, 0, 2]), None);
         let mut one = Selector::new(1, Duration::from_secs(10));
         one.set_up(0, true);
-        assert_eq!(one.pick(t0, Some(0)), None);
+        assert_eq!(one.pick(t0, &[0]), None);
     }
 }

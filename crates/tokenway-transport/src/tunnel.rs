@@ -464,7 +464,7 @@ impl Tunnel {
     }
 
     /// A live connection to the best gateway, waiting for a link to come up.
-    async fn acquire(&self, avoid: Option<usize>) -> Option<(usize, Conn)> {
+    async fn acquire(&self, avoid: &[usize]) -> Option<(usize, Conn)> {
         let deadline = tokio::time::Instant::now() + self.wait_for_link;
         let mut changed = self.changed.subscribe();
         let mut woken = false;
@@ -472,9 +472,10 @@ impl Tunnel {
             let pick = {
                 let mut sel = lock(&self.selector);
                 let now = Instant::now();
-                avoid
-                    .and_then(|_| sel.pick(now, avoid))
-                    .or_else(|| sel.pick(now, None))
+                match sel.pick(now, avoid) {
+                    None if !avoid.is_empty() => sel.pick(now, &[]),
+                    pick => pick,
+                }
             };
             if let Some(i) = pick {
                 match self.links[i].current() {
@@ -501,7 +502,7 @@ impl Tunnel {
             {
                 // One last look: the deadline and a link coming up may have crossed.
                 let mut sel = lock(&self.selector);
-                let i = sel.pick(Instant::now(), None)?;
+                let i = sel.pick(Instant::now(), &[])?;
                 drop(sel);
                 return self.links[i]
                     .current()
@@ -580,7 +581,10 @@ impl Tunnel {
     /// Sends `out` to the best gateway, retrying once on a fresh connection when the first
     /// attempt failed before any response byte because its connection died.
     pub async fn send(&self, out: &Outgoing) -> Result<Answer, SendError> {
-        let mut avoid = None;
+        // Gateways this request failed on or was refused by: each refusal adds one, so with
+        // several gateways that refuse the token the request ends (it went back and forth
+        // between two of them, never waiting, while a third accepted).
+        let mut avoid: Vec<usize> = Vec::new();
         let mut last = None;
         // Two retries after a dead connection (the first fresh connection after a QUIC path
         // went silent may be an unanswered 0-RTT one that loses its race against TCP); one
@@ -588,15 +592,15 @@ impl Tunnel {
         // same connection carries the retry as 1-RTT).
         let (mut fresh_retries, mut same_retries) = (2, 1);
         loop {
-            let Some((i, conn)) = self.acquire(avoid).await else {
+            let Some((i, conn)) = self.acquire(&avoid).await else {
                 return Err(last
                     .unwrap_or_else(|| RequestError::new(self.unreachable(), false))
                     .into());
             };
             if *self.links[i].token.borrow() == TokenCheck::Refused {
                 // Another gateway may know the token (one not yet given a rotated token list).
-                if avoid != Some(i) && self.another_accepts(i) {
-                    avoid = Some(i);
+                if !avoid.contains(&i) && self.another_accepts(i, &avoid) {
+                    avoid.push(i);
                     continue;
                 }
                 return Err(SendError::token_refused(&self.links[i].name));
@@ -606,8 +610,8 @@ impl Tunnel {
                 Ok(response) => {
                     if self.token_refused(i, is_html(&response)).await {
                         // The masquerade site answered: nothing ran, another gateway may.
-                        if avoid != Some(i) && self.another_accepts(i) {
-                            avoid = Some(i);
+                        if !avoid.contains(&i) && self.another_accepts(i, &avoid) {
+                            avoid.push(i);
                             continue;
                         }
                         return Err(SendError::token_refused(&self.links[i].name));
@@ -627,7 +631,9 @@ impl Tunnel {
                     fresh_retries -= 1;
                     tracing::info!(gateway = %self.links[i].name, error = %e, "request failed before the first byte; retrying on a fresh connection");
                     self.report_failure(i, &conn);
-                    avoid = Some(i);
+                    if !avoid.contains(&i) {
+                        avoid.push(i);
+                    }
                     last = Some(e);
                 }
                 // The request's fault, not the gateway's: nothing to report.
@@ -640,10 +646,12 @@ impl Tunnel {
         }
     }
 
-    /// Whether a gateway other than `i` has a live connection and has not refused the token.
-    fn another_accepts(&self, i: usize) -> bool {
+    /// Whether a gateway other than `i`, and not one to `avoid`, has a live connection and
+    /// has not refused the token.
+    fn another_accepts(&self, i: usize, avoid: &[usize]) -> bool {
         self.links.iter().enumerate().any(|(j, l)| {
             j != i
+                && !avoid.contains(&j)
                 && *l.token.borrow() != TokenCheck::Refused
                 && l.current().is_some_and(|c| !c.is_closed())
         })
@@ -651,7 +659,7 @@ impl Tunnel {
 
     /// The connection and the tunnel token for a CONNECT (port forwarding).
     pub async fn connection(&self) -> Option<(Conn, HeaderValue)> {
-        self.acquire(None)
+        self.acquire(&[])
             .await
             .map(|(_, c)| (c, self.token.clone()))
     }

@@ -932,3 +932,65 @@ async fn a_stream_that_ends_inside_a_data_frame_reads_as_broken() {
     assert_eq!(got, 10);
     assert!(!clean, "a DATA frame cut short read as a complete body");
 }
+
+/// The TCP fallback's `close` drops the connection at once: a request waiting for its answer
+/// fails now (to be retried elsewhere), not when HTTP/2's keep-alive gives up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_the_tcp_fallback_fails_a_waiting_request_at_once() {
+    use tokenway_transport::fallback::TcpClient;
+    let identity = Identity::self_signed(&["localhost"]).expect("self-signed identity");
+    let acceptor = tokio_rustls::TlsAcceptor::from(identity.tcp_server_config().expect("TLS"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    // An HTTP/2 server that never answers.
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let svc = hyper::service::service_fn(|_req| async {
+                    std::future::pending::<Result<Response<Full<Bytes>>, std::convert::Infallible>>(
+                    )
+                    .await
+                });
+                let _ =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(hyper_util::rt::TokioIo::new(tls), svc)
+                        .await;
+            });
+        }
+    });
+    let tls = client_tls(
+        &Trust::Pinned(vec![identity.fingerprint()]),
+        &[tokenway_transport::ALPN_H2],
+        false,
+    )
+    .expect("client TLS");
+    let client = Arc::new(
+        TcpClient::connect(addr, "localhost", tls, Duration::from_secs(5), "test", None)
+            .await
+            .expect("connected"),
+    );
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            client
+                .send_request(request(Method::GET, "/never", Full::new(Bytes::new())))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiting.is_finished(), "the server never answers");
+    client.close();
+    let err = tokio::time::timeout(Duration::from_secs(3), waiting)
+        .await
+        .expect("the waiting request fails at once")
+        .expect("task")
+        .expect_err("no answer");
+    assert!(err.retryable, "{err}");
+    assert!(client.is_closed());
+}

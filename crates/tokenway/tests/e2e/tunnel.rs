@@ -172,6 +172,16 @@ async fn with_udp_unusable_the_edge_falls_back_to_tcp_and_requests_succeed() {
     )
     .await;
     assert_eq!(normalized(&direct.body), normalized(&via.body));
+    // A head of 20 KiB goes through as it does over QUIC (HTTP/2's default limit is 16 KiB).
+    let small = chat("big head over tcp", false, 4);
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         x-big: {}\r\ncontent-length: {}\r\n\r\n{small}",
+        "a".repeat(20 << 10),
+        small.len(),
+    );
+    let answer = answer_to_head(edge.addr, head.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     let text = metrics(&edge).await;
     assert!(
         metric_sum(&text, "tokenway_tcp_fallback_total") >= 1.0,
@@ -1238,6 +1248,54 @@ async fn a_gateway_that_refuses_the_token_is_passed_over_for_one_that_accepts_it
     let text = metrics(&edge).await;
     assert!(served_by(&text, "b") >= 5.0, "{text}");
     assert_eq!(served_by(&text, "a"), 0.0, "{text}");
+}
+
+#[tokio::test]
+async fn with_two_gateways_refusing_the_token_a_request_ends_at_the_third() {
+    // Two gateways still on the old token list, one on the new: a request refused by the first
+    // must not go back and forth between the two that refuse (it spun there, never waiting).
+    let backends = [sim(FAST_SIM), sim(FAST_SIM), sim(FAST_SIM)];
+    let old_tunnel =
+        "[tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"the-old-token-0123456789\"]\n";
+    let old = [
+        gateway(&[&backends[0]], "", old_tunnel),
+        gateway(&[&backends[1]], "", old_tunnel),
+    ];
+    let new = tunnel_gateway(&backends[2], "", "");
+    let edge = edge(&format!(
+        "token = \"{TOKEN}\"\nreevaluate_ms = 3600000\n\
+         [trust]\npin_sha256 = [\"{}\", \"{}\", \"{}\"]\n\
+         [[gateways]]\nname = \"old-1\"\nquic = \"{}\"\n\
+         [[gateways]]\nname = \"old-2\"\nquic = \"{}\"\n\
+         [[gateways]]\nname = \"new\"\nquic = \"{}\"\n",
+        fingerprint(&old[0]),
+        fingerprint(&old[1]),
+        fingerprint(&new),
+        tunnel_addr(&old[0]),
+        tunnel_addr(&old[1]),
+        tunnel_addr(&new),
+    ));
+    let url = format!("{}/v1/chat/completions", edge.url());
+    let mut ok = 0;
+    let end = Instant::now() + Duration::from_secs(20);
+    while ok < 6 {
+        let r = tokio::time::timeout(
+            Duration::from_secs(10),
+            post(&url, &chat(&format!("to the new one {ok}"), true, 4), None),
+        )
+        .await
+        .expect("an answer, not a request going round the refusing gateways");
+        if r.status == 200 {
+            ok += 1;
+        } else {
+            // Before every gateway's token check has answered, a refusal may be the answer.
+            assert!(r.body.contains("tunnel_auth_failed"), "{}", r.body);
+            assert!(Instant::now() < end, "never served: {}", r.body);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let text = metrics(&edge).await;
+    assert!(served_by(&text, "new") >= 6.0, "{text}");
 }
 
 #[tokio::test]
