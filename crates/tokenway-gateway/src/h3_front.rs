@@ -134,6 +134,8 @@ async fn connection(
         front.label().to_string(),
         shared.quic_metrics.clone(),
         Duration::from_secs(1),
+        // Every connection of the front shares the label: no per-connection gauges.
+        tokenway_transport::stats::Sampled::Shared,
     ));
     // The datagram layer's FEC flush delay follows this connection's RTT (tunnel port with
     // `[tunnel.datagram]` only; the config's settings share the endpoint's layer slot).

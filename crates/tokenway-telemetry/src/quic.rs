@@ -3,7 +3,10 @@
 //! The values come from `quinn::Connection::stats()`, sampled periodically by
 //! `tokenway_transport::stats`; this module only defines the series so their names stay the same
 //! in every role. Per-connection gauges are labelled by the peer (the gateway's configured name),
-//! so a reconnect overwrites the same series instead of growing the label set.
+//! so a reconnect overwrites the same series instead of growing the label set; they are set on
+//! the edge only. A gateway's front labels every connection with the front's name (`h3`,
+//! `tunnel`), so there only the RTT histogram and the packet counters are written: a gauge
+//! shared by many connections would show whichever was sampled last.
 
 use std::sync::atomic::AtomicU64;
 

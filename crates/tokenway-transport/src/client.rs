@@ -228,6 +228,7 @@ impl QuicClient {
                 p.peer.to_string(),
                 m.clone(),
                 Duration::from_secs(1),
+                crate::stats::Sampled::Connection,
             ))
             .abort_handle()
         });

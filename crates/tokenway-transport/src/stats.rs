@@ -34,12 +34,26 @@ impl RttTracker {
     }
 }
 
-/// Samples `conn` every `every` until it closes, writing into `metrics` under `peer`.
+/// Which of the QUIC metric families a sampler writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sampled {
+    /// Everything: the label names one connection at a time (an edge's gateway).
+    Connection,
+    /// The RTT histogram and the packet counters only: the label is shared by many connections
+    /// (a server front), where a gauge would hold whichever connection was sampled last and
+    /// keep it after every connection had closed.
+    Shared,
+}
+
+/// Samples `conn` every `every` until it closes, writing into `metrics` under `peer`; the
+/// counters get one last sample at the close, so a connection's last second (and the whole of
+/// a connection shorter than `every`) is counted.
 pub async fn sample_connection(
     conn: quinn::Connection,
     peer: String,
     metrics: QuicMetrics,
     every: Duration,
+    sampled: Sampled,
 ) {
     let labels = PeerLabels { peer };
     let mut last_sent = 0u64;
@@ -49,36 +63,40 @@ pub async fn sample_connection(
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            _ = conn.closed() => return,
-            _ = tick.tick() => {}
-        }
+        let closed = tokio::select! {
+            _ = conn.closed() => true,
+            _ = tick.tick() => false,
+        };
         let s = conn.stats();
-        let var = tracker.sample(s.path.rtt);
-        metrics
-            .rtt_samples
-            .get_or_create(&labels)
-            .observe(s.path.rtt.as_secs_f64());
-        metrics
-            .rtt
-            .get_or_create(&labels)
-            .set(s.path.rtt.as_secs_f64());
-        metrics
-            .min_rtt
-            .get_or_create(&labels)
-            .set(s.path.min_rtt.as_secs_f64());
-        metrics
-            .rtt_var
-            .get_or_create(&labels)
-            .set(var.as_secs_f64());
-        metrics
-            .path_mtu
-            .get_or_create(&labels)
-            .set(i64::from(s.path.current_mtu));
-        metrics
-            .cwnd
-            .get_or_create(&labels)
-            .set(i64::try_from(s.path.cwnd).unwrap_or(i64::MAX));
+        if !closed {
+            let var = tracker.sample(s.path.rtt);
+            metrics
+                .rtt_samples
+                .get_or_create(&labels)
+                .observe(s.path.rtt.as_secs_f64());
+            if sampled == Sampled::Connection {
+                metrics
+                    .rtt
+                    .get_or_create(&labels)
+                    .set(s.path.rtt.as_secs_f64());
+                metrics
+                    .min_rtt
+                    .get_or_create(&labels)
+                    .set(s.path.min_rtt.as_secs_f64());
+                metrics
+                    .rtt_var
+                    .get_or_create(&labels)
+                    .set(var.as_secs_f64());
+                metrics
+                    .path_mtu
+                    .get_or_create(&labels)
+                    .set(i64::from(s.path.current_mtu));
+                metrics
+                    .cwnd
+                    .get_or_create(&labels)
+                    .set(i64::try_from(s.path.cwnd).unwrap_or(i64::MAX));
+            }
+        }
         metrics
             .sent_packets
             .get_or_create(&labels)
@@ -94,6 +112,9 @@ pub async fn sample_connection(
         last_sent = s.path.sent_packets;
         last_lost = s.path.lost_packets;
         last_cong = s.path.congestion_events;
+        if closed {
+            return;
+        }
     }
 }
 

@@ -92,6 +92,10 @@ async fn aioquic_streams_chat_over_the_public_http3_front() {
         metric_sum(&m, "tokenway_quic_rtt_samples_seconds_count{peer=\"h3\"}") >= 1.0,
         "{m}"
     );
+    // Every connection of the front shares its label: no gauge that would hold whichever
+    // connection was sampled last.
+    assert!(!m.contains("tokenway_quic_rtt_seconds{peer=\"h3\"}"), "{m}");
+    assert!(!m.contains("tokenway_quic_cwnd_bytes{peer=\"h3\"}"), "{m}");
     // TCP responses advertise the HTTP/3 front.
     let health = get(&format!("{}/health", gw.url())).await;
     let alt = health
