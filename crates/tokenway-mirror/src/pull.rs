@@ -366,6 +366,9 @@ struct Ctx {
     attempts: u32,
     only_origin: bool,
     outage: Outage,
+    /// Pieces fetched at once (`parallel`), sharing the link: each piece's deadline allows
+    /// for the others ([`crate::source::piece_deadline`]).
+    sharing: u64,
 }
 
 /// Pulls `manifest` (resolved with [`SourceSet::resolve`]) from `sources` into `out`.
@@ -642,6 +645,7 @@ pub async fn pull_from(
         rate: opts.limit_rate.map(|r| Mutex::new(RateLimit::new(r))),
         hedge: opts.hedge,
         outage: Outage::new(std::time::Instant::now()),
+        sharing: opts.parallel.max(1) as u64,
     });
     let stop = Stop {
         external: Arc::clone(&opts.cancel),
@@ -985,7 +989,11 @@ async fn fetch_verified(
     heard: &AtomicBool,
 ) -> (Fetched, Duration) {
     let t = Instant::now();
-    let bytes = match src.source.piece(&ctx.manifest, entry, i, heard).await {
+    let bytes = match src
+        .source
+        .piece(&ctx.manifest, entry, i, heard, ctx.sharing)
+        .await
+    {
         Ok(b) => b,
         Err(e) => return (Fetched::Failed(e), t.elapsed()),
     };

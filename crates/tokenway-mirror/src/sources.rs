@@ -87,15 +87,25 @@ impl SourceState {
     }
 
     /// Not answering: no RTT at start, or [`DEMOTE_AFTER_ERRORS`] failed requests in a row.
-    /// Tried after every healthy source until it answers again, except that a mirror is not
-    /// demoted for one asking every [`RETRY_DEMOTED`]: one piece tries it first again.
+    /// Tried after every healthy source until it answers again. Free of side effects; the
+    /// piece path asks [`Self::demoted_taking_turn`].
     pub fn demoted(&self) -> bool {
-        self.demoted_at(Instant::now())
+        self.unresponsive.load(Ordering::Relaxed)
+            || self.consecutive_errors.load(Ordering::Relaxed) >= DEMOTE_AFTER_ERRORS
     }
 
-    fn demoted_at(&self, now: Instant) -> bool {
-        let down = self.unresponsive.load(Ordering::Relaxed)
-            || self.consecutive_errors.load(Ordering::Relaxed) >= DEMOTE_AFTER_ERRORS;
+    /// [`Self::demoted`], except that a demoted mirror is not demoted for one asking every
+    /// [`RETRY_DEMOTED`]: the piece that asked tries it first again. Only the ordering of a
+    /// piece's sources asks this, once per source; every other caller asks
+    /// [`Self::demoted`], so the turn is not used up where nothing tries the mirror (the
+    /// announcer asked every 300 ms, and a sort asked it once per comparison and placed the
+    /// mirror both before and after the origin).
+    pub(crate) fn demoted_taking_turn(&self) -> bool {
+        self.demoted_taking_turn_at(Instant::now())
+    }
+
+    fn demoted_taking_turn_at(&self, now: Instant) -> bool {
+        let down = self.demoted();
         if !down || self.kind() != SourceKind::Mirror {
             return down;
         }
@@ -259,7 +269,9 @@ impl SourceSet {
     /// mirrors (stable, so RTT order holds among equals).
     fn fixed_in_order(&self) -> Vec<Arc<SourceState>> {
         let mut v = self.fixed.to_vec();
-        v.sort_by_key(|s| (s.demoted(), s.kind() == SourceKind::Origin));
+        // Each key read once: the atomics may change while the sort runs, and a key that
+        // changes between comparisons breaks the sort's total order (which may panic).
+        v.sort_by_cached_key(|s| (s.demoted(), s.kind() == SourceKind::Origin));
         v
     }
 
@@ -463,7 +475,15 @@ impl SourceSet {
         // Stable: keeps the peers' rotation and the mirrors' RTT order among equals. Healthy
         // peers and mirrors, the origin, demoted peers and mirrors, and banned sources as a
         // last resort.
-        all.sort_by_key(|s| (s.banned(), s.demoted(), s.kind() == SourceKind::Origin));
+        // Each key computed once (a stable sort of the keys): the turn of a demoted mirror
+        // is taken at most once, and keys read from atomics cannot change mid-sort.
+        all.sort_by_cached_key(|s| {
+            (
+                s.banned(),
+                s.demoted_taking_turn(),
+                s.kind() == SourceKind::Origin,
+            )
+        });
         all
     }
 
@@ -522,20 +542,24 @@ mod tests {
             m.failed();
         }
         let t0 = Instant::now();
-        assert!(m.demoted_at(t0));
-        assert!(m.demoted_at(t0 + RETRY_DEMOTED / 2));
+        assert!(m.demoted_taking_turn_at(t0));
+        assert!(m.demoted_taking_turn_at(t0 + RETRY_DEMOTED / 2));
+        // Asking without taking the turn (the announcer, the mirrors' order) leaves it.
+        for _ in 0..10 {
+            assert!(m.demoted());
+        }
         // Its turn: one asking finds it not demoted, the next ones do again.
-        assert!(!m.demoted_at(t0 + RETRY_DEMOTED));
-        assert!(m.demoted_at(t0 + RETRY_DEMOTED));
-        assert!(!m.demoted_at(t0 + 2 * RETRY_DEMOTED));
+        assert!(!m.demoted_taking_turn_at(t0 + RETRY_DEMOTED));
+        assert!(m.demoted_taking_turn_at(t0 + RETRY_DEMOTED));
+        assert!(!m.demoted_taking_turn_at(t0 + 2 * RETRY_DEMOTED));
         // It answered: healthy again. The origin is never demoted this way.
         m.answered();
-        assert!(!m.demoted_at(t0 + 2 * RETRY_DEMOTED));
+        assert!(!m.demoted_taking_turn_at(t0 + 2 * RETRY_DEMOTED));
         let origin = &s.fixed[2];
         for _ in 0..DEMOTE_AFTER_ERRORS {
             origin.failed();
         }
-        assert!(origin.demoted_at(t0 + 10 * RETRY_DEMOTED));
+        assert!(origin.demoted_taking_turn_at(t0 + 10 * RETRY_DEMOTED));
     }
 
     fn names(v: &[Arc<SourceState>]) -> Vec<&str> {
