@@ -29,7 +29,7 @@
 //! same piece at the same moment; the mirror's uplink carries about one copy and the peers
 //! the rest. A lone pull goes in file order.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -283,6 +283,36 @@ async fn get_all(
         }),
         Err(e) => Err(MirrorError::store(format!("reading {key}"), e)),
     }
+}
+
+/// Removes the files under `partial_dir` that belong to blobs not in `current` (hex hashes):
+/// a partial blob and its progress, temporary and copy files, named by the blob's hash. Other
+/// names are left alone. Returns the bytes the removed files held on the disk.
+async fn reclaim_foreign_partials(partial_dir: &Path, current: &HashSet<String>) -> u64 {
+    use std::os::unix::fs::MetadataExt as _;
+    let Ok(mut dir) = tokio::fs::read_dir(partial_dir).await else {
+        return 0;
+    };
+    let mut reclaimed = 0u64;
+    while let Ok(Some(e)) = dir.next_entry().await {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let hex = name.split('.').next().unwrap_or_default();
+        let ours = hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit());
+        let suffix_known = matches!(
+            &name[hex.len()..],
+            "" | ".progress" | ".progress.tmp" | ".copy"
+        );
+        if !ours || !suffix_known || current.contains(hex) {
+            continue;
+        }
+        // Blocks allocated, not the length: a partial file is sparse until written.
+        let held = e.metadata().await.map_or(0, |m| m.blocks() * 512);
+        if tokio::fs::remove_file(e.path()).await.is_ok() {
+            reclaimed += held;
+        }
+    }
+    reclaimed
 }
 
 /// Stops a pull: set from outside (`PullOptions::cancel`) or by the pull itself (piece
@@ -567,7 +597,22 @@ pub async fn pull_from(
             missing + b.entry.size * (b.paths.len() as u64).saturating_sub(1)
         })
         .sum();
-    if let Some(free) = crate::disk_space::available(&partial_dir) {
+    if let Some(mut free) = crate::disk_space::available(&partial_dir) {
+        if needed > free {
+            // Partial files of blobs this revision does not have (an earlier pull of another
+            // revision, stopped) are given up before the pull is: the directory is locked, and
+            // without this a volume filled by a stopped pull of `:latest` refused every pull
+            // of the tag's next revision until `.partial` was emptied by hand.
+            let current: HashSet<String> = manifest.files.iter().map(|f| f.hash.to_hex()).collect();
+            let reclaimed = reclaim_foreign_partials(&partial_dir, &current).await;
+            if reclaimed > 0 {
+                tracing::info!(
+                    bytes = reclaimed,
+                    "removed the partial files of blobs this revision does not have, to make room"
+                );
+                free = crate::disk_space::available(&partial_dir).unwrap_or(free);
+            }
+        }
         if needed > free {
             return Err(MirrorError::io(
                 format!(
@@ -1544,6 +1589,40 @@ mod tests {
             SourceState::new("origin".into(), Source::Origin(store), None),
             mirror("b"),
         ]
+    }
+
+    #[tokio::test]
+    async fn only_the_partial_files_of_blobs_not_pulled_now_are_reclaimed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (ours, theirs) = ("a".repeat(64), "b".repeat(64));
+        for name in [
+            ours.clone(),
+            format!("{ours}.progress"),
+            theirs.clone(),
+            format!("{theirs}.progress"),
+            format!("{theirs}.copy"),
+            "notes.txt".to_string(),
+            format!("{theirs}.mine"),
+        ] {
+            std::fs::write(dir.path().join(name), vec![7u8; 8192]).expect("write");
+        }
+        let current: HashSet<String> = [ours.clone()].into_iter().collect();
+        let reclaimed = reclaim_foreign_partials(dir.path(), &current).await;
+        assert!(reclaimed >= 3 * 8192, "{reclaimed}");
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .expect("list")
+            .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                ours.clone(),
+                format!("{ours}.progress"),
+                format!("{theirs}.mine"),
+                "notes.txt".to_string()
+            ]
+        );
     }
 
     #[tokio::test]
