@@ -26,6 +26,7 @@ use object_store::path::Path as StorePath;
 use object_store::ObjectStore;
 use tokenway_telemetry::Counter;
 
+use super::outboard_disk::{OutboardDisk, MAX_OUTBOARD_DISK_BYTES};
 use super::recent::Recent;
 use crate::http_error::ServeError;
 use crate::local_read::read_at_most_async;
@@ -114,6 +115,8 @@ pub struct ManifestCache {
     tags: Mutex<HashMap<(String, String), TagAnswer>>,
     /// Revisions being loaded: the load lock callers of one revision queue on.
     loading: Loading,
+    /// The outboards kept on disk, bounded.
+    outboard_disk: OutboardDisk,
 }
 
 /// A tag's revision, whether it came from this mirror's copy (the origin unreachable), and
@@ -181,6 +184,10 @@ impl ManifestCache {
             verified: Mutex::new(Recent::new(VERIFIED_OUTBOARD_BYTES)),
             tags: Mutex::new(HashMap::new()),
             loading: Mutex::new(HashMap::new()),
+            outboard_disk: OutboardDisk::new(
+                dir.join("manifests").join("outboards"),
+                MAX_OUTBOARD_DISK_BYTES,
+            ),
         }
     }
 
@@ -384,6 +391,7 @@ impl ManifestCache {
                 })?;
                 self.outboard_from_origin.inc_by(b.len() as u64);
                 write_atomic(&local, &b).await;
+                self.outboard_disk.written(b.len() as u64).await;
                 lock(&self.verified).insert(memo_key, b.clone());
                 Ok(b)
             }

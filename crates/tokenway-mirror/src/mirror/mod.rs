@@ -19,6 +19,7 @@ pub mod cache;
 pub mod manifests;
 pub mod metrics;
 pub mod origin_reads;
+pub mod outboard_disk;
 pub mod peers;
 pub mod preheat;
 pub mod recent;
