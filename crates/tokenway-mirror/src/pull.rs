@@ -54,7 +54,7 @@ use crate::piece_queue::{spread_order, PieceQueue};
 use crate::piece_writer::PieceWriter;
 use crate::progress::PieceProgress;
 use crate::publish::read_full;
-use crate::rate_limit::RateLimit;
+use crate::rate_limit::Pacer;
 use crate::source::{FetchError, SourceKind, MAX_MANIFEST_BYTES};
 use crate::sources::{SourceSet, SourceState};
 use crate::straggler::{should_hedge, Straggler, FLOOR};
@@ -391,7 +391,9 @@ struct Ctx {
     sources: Arc<SourceSet>,
     manifest: Manifest,
     straggler: Mutex<Straggler>,
-    rate: Option<Mutex<RateLimit>>,
+    /// `--limit-rate`: a piece takes its slot when its turn comes, so a hedge dropped while
+    /// it waits (the first source answered) takes none.
+    rate: Option<Pacer>,
     hedge: bool,
     attempts: u32,
     only_origin: bool,
@@ -687,7 +689,7 @@ pub async fn pull_from(
         sources: Arc::clone(&sources),
         manifest: manifest.clone(),
         straggler: Mutex::new(Straggler::default()),
-        rate: opts.limit_rate.map(|r| Mutex::new(RateLimit::new(r))),
+        rate: opts.limit_rate.map(Pacer::new),
         hedge: opts.hedge,
         outage: Outage::new(std::time::Instant::now()),
         sharing: opts.parallel.max(1) as u64,
@@ -1016,11 +1018,7 @@ enum Fetched {
 async fn pace(ctx: &Ctx, entry: &FileEntry, i: u64) {
     if let Some(rate) = &ctx.rate {
         let r = entry.piece_range(i);
-        let at = rate
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .reserve(r.end - r.start, Instant::now());
-        tokio::time::sleep_until(at.into()).await;
+        rate.pace(r.end - r.start).await;
     }
 }
 

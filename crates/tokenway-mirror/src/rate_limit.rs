@@ -37,10 +37,11 @@ impl RateLimit {
 }
 
 /// A FIFO queue in front of a [`RateLimit`] whose waiters take their slot only when their
-/// turn comes. Reserving on arrival (what a pull does, whose transfers never leave) would let
-/// every waiter that leaves a server's queue (a puller that hedged the piece elsewhere, timed
-/// out, was stopped) keep its slot: the uplink then idles through slots nobody uses, the queue
-/// grows past the pullers' patience, and almost nothing gets through.
+/// turn comes. Reserving on arrival would let every waiter that leaves the queue keep its
+/// slot: on a server, a puller that hedged the piece elsewhere, timed out or was stopped; in a
+/// pull, a hedge dropped because the first source answered. The link then idles through slots
+/// nobody uses (a server's queue grew past the pullers' patience and almost nothing got
+/// through; a pull ran below its `--limit-rate` by the share of hedges it lost).
 #[derive(Debug)]
 pub struct Pacer {
     turn: tokio::sync::Mutex<()>,
