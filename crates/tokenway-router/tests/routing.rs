@@ -525,9 +525,8 @@ fn the_last_healthy_backend_of_a_model_is_not_ejected_for_slow_first_tokens() {
     );
 }
 
-#[test]
-fn hedge_delay_tracks_the_backends_recent_p95() {
-    let t0 = Instant::now();
+/// A `cost` router with hedging on and two backends, `a` and `b`.
+fn hedging_router() -> (Router, BackendId, BackendId) {
     let cfg = RouterConfig {
         hedge: HedgeConfig {
             enabled: true,
@@ -538,6 +537,13 @@ fn hedge_delay_tracks_the_backends_recent_p95() {
     let mut r = Router::with_config(Policy::CostAware, cfg, 1);
     let a = r.add_backend(spec("a", "eu", 0));
     let b = r.add_backend(spec("b", "eu", 0));
+    (r, a, b)
+}
+
+#[test]
+fn hedge_delay_tracks_the_backends_recent_p95() {
+    let t0 = Instant::now();
+    let (mut r, a, b) = hedging_router();
     let plain = RouteRequest::new(M);
     assert_eq!(r.hedge_delay(a, &plain, t0), None, "no samples yet");
     for i in 1..=100u64 {
@@ -576,16 +582,7 @@ fn hedge_delay_tracks_the_backends_recent_p95() {
 #[test]
 fn a_request_expected_late_is_not_hedged_before_its_expected_first_token() {
     let t0 = Instant::now();
-    let cfg = RouterConfig {
-        hedge: HedgeConfig {
-            enabled: true,
-            ..HedgeConfig::default()
-        },
-        ..RouterConfig::default()
-    };
-    let mut r = Router::with_config(Policy::CostAware, cfg, 1);
-    let a = r.add_backend(spec("a", "eu", 0));
-    r.add_backend(spec("b", "eu", 0));
+    let (mut r, a, _) = hedging_router();
     // Recent first tokens of short chat turns: p95 97 ms.
     for i in 1..=100u64 {
         r.on_first_byte(a, ms(i), t0 + ms(i));

@@ -420,11 +420,8 @@ where
     resp.into_body().collect().await.expect("body").to_bytes()
 }
 
-/// The edge's client, with the project's QUIC settings: a bulk upload and a small request share
-/// one connection and both arrive whole.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quic_client_carries_a_bulk_upload_and_a_small_request_together() {
-    let server = start_server(false);
+/// The edge's client to `server` (without 0-RTT), and the endpoint it lives on.
+async fn edge_client(server: &Server) -> (QuicClient, quinn::Endpoint) {
     let settings = QuicSettings {
         zero_rtt: false,
         ..QuicSettings::default()
@@ -434,7 +431,7 @@ async fn quic_client_carries_a_bulk_upload_and_a_small_request_together() {
         endpoint: &ep,
         addr: server.addr,
         server_name: "localhost",
-        tls: pinned_tls(&server),
+        tls: pinned_tls(server),
         settings: &settings,
         initial_rtt: None,
         peer: "test",
@@ -443,6 +440,15 @@ async fn quic_client_carries_a_bulk_upload_and_a_small_request_together() {
     })
     .await
     .expect("connected");
+    (client, ep)
+}
+
+/// The edge's client, with the project's QUIC settings: a bulk upload and a small request share
+/// one connection and both arrive whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_client_carries_a_bulk_upload_and_a_small_request_together() {
+    let server = start_server(false);
+    let (client, _ep) = edge_client(&server).await;
     let client = Arc::new(client);
     let upload = {
         let client = client.clone();
@@ -469,24 +475,7 @@ async fn quic_client_carries_a_bulk_upload_and_a_small_request_together() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_over_the_servers_limit_is_the_requests_fault_and_the_connection_lives_on() {
     let server = start_server(false);
-    let settings = QuicSettings {
-        zero_rtt: false,
-        ..QuicSettings::default()
-    };
-    let ep = client_endpoint();
-    let client = QuicClient::connect(QuicConnect {
-        endpoint: &ep,
-        addr: server.addr,
-        server_name: "localhost",
-        tls: pinned_tls(&server),
-        settings: &settings,
-        initial_rtt: None,
-        peer: "test",
-        metrics: None,
-        timeout: Duration::from_secs(5),
-    })
-    .await
-    .expect("connected");
+    let (client, _ep) = edge_client(&server).await;
     // Settle the server's SETTINGS first: the limit is known once they arrive.
     let ping = request(Method::POST, "/ping", Full::new(Bytes::from_static(b"hi")));
     body_of(&client, ping).await;

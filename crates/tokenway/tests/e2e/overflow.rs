@@ -14,6 +14,15 @@ fn dead_backend_url() -> String {
     format!("http://{addr}")
 }
 
+/// The peer region's gateway: `backend` behind it, its tunnel open to [`TOKEN`].
+fn peer_gateway(backend: &Proc) -> Proc {
+    gateway(
+        &[backend],
+        "",
+        &format!("[tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n"),
+    )
+}
+
 /// A gateway whose only backend is dead and whose `[overflow]` points at `peer`'s tunnel.
 fn gateway_overflowing_to(peer: &Proc) -> Proc {
     let quic = peer.extra("tunnel").expect("the peer announces its tunnel");
@@ -36,11 +45,7 @@ fn gateway_overflowing_to(peer: &Proc) -> Proc {
 #[tokio::test]
 async fn with_no_local_backend_a_request_overflows_to_the_peer_region() {
     let backend = sim(FAST_SIM);
-    let peer = gateway(
-        &[&backend],
-        "",
-        &format!("[tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n"),
-    );
+    let peer = peer_gateway(&backend);
     let local = gateway_overflowing_to(&peer);
     let body = chat("overflow me", true, 12);
     let via = post(&format!("{}/v1/chat/completions", local.url()), &body, None).await;
@@ -81,11 +86,7 @@ async fn with_no_local_backend_a_request_overflows_to_the_peer_region() {
 #[tokio::test]
 async fn a_request_that_already_overflowed_is_not_sent_on_again() {
     let backend = sim(FAST_SIM);
-    let peer = gateway(
-        &[&backend],
-        "",
-        &format!("[tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n"),
-    );
+    let peer = peer_gateway(&backend);
     let local = gateway_overflowing_to(&peer);
     // As if it came from another gateway's overflow: it must stop here, with a local error.
     let r = hyper_post_with_header(
@@ -105,11 +106,7 @@ async fn a_request_that_already_overflowed_is_not_sent_on_again() {
 #[tokio::test]
 async fn with_the_peer_region_down_an_unservable_request_gets_this_regions_503() {
     let backend = sim(FAST_SIM);
-    let peer = gateway(
-        &[&backend],
-        "",
-        &format!("[tunnel]\nlisten = \"127.0.0.1:0\"\ntokens = [\"{TOKEN}\"]\n"),
-    );
+    let peer = peer_gateway(&backend);
     let local = gateway_overflowing_to(&peer);
     drop(peer);
     // The dead local backend is ejected by the first attempt (or its probes); from then on no
