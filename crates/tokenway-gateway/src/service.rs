@@ -396,7 +396,10 @@ where
         }
         Err(e) => return Err(route_error(shared, e)),
     };
-    let spare = overflow.map(|t| (t, body.clone()));
+    // Not a second time after the peer just failed: its failure would only add its wait.
+    let spare = overflow
+        .filter(|_| !overflow_tried)
+        .map(|t| (t, body.clone()));
     // Inline: the request's future is boxed whole (`front_h1`), one allocation for all its
     // states; only the rare overflow to a peer region is boxed apart, so that its kilobytes do
     // not enlarge every request's.

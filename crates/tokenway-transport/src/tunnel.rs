@@ -585,6 +585,9 @@ impl Tunnel {
         // several gateways that refuse the token the request ends (it went back and forth
         // between two of them, never waiting, while a third accepted).
         let mut avoid: Vec<usize> = Vec::new();
+        // Those of them that refused the token: another gateway is asked only if it has not
+        // (one avoided after a failed attempt may accept, its connection redialled).
+        let mut refused: Vec<usize> = Vec::new();
         let mut last = None;
         // Two retries after a dead connection (the first fresh connection after a QUIC path
         // went silent may be an unanswered 0-RTT one that loses its race against TCP); one
@@ -599,8 +602,11 @@ impl Tunnel {
             };
             if *self.links[i].token.borrow() == TokenCheck::Refused {
                 // Another gateway may know the token (one not yet given a rotated token list).
-                if !avoid.contains(&i) && self.another_accepts(i, &avoid) {
-                    avoid.push(i);
+                if !refused.contains(&i) && self.another_accepts(i, &refused) {
+                    refused.push(i);
+                    if !avoid.contains(&i) {
+                        avoid.push(i);
+                    }
                     continue;
                 }
                 return Err(SendError::token_refused(&self.links[i].name));
@@ -610,8 +616,11 @@ impl Tunnel {
                 Ok(response) => {
                     if self.token_refused(i, is_html(&response)).await {
                         // The masquerade site answered: nothing ran, another gateway may.
-                        if !avoid.contains(&i) && self.another_accepts(i, &avoid) {
-                            avoid.push(i);
+                        if !refused.contains(&i) && self.another_accepts(i, &refused) {
+                            refused.push(i);
+                            if !avoid.contains(&i) {
+                                avoid.push(i);
+                            }
                             continue;
                         }
                         return Err(SendError::token_refused(&self.links[i].name));
@@ -646,12 +655,12 @@ impl Tunnel {
         }
     }
 
-    /// Whether a gateway other than `i`, and not one to `avoid`, has a live connection and
-    /// has not refused the token.
-    fn another_accepts(&self, i: usize, avoid: &[usize]) -> bool {
+    /// Whether a gateway other than `i`, and not one that `refused` this request, has a live
+    /// connection and has not refused the token.
+    fn another_accepts(&self, i: usize, refused: &[usize]) -> bool {
         self.links.iter().enumerate().any(|(j, l)| {
             j != i
-                && !avoid.contains(&j)
+                && !refused.contains(&j)
                 && *l.token.borrow() != TokenCheck::Refused
                 && l.current().is_some_and(|c| !c.is_closed())
         })
