@@ -12,9 +12,10 @@
 //!
 //! **Peers.** Layer state (an `FecSender` and an `FecReceiver`) is kept per remote address, in
 //! a map bounded at [`MAX_PEERS`] and swept of peers idle for [`PEER_IDLE`]; at the bound the
-//! least recently seen peer that has not proved two-way (QUIC sent to it, and it sent again) is
-//! evicted for a new one, else the least recently seen of all, so spoofed addresses churn
-//! through their own entries before live connections' and nobody is locked out. A datagram from an
+//! oldest peer that has not proved two-way (QUIC sent to it, and it sent again) is evicted for
+//! a new one (found in amortised O(1): a spoofed source costs no scan of the map), else the
+//! least recently seen of all, so spoofed addresses churn through their own entries before
+//! live connections' and nobody is locked out. A datagram from an
 //! address without state is first checked on a copy (de-obfuscate and parse the framing): only
 //! a well-framed packet that carries QUIC data (plain or source; not a lone repair or loss
 //! report) creates state, so a prober or a scanner without the key costs one parse and no
@@ -58,7 +59,7 @@
 //! bulk state only below half of it): token streams and short requests get FEC, a bulk upload
 //! or download goes out plain.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, IoSliceMut};
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -396,6 +397,10 @@ struct Ready {
 struct State {
     config: LayerConfig,
     peers: HashMap<SocketAddr, Peer>,
+    /// Addresses in the order their state was made, for eviction at the bound: the front is
+    /// the oldest entry that may still be one-way. Entries of peers since confirmed or retired
+    /// are stale and dropped when they reach the front (or at housekeeping).
+    newcomers: VecDeque<SocketAddr>,
     /// Scratch buffers: framed output, repairs, stranger checks, restored packets; a GSO
     /// batch of framed datagrams.
     out: Vec<u8>,
@@ -452,6 +457,7 @@ impl State {
         State {
             config,
             peers: HashMap::new(),
+            newcomers: VecDeque::new(),
             out: Vec::with_capacity(2048),
             extra: Vec::with_capacity(2048),
             batch: Vec::with_capacity(16 * 2048),
@@ -497,21 +503,24 @@ impl State {
         })
     }
 
-    /// Makes sure `addr` has state. At the bound the least recently seen peer that is not
-    /// confirmed (two-way) makes room, or, when all are, the least recently seen of all: a
-    /// flood of well-framed datagrams from spoofed addresses (possible without an obfuscation
-    /// key) churns through its own entries before it touches a live connection's FEC state,
-    /// and never locks a newcomer out.
+    /// Makes sure `addr` has state. At the bound the oldest entry that is not confirmed
+    /// (two-way) makes room, or, when all are, the least recently seen of all: a flood of
+    /// well-framed datagrams from spoofed addresses (possible without an obfuscation key)
+    /// churns through its own entries before it touches a live connection's FEC state, and
+    /// never locks a newcomer out. Finding the oldest one-way entry is amortised O(1) (the
+    /// front of `newcomers`), so each spoofed source costs the same at the bound as below it;
+    /// only a map full of two-way peers, which a spoofer cannot make, costs a scan.
     fn ensure_peer(&mut self, addr: SocketAddr, now: Instant) -> bool {
         if self.peers.contains_key(&addr) {
             return true;
         }
         if self.peers.len() >= MAX_PEERS {
-            let victim = self
-                .peers
-                .iter()
-                .min_by_key(|(_, p)| (p.confirmed, p.last_seen))
-                .map(|(a, _)| *a);
+            let victim = self.oldest_one_way().or_else(|| {
+                self.peers
+                    .iter()
+                    .min_by_key(|(_, p)| p.last_seen)
+                    .map(|(a, _)| *a)
+            });
             if let Some(a) = victim {
                 self.retire(a);
             }
@@ -519,6 +528,10 @@ impl State {
         match self.new_peer(now) {
             Ok(p) => {
                 self.peers.insert(addr, p);
+                if self.newcomers.len() >= 2 * MAX_PEERS {
+                    self.prune_newcomers();
+                }
+                self.newcomers.push_back(addr);
                 true
             }
             Err(e) => {
@@ -527,6 +540,26 @@ impl State {
                 false
             }
         }
+    }
+
+    /// Pops `newcomers` down to the oldest entry whose peer is still one-way; stale entries
+    /// (confirmed or retired peers) go on the way.
+    fn oldest_one_way(&mut self) -> Option<SocketAddr> {
+        while let Some(a) = self.newcomers.pop_front() {
+            if self.peers.get(&a).is_some_and(|p| !p.confirmed) {
+                return Some(a);
+            }
+        }
+        None
+    }
+
+    /// Drops stale `newcomers` entries, keeping one per one-way peer: its length stays within
+    /// twice the peer bound.
+    fn prune_newcomers(&mut self) {
+        let peers = &self.peers;
+        let mut seen = HashSet::with_capacity(self.newcomers.len());
+        self.newcomers
+            .retain(|a| peers.get(a).is_some_and(|p| !p.confirmed) && seen.insert(*a));
     }
 
     fn retire(&mut self, addr: SocketAddr) {
@@ -709,6 +742,7 @@ impl State {
         for a in idle {
             self.retire(a);
         }
+        self.prune_newcomers();
         if tracing::enabled!(tracing::Level::DEBUG) {
             // The FEC senders' block counters are not metrics; this is how a run is diagnosed
             // (`RUST_LOG=tokenway_transport::datagram=debug`).
@@ -1242,6 +1276,36 @@ mod tests {
         assert!(st.peers.contains_key(&meta(MAX_PEERS + 1).addr));
         assert!(!st.peers.contains_key(&meta(0).addr));
         assert_eq!(st.peers_evicted, 2);
+        // Half the two-way peers leave, then a flood of spoofed sources, three times the bound,
+        // fills the free half and cycles through it, oldest first, while the two-way half
+        // stays; the eviction queue stays within twice the bound.
+        let two_way: Vec<SocketAddr> = st
+            .peers
+            .iter()
+            .filter(|(_, p)| p.confirmed)
+            .map(|(a, _)| *a)
+            .take(MAX_PEERS / 2)
+            .collect();
+        let gone: Vec<SocketAddr> = st
+            .peers
+            .keys()
+            .filter(|a| !two_way.contains(a))
+            .copied()
+            .collect();
+        for a in gone {
+            st.retire(a);
+        }
+        for i in 0..3 * MAX_PEERS {
+            receive(&mut st, 10_000 + i, later);
+            assert!(st.newcomers.len() <= 2 * MAX_PEERS);
+        }
+        assert_eq!(st.peers.len(), MAX_PEERS);
+        assert!(two_way.iter().all(|a| st.peers.contains_key(a)));
+        let newest = (3 * MAX_PEERS - MAX_PEERS / 2..3 * MAX_PEERS).map(|i| meta(10_000 + i).addr);
+        assert!(
+            newest.into_iter().all(|a| st.peers.contains_key(&a)),
+            "the newest stay"
+        );
         // A loss report from an address without state creates none.
         let mut report = Vec::new();
         tokenway_wire::packet::write_loss_report(
