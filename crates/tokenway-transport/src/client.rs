@@ -139,7 +139,6 @@ struct Inner {
     /// the QUIC connection, so they live as long as the client.
     retired: Mutex<Vec<Session>>,
     driver: Mutex<AbortHandle>,
-    sampler: Option<AbortHandle>,
     zero_rtt: watch::Receiver<ZeroRtt>,
     /// Why the handshake of a 0-RTT connection did not complete ([`ZeroRtt::Failed`]); set
     /// before the verdict is sent.
@@ -153,11 +152,13 @@ struct Inner {
 }
 
 impl Drop for Inner {
+    /// Closes the connection (code 0), as dropping the last handle of a quinn connection
+    /// would, before the HTTP/3 driver stops: the metrics sampler and the datagram layer's
+    /// RTT follower hold handles too and end on the close (the sampler counting the last
+    /// second), and the gateway sees a clean close rather than the end of a critical stream.
     fn drop(&mut self) {
+        self.conn.close(0u32.into(), b"");
         lock(&self.driver).abort();
-        if let Some(s) = &self.sampler {
-            s.abort();
-        }
     }
 }
 
@@ -222,23 +223,21 @@ impl QuicClient {
         if let Some(d) = &p.settings.datagram {
             d.layer.follow_rtt(&conn);
         }
-        let sampler = p.metrics.as_ref().map(|m| {
+        if let Some(m) = &p.metrics {
             tokio::spawn(crate::stats::sample_connection(
                 conn.clone(),
                 p.peer.to_string(),
                 m.clone(),
                 Duration::from_secs(1),
                 crate::stats::Sampled::Connection,
-            ))
-            .abort_handle()
-        });
+            ));
+        }
         let inner = Arc::new(Inner {
             conn: conn.clone(),
             server_name: p.server_name.to_string(),
             session: Mutex::new(session),
             retired: Mutex::new(Vec::new()),
             driver: Mutex::new(driver),
-            sampler,
             zero_rtt: zero_rx,
             handshake_error: Mutex::new(None),
             draining: AtomicBool::new(false),

@@ -983,3 +983,49 @@ async fn closing_the_tcp_fallback_fails_a_waiting_request_at_once() {
     assert!(err.retryable, "{err}");
     assert!(client.is_closed());
 }
+
+/// A `QuicClient` on the datagram layer that is dropped without `close()` (a connection set
+/// aside, its last answer done) closes its connection cleanly, as dropping the last handle of
+/// a quinn connection does, although the layer's RTT follower holds a handle too: before, the
+/// gateway closed it on seeing the HTTP/3 control stream end (a protocol error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layered_quic_client_dropped_without_close_closes_its_connection() {
+    let settings = layered("auto", PSK);
+    let s = start_layered_server(&settings);
+    let (ep, _layer) =
+        endpoint::client_endpoint_with_layer("127.0.0.1:0".parse().expect("addr"), &settings)
+            .expect("client endpoint");
+    let client = QuicClient::connect(QuicConnect {
+        endpoint: &ep,
+        addr: s.server.addr,
+        server_name: "localhost",
+        tls: pinned_tls(&s.server),
+        settings: &settings,
+        initial_rtt: None,
+        peer: "test",
+        metrics: None,
+        timeout: DEADLINE,
+    })
+    .await
+    .expect("connected");
+    let ping = request(Method::POST, "/ping", Full::new(Bytes::from_static(b"hi")));
+    assert_eq!(count(&body_of(&client, ping).await), 0);
+    let server_conn = s
+        .server
+        .state
+        .conn
+        .lock()
+        .expect("not poisoned")
+        .clone()
+        .expect("the server has the connection");
+    assert!(server_conn.close_reason().is_none());
+    client.set_aside();
+    drop(client);
+    let reason = tokio::time::timeout(DEADLINE, server_conn.closed())
+        .await
+        .expect("the connection closed once its client was dropped");
+    assert!(
+        matches!(&reason, quinn::ConnectionError::ApplicationClosed(c) if c.error_code == 0u32.into()),
+        "closed cleanly by the client, not over a broken control stream: {reason}"
+    );
+}
