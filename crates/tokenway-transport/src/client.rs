@@ -152,15 +152,19 @@ struct Inner {
 }
 
 impl Drop for Inner {
-    /// Closes the connection (code 0), as dropping the last handle of a quinn connection
-    /// would, before the HTTP/3 driver stops: the metrics sampler and the datagram layer's
-    /// RTT follower hold handles too and end on the close (the sampler counting the last
-    /// second), and the gateway sees a clean close rather than the end of a critical stream.
+    /// Closes the connection with H3_NO_ERROR before the HTTP/3 driver stops, rather than
+    /// leaving the close to the driver's reaction to its last sender going (which races the
+    /// abort) or to the last handle's drop: the metrics sampler and the datagram layer's RTT
+    /// follower hold handles too, and end on the close (the sampler counting the last second).
     fn drop(&mut self) {
-        self.conn.close(0u32.into(), b"");
+        self.conn
+            .close(quinn::VarInt::from_u32(H3_NO_ERROR), b"client done");
         lock(&self.driver).abort();
     }
 }
+
+/// HTTP/3's code for a connection closed without error (RFC 9114, section 8.1).
+const H3_NO_ERROR: u32 = 0x100;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
