@@ -12,7 +12,8 @@
 //!
 //! **Peers.** Layer state (an `FecSender` and an `FecReceiver`) is kept per remote address, in
 //! a map bounded at [`MAX_PEERS`] and swept of peers idle for [`PEER_IDLE`]; at the bound the
-//! oldest peer that has not proved two-way (QUIC sent to it, and it sent again) is evicted for
+//! oldest peer that has not proved two-way (a QUIC handshake with it completed, as the
+//! connection's RTT follower sees) is evicted for
 //! a new one (found in amortised O(1): a spoofed source costs no scan of the map), else the
 //! least recently seen of all, so spoofed addresses churn through their own entries before
 //! live connections' and nobody is locked out. A datagram from an
@@ -84,6 +85,11 @@ use crate::settings::DatagramSettings;
 pub const MAX_PEERS: usize = 1024;
 /// A peer silent for this long loses its layer state.
 pub const PEER_IDLE: Duration = Duration::from_secs(120);
+/// New peers per second whose FEC receivers get the starting allowance of Reed-Solomon decodes;
+/// later ones in the same second earn theirs from source packets, so a flood of forged
+/// addresses (each a source packet and forged repairs) buys at most this many allowances (8
+/// decodes of 100-250 µs each) a second, not one per address.
+const FUNDED_NEW_PEERS_PER_SEC: u32 = 32;
 /// How often idle peers are swept and metrics published.
 const HOUSEKEEPING: Duration = Duration::from_secs(1);
 /// Datagrams read from the inner socket per call.
@@ -193,7 +199,14 @@ impl LayerSlot {
                 }
                 // Upgraded only for the update: the task never keeps a layer alive.
                 if let Some(h) = slot.handle() {
-                    h.set_srtt(conn.remote_address(), conn.rtt());
+                    let peer = conn.remote_address();
+                    h.set_srtt(peer, conn.rtt());
+                    // A completed handshake (HANDSHAKE_DONE sent, or received) proves the
+                    // peer's address two-way: it read what QUIC sent there.
+                    let frames = conn.stats();
+                    if frames.frame_tx.handshake_done > 0 || frames.frame_rx.handshake_done > 0 {
+                        h.confirm(peer);
+                    }
                 }
             }
         });
@@ -320,9 +333,11 @@ struct Peer {
     window_start: Instant,
     window_bytes: u64,
     interactive: bool,
-    /// QUIC has sent to this address.
+    /// QUIC has sent to this address (loss reports go only to such).
     sent: bool,
-    /// It sent again after QUIC sent to it: a two-way peer, not an address someone spoofed.
+    /// A QUIC handshake with this address completed ([`DatagramHandle::confirm`], from the
+    /// connection's RTT follower): a two-way peer, not an address someone spoofed. Sending
+    /// again after QUIC answered is no proof: QUIC answers a forged Initial.
     confirmed: bool,
 }
 
@@ -414,6 +429,9 @@ struct State {
     send_failed: u64,
     deliver_dropped: u64,
     peers_evicted: u64,
+    /// The current second of new peers, and how many of them got the starting decodes.
+    funded_since: Option<Instant>,
+    funded: u32,
     /// When the timer task will next wake.
     timer_at: Option<Instant>,
     published: DatagramStats,
@@ -469,12 +487,14 @@ impl State {
             send_failed: 0,
             deliver_dropped: 0,
             peers_evicted: 0,
+            funded_since: None,
+            funded: 0,
             timer_at: None,
             published: DatagramStats::default(),
         }
     }
 
-    fn new_peer(&self, now: Instant) -> Result<Peer, TransportError> {
+    fn new_peer(&mut self, now: Instant) -> Result<Peer, TransportError> {
         let err = |e: tokenway_wire::WireError| TransportError::Config(format!("datagram.{e}"));
         let mut tx = FecSender::new(
             self.config.fec.clone(),
@@ -483,12 +503,24 @@ impl State {
         )
         .map_err(err)?;
         tx.set_interactive(now, true);
-        let rx = FecReceiver::new(
+        let mut rx = FecReceiver::new(
             self.config.receiver.clone(),
             self.config.obfs.clone(),
             rand::random(),
         )
         .map_err(err)?;
+        if self
+            .funded_since
+            .is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(1))
+        {
+            self.funded_since = Some(now);
+            self.funded = 0;
+        }
+        if self.funded < FUNDED_NEW_PEERS_PER_SEC {
+            self.funded += 1;
+        } else {
+            rx.forgo_starting_decodes();
+        }
         Ok(Peer {
             tx,
             rx,
@@ -632,7 +664,6 @@ impl State {
         }
         let peer = self.peers.get_mut(&addr)?;
         peer.last_seen = now;
-        peer.confirmed |= peer.sent;
         if meta.dst_ip.is_some() {
             peer.src_ip = meta.dst_ip;
         }
@@ -718,7 +749,9 @@ impl State {
                 }
                 p.rx.on_timeout(now);
                 while p.rx.poll_transmit(now, out) {
-                    if send_raw(inner, *addr, p.src_ip, None, out).is_err() {
+                    // Loss reports go only where QUIC has sent: an address named by a forged
+                    // packet alone gets no answer (no reflection; a prober sees silence).
+                    if p.sent && send_raw(inner, *addr, p.src_ip, None, out).is_err() {
                         failed += 1;
                     }
                 }
@@ -893,6 +926,22 @@ impl DatagramHandle {
         }
     }
 
+    /// Marks `peer` two-way (a QUIC handshake with it completed): at the peer bound it is
+    /// evicted only after every entry that is not.
+    pub fn confirm(&self, peer: SocketAddr) {
+        if let Some(p) = lock(&self.socket.state).peers.get_mut(&peer) {
+            p.confirmed = true;
+        }
+    }
+
+    /// Whether `peer` is marked two-way.
+    pub fn confirmed(&self, peer: SocketAddr) -> bool {
+        lock(&self.socket.state)
+            .peers
+            .get(&peer)
+            .is_some_and(|p| p.confirmed)
+    }
+
     /// The smoothed RTT the FEC sender towards `peer` was last told, if any.
     pub fn srtt(&self, peer: SocketAddr) -> Option<Duration> {
         lock(&self.socket.state)
@@ -972,72 +1021,80 @@ impl DatagramSocket {
         let send = |framed: &[u8], seg: Option<usize>| {
             send_segments(inner, t.destination, t.src_ip, t.ecn, framed, seg)
         };
-        if let Some(s) = peer.stalled.take() {
-            if s.original == t.contents {
-                return match send(&s.framed, s.segment) {
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        peer.stalled = Some(s);
-                        Err(e)
-                    }
-                    r => r,
-                };
-            }
-            *send_failed += 1;
-        }
-        // Every segment is framed (header, salt, key stream) into one batch with a stride of
-        // the framed segment size, and the batch goes out in one GSO call, as quinn would have
-        // sent it. The framing adds the same bytes to every segment unless the FEC sender
-        // switches between plain and source packets mid-transmit: then the batch is split.
-        batch.clear();
-        let mut stride = 0;
-        let mut flushed = false;
-        let mut chunks = t.contents.chunks(segment).peekable();
-        while let Some(quic) = chunks.next() {
-            peer.on_send(now, quic.len(), bulk_above);
-            if peer.tx.send(now, quic, out).is_err() {
-                // Larger than the layer can frame: dropped, like an oversized datagram.
-                *send_failed += 1;
-                continue;
-            }
-            if !batch.is_empty() && out.len() > stride {
-                flushed = true;
-                flush_batch(&send, batch, stride, send_failed)?;
-            }
-            if batch.is_empty() {
-                stride = out.len();
-            }
-            batch.extend_from_slice(out);
-            if out.len() < stride && chunks.peek().is_some() {
-                // A shorter datagram ends a GSO batch.
-                flushed = true;
-                flush_batch(&send, batch, stride, send_failed)?;
-            }
-        }
-        if flushed {
-            flush_batch(&send, batch, stride, send_failed)?;
-        } else if !batch.is_empty() {
-            // The whole transmit in one call: if the socket would block, keep it for quinn's
-            // retry of the same transmit (framed once, sent once).
-            match send(batch, Some(stride)) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    peer.stalled = Some(Stalled {
-                        original: t.contents.to_vec(),
-                        framed: std::mem::take(batch),
-                        segment: Some(stride),
-                    });
-                    return Err(e);
+        // Whatever becomes of the transmit (sent, refused by a full socket, an error), the
+        // timer is set for the block it opened or filled: its repairs are due then.
+        let mut framed = || -> io::Result<()> {
+            if let Some(s) = peer.stalled.take() {
+                if s.original == t.contents {
+                    return match send(&s.framed, s.segment) {
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            peer.stalled = Some(s);
+                            Err(e)
+                        }
+                        r => r,
+                    };
                 }
-                r => r?,
-            }
-        }
-        while peer.tx.poll_transmit(now, extra) {
-            if send_raw(inner, t.destination, peer.src_ip, None, extra).is_err() {
                 *send_failed += 1;
+            }
+            // Every segment is framed (header, salt, key stream) into one batch with a stride of
+            // the framed segment size, and the batch goes out in one GSO call, as quinn would have
+            // sent it. The framing adds the same bytes to every segment unless the FEC sender
+            // switches between plain and source packets mid-transmit: then the batch is split.
+            batch.clear();
+            let mut stride = 0;
+            let mut flushed = false;
+            let mut chunks = t.contents.chunks(segment).peekable();
+            while let Some(quic) = chunks.next() {
+                peer.on_send(now, quic.len(), bulk_above);
+                if peer.tx.send(now, quic, out).is_err() {
+                    // Larger than the layer can frame: dropped, like an oversized datagram.
+                    *send_failed += 1;
+                    continue;
+                }
+                if !batch.is_empty() && out.len() > stride {
+                    flushed = true;
+                    flush_batch(&send, batch, stride, send_failed)?;
+                }
+                if batch.is_empty() {
+                    stride = out.len();
+                }
+                batch.extend_from_slice(out);
+                if out.len() < stride && chunks.peek().is_some() {
+                    // A shorter datagram ends a GSO batch.
+                    flushed = true;
+                    flush_batch(&send, batch, stride, send_failed)?;
+                }
+            }
+            if flushed {
+                flush_batch(&send, batch, stride, send_failed)?;
+            } else if !batch.is_empty() {
+                // The whole transmit in one call: if the socket would block, keep it for quinn's
+                // retry of the same transmit (framed once, sent once).
+                match send(batch, Some(stride)) {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        peer.stalled = Some(Stalled {
+                            original: t.contents.to_vec(),
+                            framed: std::mem::take(batch),
+                            segment: Some(stride),
+                        });
+                        return Err(e);
+                    }
+                    r => r?,
+                }
+            }
+            Ok(())
+        };
+        let result = framed();
+        if result.is_ok() {
+            while peer.tx.poll_transmit(now, extra) {
+                if send_raw(inner, t.destination, peer.src_ip, None, extra).is_err() {
+                    *send_failed += 1;
+                }
             }
         }
         let deadline = peer.deadline();
         self.schedule(st, deadline);
-        Ok(())
+        result
     }
 
     fn recv(
@@ -1250,12 +1307,20 @@ mod tests {
             receive(&mut st, i, t1);
         }
         assert_eq!(st.peers.len(), MAX_PEERS);
-        // QUIC answered every one of them, and all but peer 7 answered back: two-way peers.
+        // They all came within one second: only the first few got the starting decodes.
+        assert_eq!(st.funded, FUNDED_NEW_PEERS_PER_SEC);
+        // QUIC answered every one of them, and every one sent again: no proof of anything
+        // (QUIC answers a forged Initial). Then the handshakes of all but peer 7 completed:
+        // two-way peers.
         for p in st.peers.values_mut() {
             p.sent = true;
         }
-        for i in (0..MAX_PEERS).filter(|&i| i != 7) {
+        for i in 0..MAX_PEERS {
             receive(&mut st, i, later);
+        }
+        assert!(st.peers.values().all(|p| !p.confirmed));
+        for i in (0..MAX_PEERS).filter(|&i| i != 7) {
+            st.peers.get_mut(&meta(i).addr).expect("peer").confirmed = true;
         }
         // Peer 0 (two-way) has been quiet longest; still a newcomer takes the one-way entry.
         st.peers.get_mut(&meta(0).addr).expect("peer 0").last_seen = t0;
@@ -1366,6 +1431,12 @@ mod tests {
             assert!(Instant::now() < deadline, "no RTT reached the FEC sender");
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
+        // The handshake completed: the gateway's address is two-way.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !layer.confirmed(server_addr) {
+            assert!(Instant::now() < deadline, "the peer was never confirmed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         // The connection's RTT (loopback: well under the 100 ms initial guess once sampled).
         assert!(fed < Duration::from_millis(100), "fed {fed:?}");
         assert!(

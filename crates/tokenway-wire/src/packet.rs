@@ -8,7 +8,8 @@
 //! source       | ver | 0x01 | block:u16 | index:u8 | QUIC datagram ...           (5 bytes)
 //! repair       | ver | 0x02 | block:u16 | k:u8 | r:u8 | index:u8 | shard ...     (7 bytes)
 //! loss report  | ver | 0x03 | seq:u32 | received:u32 | lost:u32 | recovered:u32
-//!              | residual:u32 | bursts:[u32; 8]                                   (54 bytes)
+//!              | residual:u32 | bursts:[u32; 8] | blocks_missing:u32
+//!              | n:u8 | missing_ids:[u16; n]                              (59 + 2n bytes)
 //! ```
 //!
 //! Parsing is total: every length is checked before it is read, and anything short, of an
@@ -20,7 +21,7 @@
 use crate::error::WireError;
 use crate::loss_report::LossReport;
 
-/// The datagram-layer version this build sends: 2, the ChaCha20 key stream of
+/// The datagram-layer version this build sends: 2, the AES-128-CTR key stream of
 /// [`crate::obfs`]. Bump it on any incompatible change to this module or to [`crate::obfs`].
 pub const VERSION: u8 = 2;
 /// The previous version (the BLAKE2b key stream; the framing is the same), still read so that

@@ -362,6 +362,14 @@ impl FecReceiver {
         })
     }
 
+    /// Takes away the starting allowance of Reed-Solomon decodes: this receiver decodes only
+    /// what its peer's source packets earn. For a peer whose state a caller cannot afford to
+    /// fund (many new peers at once: a spoofed flood would otherwise be handed eight decodes,
+    /// 1-2 ms of CPU, per forged address).
+    pub fn forgo_starting_decodes(&mut self) {
+        self.decode_credit = 0;
+    }
+
     /// The counters.
     pub fn stats(&self) -> &ReceiverStats {
         &self.stats
@@ -940,6 +948,32 @@ mod tests {
         let s = rx.stats();
         assert_eq!(s.decode_failures + s.recovered / 2, 8, "{s:?}");
         assert_eq!(s.decodes_refused, 92, "{s:?}");
+        // Without the starting allowance, none.
+        let mut unfunded =
+            FecReceiver::new(ReceiverConfig::default(), None, [3; 32]).expect("receiver");
+        unfunded.forgo_starting_decodes();
+        for block in 0..10u16 {
+            for index in 0..2u8 {
+                let mut d = Vec::new();
+                packet::write_repair_header(
+                    &mut d,
+                    packet::RepairHeader {
+                        block: packet::BlockId(block),
+                        k: 2,
+                        r: 2,
+                        index,
+                    },
+                );
+                d.extend_from_slice(&[0, 0]);
+                let _ = unfunded.on_datagram(now, &mut d);
+            }
+        }
+        let u = unfunded.stats();
+        assert_eq!(
+            (u.decode_failures, u.recovered, u.decodes_refused),
+            (0, 0, 10),
+            "{u:?}"
+        );
         // A shard longer than any protected packet's is refused as malformed.
         let mut d = Vec::new();
         packet::write_repair_header(

@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 
 use super::adapt::Adaptation;
 use super::codec::{shard_len_for, Encoder};
@@ -22,6 +22,10 @@ const MAX_PENDING_REPAIRS: usize = 4 * crate::packet::MAX_BLOCK_REPAIRS;
 /// Blocks whose packet counts are kept for the peer's loss reports (which name whole blocks
 /// missing by id): as far back as a receiver tracks ids.
 const BLOCK_SIZE_HISTORY: usize = 512;
+/// Largest buffer kept for reuse: a repair packet (a shard of at most
+/// [`crate::fec::MAX_SHARD_LEN`] bytes, its header and salt) fits.
+const POOLED_CAPACITY: usize = 4096;
+const _: () = assert!(crate::fec::MAX_SHARD_LEN + 64 <= POOLED_CAPACITY);
 /// Most unspent repair budget, in bytes: a long loss-free bulk phase must not fund a later
 /// burst of repairs far above the configured ratio.
 const MAX_CREDIT_BYTES: f64 = 64.0 * 1024.0;
@@ -152,13 +156,18 @@ impl FecSender {
         seed: [u8; 32],
     ) -> Result<Self, WireError> {
         config.validate()?;
+        let mut rng = StdRng::from_seed(seed);
+        // Block ids start anywhere: a sender made afresh for a peer whose receiver kept its
+        // state (our state was evicted, or we restarted on the same address) does not reuse
+        // the ids that receiver just closed, whose sources it would drop as duplicates.
+        let first_block = BlockId(rng.random());
         Ok(Self {
             config,
             obfs,
-            rng: StdRng::from_seed(seed),
+            rng,
             srtt: None,
             interactive: false,
-            next_block: BlockId(0),
+            next_block: first_block,
             open: None,
             sources: Vec::new(),
             count: 0,
@@ -414,8 +423,7 @@ impl FecSender {
             return false;
         };
         std::mem::swap(out, &mut p.bytes);
-        p.bytes.clear();
-        self.pool.push(p.bytes);
+        self.pool_put(p.bytes);
         self.stats.repair_packets += 1;
         self.stats.repair_bytes += out.len() as u64;
         true
@@ -573,10 +581,20 @@ impl FecSender {
         self.block_sizes[usize::from(id.0) % BLOCK_SIZE_HISTORY] = (id.0, packets.min(255) as u8);
     }
 
+    /// Keeps a buffer for reuse, unless it grew past [`POOLED_CAPACITY`] (`poll_transmit`
+    /// swaps in the caller's buffer, which may have held a large datagram) or the pool already
+    /// holds as many as can be pending.
+    fn pool_put(&mut self, mut buf: Vec<u8>) {
+        if self.pool.len() < MAX_PENDING_REPAIRS && buf.capacity() <= POOLED_CAPACITY {
+            buf.clear();
+            self.pool.push(buf);
+        }
+    }
+
     fn enqueue(&mut self, p: Pending) {
         if self.pending.len() >= MAX_PENDING_REPAIRS {
             if let Some(old) = self.pending.pop_front() {
-                self.pool.push(old.bytes);
+                self.pool_put(old.bytes);
             }
             self.stats.repairs_dropped_queue_full += 1;
         }
