@@ -220,7 +220,7 @@ impl RelayBody {
     /// `None` when all of it was held back (the start of an event still arriving): the caller
     /// polls the upstream again.
     fn data(&mut self, data: Bytes) -> Option<Polled> {
-        let ended = matches!(self.tail, Tail::Pending(None)) || self.upstream.is_end_stream();
+        let ended = self.upstream_ended();
         let data = if self.clock.sse() && !ended {
             self.held.whole_events(data)?
         } else {
@@ -229,9 +229,22 @@ impl RelayBody {
         Some(self.pass(data))
     }
 
+    /// Whether the upstream body ended cleanly with what was read so far. A failure or
+    /// trailers that [`Self::coalesce`] read behind the data (`Tail::Pending`) are still to
+    /// come, whatever the body says of itself: an upstream body that failed says it has ended
+    /// too, and taking that for the end turned a backend's crash right behind its last bytes
+    /// into a clean, successful, silently short answer.
+    fn upstream_ended(&self) -> bool {
+        match self.tail {
+            Tail::Pending(None) => true,
+            Tail::Open => self.upstream.is_end_stream(),
+            Tail::Pending(Some(_)) | Tail::Closed => false,
+        }
+    }
+
     /// Hands out a data frame (see [`Self::data`]).
     fn pass(&mut self, data: Bytes) -> Polled {
-        if matches!(self.tail, Tail::Pending(None)) || self.upstream.is_end_stream() {
+        if self.upstream_ended() {
             self.tail = Tail::Closed;
             self.end_unreported = true;
         }
@@ -546,6 +559,28 @@ mod tests {
         assert!(error.ends_with(b"\n\n"));
         let end = poll_fn(|cx| Pin::new(&mut relay).poll_frame(cx)).await;
         assert!(end.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_failure_read_together_with_the_last_bytes_is_an_error_not_a_clean_end() {
+        let (shared, mut relay, mut backend) = relay().await;
+        next(&mut relay).await;
+        // An event, the start of another and the connection's end reach the gateway before
+        // the relay reads again: one read holds all three.
+        backend
+            .write_all(b"1a\r\ndata: {\"n\":3}\n\ndata: {\"n\r\n")
+            .await
+            .expect("write");
+        drop(backend);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(&next(&mut relay).await[..], b"data: {\"n\":3}\n\n");
+        assert!(!relay.is_end_stream(), "the failure is still to be told");
+        let error = next(&mut relay).await;
+        assert!(error.starts_with(b"data: {\"error\""), "{error:?}");
+        let end = poll_fn(|cx| Pin::new(&mut relay).poll_frame(cx)).await;
+        assert!(end.is_none());
+        drop(relay);
+        assert_eq!(count(&shared, "tokenway_stream_errors_total"), 1.0);
     }
 
     #[tokio::test]

@@ -791,7 +791,13 @@ impl H1Body {
                 }
             }
         };
-        outcome?;
+        // Data decoded before a malformed part of the same read goes out first: the error
+        // comes again at the next call, from the same bytes (framing and buffer stand at it).
+        if let Err(e) = outcome {
+            if start.is_none() {
+                return Err(e);
+            }
+        }
         let piece = start.map(|at| {
             self.buf.advance(at);
             let piece = self.buf.split_to(len).freeze();
@@ -1043,6 +1049,17 @@ mod tests {
             }
             assert!(r.is_err(), "{:?}", String::from_utf8_lossy(bad));
         }
+        // Data already decoded in the same read goes out before the error.
+        let mut b = body_with(
+            b"5\r\nhello\r\n6\r\n world\r\nzz\r\n",
+            Framing::Chunked(Chunk::Size),
+        );
+        match b.decode() {
+            Ok(Decoded::Data(d)) => assert_eq!(&d[..], b"hello world"),
+            other => panic!("expected the data first, got an error: {}", other.is_err()),
+        }
+        assert!(b.decode().is_err(), "then the error");
+        assert!(b.decode().is_err(), "and again");
     }
 
     #[test]
