@@ -925,26 +925,29 @@ mod tests {
 
     #[test]
     fn forged_repairs_without_source_packets_earn_only_a_few_decodes() {
-        let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
         let now = Instant::now();
         // Pairs of repairs of fresh blocks of two 2-byte sources, nothing else: each pair
         // would make a Reed-Solomon decode.
-        for block in 0..100u16 {
-            for index in 0..2u8 {
-                let mut d = Vec::new();
-                packet::write_repair_header(
-                    &mut d,
-                    packet::RepairHeader {
-                        block: packet::BlockId(block),
-                        k: 2,
-                        r: 2,
-                        index,
-                    },
-                );
-                d.extend_from_slice(&[0, 0]);
-                let _ = rx.on_datagram(now, &mut d);
+        let forge = |rx: &mut FecReceiver, blocks: u16| {
+            for block in 0..blocks {
+                for index in 0..2u8 {
+                    let mut d = Vec::new();
+                    packet::write_repair_header(
+                        &mut d,
+                        packet::RepairHeader {
+                            block: packet::BlockId(block),
+                            k: 2,
+                            r: 2,
+                            index,
+                        },
+                    );
+                    d.extend_from_slice(&[0, 0]);
+                    let _ = rx.on_datagram(now, &mut d);
+                }
             }
-        }
+        };
+        let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
+        forge(&mut rx, 100);
         let s = rx.stats();
         assert_eq!(s.decode_failures + s.recovered / 2, 8, "{s:?}");
         assert_eq!(s.decodes_refused, 92, "{s:?}");
@@ -952,22 +955,7 @@ mod tests {
         let mut unfunded =
             FecReceiver::new(ReceiverConfig::default(), None, [3; 32]).expect("receiver");
         unfunded.forgo_starting_decodes();
-        for block in 0..10u16 {
-            for index in 0..2u8 {
-                let mut d = Vec::new();
-                packet::write_repair_header(
-                    &mut d,
-                    packet::RepairHeader {
-                        block: packet::BlockId(block),
-                        k: 2,
-                        r: 2,
-                        index,
-                    },
-                );
-                d.extend_from_slice(&[0, 0]);
-                let _ = unfunded.on_datagram(now, &mut d);
-            }
-        }
+        forge(&mut unfunded, 10);
         let u = unfunded.stats();
         assert_eq!(
             (u.decode_failures, u.recovered, u.decodes_refused),
