@@ -10,7 +10,6 @@
 //! and they share only the wire contract.
 
 mod body;
-pub mod body_budget;
 pub mod config;
 mod error;
 pub mod forward;
@@ -55,7 +54,9 @@ pub async fn bind(config: EdgeConfig) -> Result<BoundEdge, EdgeError> {
             tunnel,
             metrics,
             max_body_bytes: config.max_body_bytes,
-            bodies: body_budget::BodyBudget::for_bodies_of(config.max_body_bytes),
+            bodies: tokenway_transport::body_budget::BodyBudget::for_bodies_of(
+                config.max_body_bytes,
+            ),
         }),
         forwards,
     })

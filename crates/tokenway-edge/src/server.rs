@@ -63,7 +63,7 @@ pub struct Local {
     /// `max_body_bytes`.
     pub max_body_bytes: usize,
     /// The bound on request bodies held, all requests together.
-    pub bodies: crate::body_budget::BodyBudget,
+    pub bodies: tokenway_transport::body_budget::BodyBudget,
 }
 
 /// How long open local connections get to finish after shutdown is asked (as the gateway's).

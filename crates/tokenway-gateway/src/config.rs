@@ -36,6 +36,10 @@ pub struct GatewayConfig {
     pub cors_allow_origins: Vec<String>,
     /// Largest accepted request body in bytes (413 beyond).
     pub max_body_bytes: usize,
+    /// Most bytes of request bodies held at once, all fronts and connections together (bodies
+    /// are held whole until their answer's head is in, for retries and hedges); a request that
+    /// finds no room gets a 503 with `Retry-After` (see `tokenway_transport::body_budget`).
+    pub max_held_body_bytes: usize,
     /// Largest number of concurrently open client connections; further ones wait in the
     /// kernel's accept queue.
     pub max_connections: usize,
@@ -89,6 +93,7 @@ impl Default for GatewayConfig {
             api_keys: Vec::new(),
             cors_allow_origins: Vec::new(),
             max_body_bytes: 32 * 1024 * 1024,
+            max_held_body_bytes: 1 << 30,
             max_connections: 10_000,
             queue_max: 1_024,
             front_threads: 0,
@@ -512,6 +517,15 @@ impl GatewayConfig {
                 "max_body_bytes",
                 "in 1..=1073741824",
                 self.max_body_bytes,
+            ));
+        }
+        if self.max_held_body_bytes < self.max_body_bytes
+            || self.max_held_body_bytes > u32::MAX as usize
+        {
+            return Err(bad(
+                "max_held_body_bytes",
+                "in max_body_bytes..=4294967295",
+                self.max_held_body_bytes,
             ));
         }
         if self.max_connections == 0 {
@@ -1040,6 +1054,9 @@ mod tests {
                 "discovery.refresh_ms",
             ),
             ("[[discovery.dns]]\nname = \"a\"\nrecord = \"mx\"\n", "mx"),
+            // No room for one largest body, or more than a semaphore counts.
+            ("max_held_body_bytes = 1000\n", "max_held_body_bytes"),
+            ("max_held_body_bytes = 4294967296\n", "max_held_body_bytes"),
         ] {
             let e = GatewayConfig::from_toml_str(toml).unwrap_err();
             assert!(e.to_string().contains(key), "{key}: {e}");

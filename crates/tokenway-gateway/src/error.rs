@@ -84,6 +84,20 @@ impl ApiError {
         )
     }
 
+    /// 503: the bodies held by the gateway's fronts, all together, are at
+    /// `max_held_body_bytes` (`Retry-After: 1`).
+    pub fn bodies_held() -> Self {
+        Self {
+            retry_after: Some(1),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "gateway_busy",
+                "the gateway holds as many request bodies as it may (max_held_body_bytes); retry shortly",
+            )
+        }
+    }
+
     /// 408: the request body did not arrive within the client read timeout.
     pub fn request_timeout() -> Self {
         Self::new(

@@ -30,6 +30,7 @@ use http::header::{self, HeaderMap};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::Body;
 use http_body_util::Full;
+use tokenway_transport::body_budget::Held;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::time::{Instant, Sleep};
 
@@ -218,11 +219,12 @@ where
                 }
                 BeforeBody::Masquerade => {}
             }
-            let body = match self.read_body(&head).await {
+            let (body, held) = match self.read_body(&head).await {
                 Ok(body) => body,
                 Err(end) => return self.end(end, version).await,
             };
             let mut req = Request::from_parts(head.parts, Full::new(body));
+            req.extensions_mut().insert(service::BodyHeld);
             let splice = (method == Method::CONNECT).then(|| {
                 let slot = SpliceSlot::default();
                 req.extensions_mut().insert(slot.clone());
@@ -239,6 +241,8 @@ where
             let Some(Ok(resp)) = self.while_client_stays(handling).await else {
                 return;
             };
+            // The answer's head is in (or the request failed): no retry will send the body again.
+            drop(held);
             let tunnel = splice.and_then(|s| s.take());
             let connect_ok = tunnel.is_some() && resp.status().is_success();
             match self.respond(resp, &method, version, keep_alive).await {
@@ -299,19 +303,26 @@ where
         }
     }
 
-    /// Reads the request's body whole, under `max_body_bytes`; the client read timeout bounds
-    /// each silence, not the whole upload (nginx's `client_body_timeout`): a large body on a
-    /// slow link that keeps coming is read to its end.
-    async fn read_body(&mut self, head: &Head) -> Result<Bytes, End> {
+    /// Reads the request's body whole, under `max_body_bytes` and within the gateway's budget
+    /// of bodies held (`max_held_body_bytes`: a declared length is taken at once, before
+    /// `100 Continue`; a chunked body as it is decoded), whose bytes the returned [`Held`]
+    /// keeps. The client read timeout bounds each silence, not the whole upload (nginx's
+    /// `client_body_timeout`): a large body on a slow link that keeps coming is read to its end.
+    async fn read_body(&mut self, head: &Head) -> Result<(Bytes, Held), End> {
         let limit = self.shared.config.max_body_bytes;
         let silence = self.shared.config.timeouts.client_read();
+        let mut held = self.shared.bodies.hold();
+        let no_room = || Err(End::Reject(ApiError::bodies_held()));
         match head.body {
-            RequestBody::Empty => Ok(Bytes::new()),
+            RequestBody::Empty => Ok((Bytes::new(), held)),
             RequestBody::Length(n) => {
                 if n > limit as u64 {
                     return Err(End::Reject(ApiError::body_too_large(limit)));
                 }
                 let n = n as usize;
+                if !held.grow(n) {
+                    return no_room();
+                }
                 if head.expect_continue && self.buf.len() < n {
                     self.continue_().await?;
                 }
@@ -319,7 +330,7 @@ where
                     self.body_read(Instant::now() + silence, n - self.buf.len())
                         .await?;
                 }
-                Ok(self.buf.split_to(n).freeze())
+                Ok((self.buf.split_to(n).freeze(), held))
             }
             RequestBody::Chunked => {
                 if head.expect_continue {
@@ -327,8 +338,12 @@ where
                 }
                 let mut chunked = ChunkedBody::default();
                 loop {
-                    match chunked.decode(&mut self.buf, limit) {
-                        Ok(true) => return Ok(chunked.body.freeze()),
+                    let decoded = chunked.decode(&mut self.buf, limit);
+                    if !held.grow(chunked.body.len().saturating_sub(held.bytes())) {
+                        return no_room();
+                    }
+                    match decoded {
+                        Ok(true) => return Ok((chunked.body.freeze(), held)),
                         Ok(false) => self.body_read(Instant::now() + silence, READ_BYTES).await?,
                         Err(ChunkError::TooLarge) => {
                             return Err(End::Reject(ApiError::body_too_large(limit)))

@@ -12,6 +12,7 @@ use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 use subtle::ConstantTimeEq;
 use tokenway_router::{prompt_blocks, Route, RouteError, RouteRequest, SessionKind};
+use tokenway_transport::body_budget::Held;
 
 use crate::admission::Refused;
 use crate::cors::Cors;
@@ -300,7 +301,9 @@ where
 {
     authenticate(shared, req.headers())?;
     let (parts, body) = req.into_parts();
-    let body = read_body(shared, &parts.headers, body).await?;
+    // `_held` keeps the body's bytes in the budget until the answer's head is in (or every
+    // attempt failed): as long as a retry or a hedge may send it again.
+    let (body, _held) = read_body(shared, &parts, body).await?;
     let meta = RequestMeta::parse(&body)?;
     let mut request = Arc::new(route_request(shared, &parts, &meta, peer)?);
     let overflow = crate::overflow::eligible(shared, &parts);
@@ -595,24 +598,38 @@ fn authenticate(shared: &Shared, headers: &http::HeaderMap) -> Result<(), ApiErr
     }
 }
 
-/// Reads the whole body under the size limit and the client read timeout.
+/// Marks a request whose body its front read within the gateway's body budget itself, and
+/// holds there until the answer's head is in (the HTTP/1.1 front): [`read_body`] does not
+/// count it a second time.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyHeld;
+
+/// Reads the whole body under the size limit, the client read timeout and the budget of bodies
+/// held (`max_held_body_bytes`), whose bytes the returned [`Held`] keeps until it is dropped.
 async fn read_body<B>(
     shared: &Shared,
-    headers: &http::HeaderMap,
+    parts: &http::request::Parts,
     body: B,
-) -> Result<Bytes, ApiError>
+) -> Result<(Bytes, Held), ApiError>
 where
     B: Body,
     B::Error: std::error::Error + Send + Sync + 'static,
 {
     let limit = shared.config.max_body_bytes;
     let too_large = || ApiError::body_too_large(limit);
-    let declared = headers
+    let declared = parts
+        .headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
+    }
+    let counted = parts.extensions.get::<BodyHeld>().is_none();
+    let mut held = shared.bodies.hold();
+    // A declared length takes its bytes at once: a body that cannot be held is not read.
+    if counted && !held.grow(declared.unwrap_or(0) as usize) {
+        return Err(ApiError::bodies_held());
     }
     // The client read timeout bounds each silence, not the whole upload (as on HTTP/1.1).
     let silence = shared.config.timeouts.client_read();
@@ -622,7 +639,7 @@ where
     loop {
         match tokio::time::timeout(silence, body.frame()).await {
             Err(_) => return Err(ApiError::request_timeout()),
-            Ok(None) => return Ok(read.freeze()),
+            Ok(None) => return Ok((read.freeze(), held)),
             Ok(Some(Err(e))) if e.is::<http_body_util::LengthLimitError>() => {
                 return Err(too_large())
             }
@@ -634,9 +651,13 @@ where
             Ok(Some(Ok(frame))) => {
                 if let Ok(mut data) = frame.into_data() {
                     use bytes::{Buf, BufMut};
+                    let more = (read.len() + data.remaining()).saturating_sub(held.bytes());
+                    if counted && !held.grow(more) {
+                        return Err(ApiError::bodies_held());
+                    }
                     if read.is_empty() && body.is_end_stream() {
                         // The whole body in one frame: no copy.
-                        return Ok(data.copy_to_bytes(data.remaining()));
+                        return Ok((data.copy_to_bytes(data.remaining()), held));
                     }
                     read.put(data);
                 }

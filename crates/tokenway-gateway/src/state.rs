@@ -24,6 +24,7 @@ use tokenway_telemetry::{
     BackendLabels, BackendMetrics, Counter, Gauge, Histogram, Registry, RequestLabels,
     RequestMetrics, StreamLabels,
 };
+use tokenway_transport::body_budget::BodyBudget;
 
 use crate::admission::Admission;
 use crate::config::{BackendConfig, GatewayConfig};
@@ -249,6 +250,8 @@ pub struct Shared {
     pub overflow: std::sync::OnceLock<Arc<tokenway_transport::tunnel::Tunnel>>,
     /// Requests waiting for a slot while every backend of their model is full.
     pub admission: Admission,
+    /// The bound on request bodies held, all fronts together (`max_held_body_bytes`).
+    pub bodies: BodyBudget,
 }
 
 impl Shared {
@@ -318,6 +321,7 @@ impl Shared {
             header("routing.session_header", &r.session_header)?,
             header("routing.client_region_header", &r.client_region_header)?,
         ];
+        let config_bodies = config.max_held_body_bytes;
         Ok(Arc::new(Self {
             routing_headers,
             cors: crate::cors::Cors::new(&config.cors_allow_origins),
@@ -338,6 +342,7 @@ impl Shared {
             overflow: std::sync::OnceLock::new(),
             admission,
             placement_metrics,
+            bodies: BodyBudget::of_bytes(config_bodies),
         }))
     }
 

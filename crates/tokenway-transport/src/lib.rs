@@ -6,10 +6,13 @@
 //! OpenAI requests. Server side: [`endpoint::server_endpoint`]; client side:
 //! [`client`], [`dial`], [`fallback`]. Certificates and trust: [`certs`], [`trust`]. The
 //! tunnel's datagram layer (FEC, obfuscation) is [`datagram`]; its congestion control is
-//! [`cc`] and [`brutal`]; a QUIC path gone silent is noticed by [`liveness`]. The tunnel client that the edge and a gateway's overflow share (its
-//! connection per gateway, the RTT choice among them, retries) is [`tunnel`], configured by
-//! [`tunnel_config`], choosing with [`select`].
+//! [`cc`] and [`brutal`]; a QUIC path gone silent is noticed by [`liveness`]. The tunnel
+//! client that the edge and a gateway's overflow share (its connection per gateway, the RTT
+//! choice among them, retries) is [`tunnel`], configured by
+//! [`tunnel_config`], choosing with [`select`]. The bound on request bodies held, which the
+//! edge's and the gateway's fronts share, is [`body_budget`].
 
+pub mod body_budget;
 pub mod brutal;
 pub mod cc;
 pub mod certs;

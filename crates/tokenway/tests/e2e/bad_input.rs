@@ -90,6 +90,123 @@ async fn bad_requests_get_openai_errors_and_the_gateway_keeps_serving() {
 }
 
 #[tokio::test]
+async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
+    let backend = sim(FAST_SIM);
+    // Room for one 60 000-byte body and a bit: the second large body, from any front, waits.
+    let gw = gateway(
+        &[&backend],
+        "max_body_bytes = 65536\nmax_held_body_bytes = 100000",
+        "",
+    );
+    let chat_url = format!("{}/v1/chat/completions", gw.url());
+    let sized = |n: usize| {
+        let body = chat(&"y".repeat(n), false, 2);
+        let pad = n - (body.len() - n);
+        chat(&"y".repeat(pad), false, 2)
+    };
+    let big = sized(60_000);
+    assert_eq!(big.len(), 60_000);
+    // HTTP/1.1: a declared body takes its bytes at once, before any of it arrives (and before
+    // the client is invited to send it).
+    let mut holder = TcpStream::connect(gw.addr).await.expect("connect");
+    holder
+        .write_all(
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nexpect: 100-continue\r\nconnection: close\r\n\r\n",
+                big.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("write");
+    let mut invited = vec![0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(5), holder.read(&mut invited))
+        .await
+        .expect("invited in time")
+        .expect("read");
+    let invited = String::from_utf8_lossy(&invited[..n]);
+    assert!(invited.starts_with("HTTP/1.1 100 Continue"), "{invited}");
+    holder
+        .write_all(&big.as_bytes()[..1000])
+        .await
+        .expect("write");
+    let second = sized(50_000);
+    let r = post(&chat_url, &second, None).await;
+    assert_eq!(
+        (r.status, error_code(&r.body).as_str()),
+        (503, "gateway_busy"),
+        "a second large body was taken while the first held the budget"
+    );
+    assert_eq!(r.headers["retry-after"], "1");
+    // A small body still fits.
+    let r = post(&chat_url, &chat("small", false, 2), None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    // HTTP/1.1 with `Expect: 100-continue`: refused before the client is invited to send.
+    let answer = answer_to_head(
+        gw.addr,
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\
+             expect: 100-continue\r\n\r\n",
+            second.len()
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(!answer.contains("100 Continue"), "{answer}");
+
+    // HTTP/2, a body of no declared length: refused once what arrived passes the room left.
+    let tcp = TcpStream::connect(gw.addr).await.expect("connect");
+    let (mut send, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .handshake::<_, http_body_util::channel::Channel<bytes::Bytes>>(
+                hyper_util::rt::TokioIo::new(tcp),
+            )
+            .await
+            .expect("h2 handshake");
+    tokio::spawn(conn);
+    let (mut tx, body) = http_body_util::channel::Channel::<bytes::Bytes>::new(4);
+    let streamed = tokio::spawn(async move {
+        for piece in second.as_bytes().chunks(10_000) {
+            if tx
+                .send_data(bytes::Bytes::copy_from_slice(piece))
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        // The sender is kept until the answer is in: the body never ends by itself.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    });
+    let resp = send
+        .send_request(
+            http::Request::post(&chat_url)
+                .header("content-type", "application/json")
+                .body(body)
+                .expect("request"),
+        )
+        .await
+        .expect("an answer before the body's end");
+    assert_eq!(resp.status(), 503);
+    assert_eq!(resp.headers()["retry-after"], "1");
+    streamed.abort();
+
+    // The holder's body completes: answered, and its bytes are given back.
+    holder
+        .write_all(&big.as_bytes()[1000..])
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), holder.read_to_end(&mut buf)).await;
+    let text = String::from_utf8_lossy(&buf);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let r = post(&chat_url, &sized(50_000), None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[tokio::test]
 async fn a_client_that_never_reads_is_cut_off_and_others_are_served_meanwhile() {
     let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 0.0\n");
     let gw = gateway(&[&backend], "", "[timeouts]\nclient_write_ms = 500\n");

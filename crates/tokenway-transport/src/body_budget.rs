@@ -1,10 +1,14 @@
-//! A bound on the request bodies the edge holds, all local connections together.
+//! A bound on the request bodies a server holds, all connections and fronts together.
 //!
-//! The edge reads a request's whole body before sending it (so that a request can be sent
-//! again on a fresh connection), up to `max_body_bytes` each; with no bound on their number,
-//! one h2c client with 1024 streams of 32 MiB made it hold 32 GiB. A body takes its bytes
-//! from this budget as they arrive and gives them back when the request no longer needs them;
-//! a request that finds no room is answered 503 at once (with `Retry-After`), its body unread.
+//! The edge and the gateway read a request's whole body before sending it on (so that it can
+//! be sent again: on a fresh connection, to another backend, to a hedge), up to
+//! `max_body_bytes` each; with no bound on their number, one h2c client with 1024 streams of
+//! 32 MiB made the edge hold 32 GiB, and 10 000 HTTP/1.1 connections could make a gateway
+//! hold ten times that. A body takes its bytes from this budget as they arrive (a declared
+//! length at once) and gives them back when the request no longer needs them (its answer's
+//! head is in, or it failed); a request that finds no room is answered 503 at once (with
+//! `Retry-After`), the rest of its body unread. Shared by the edge and the gateway, which
+//! never import each other.
 
 use std::sync::Arc;
 
@@ -30,13 +34,20 @@ impl BodyBudget {
     /// A budget for bodies of at most `max_body_bytes` each: the larger of
     /// [`MIN_BUDGET_BYTES`] and twice that.
     pub fn for_bodies_of(max_body_bytes: usize) -> Self {
-        let bytes = MIN_BUDGET_BYTES
-            .max(max_body_bytes.saturating_mul(2))
-            .min(Semaphore::MAX_PERMITS)
-            .min(u32::MAX as usize);
+        Self::of_bytes(MIN_BUDGET_BYTES.max(max_body_bytes.saturating_mul(2)))
+    }
+
+    /// A budget of `bytes` (at most 4 GiB - 1, a semaphore's permits are counted in `u32`).
+    pub fn of_bytes(bytes: usize) -> Self {
+        let bytes = bytes.min(Semaphore::MAX_PERMITS).min(u32::MAX as usize);
         Self {
             permits: Arc::new(Semaphore::new(bytes)),
         }
+    }
+
+    /// Bytes not held by any body now.
+    pub fn available(&self) -> usize {
+        self.permits.available_permits()
     }
 
     /// An empty hold, to grow as a body arrives.
