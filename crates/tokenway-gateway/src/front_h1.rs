@@ -254,10 +254,13 @@ where
                     }
                     return;
                 }
-                // A next request whose bytes were partly dropped is not read: the connection
-                // closes after this answer (RFC 9112 section 9.3.2 lets a client retry it).
                 Ok(true) if !self.overflow => {}
-                Ok(_) | Err(()) => return,
+                // The last answer (the client or the gateway said `close`; or a next request
+                // whose bytes were partly dropped is not read, RFC 9112 section 9.3.2 lets a
+                // client retry it) is complete: a graceful close, not a reset.
+                Ok(_) => return self.close().await,
+                // A cut-off answer: the connection just ends.
+                Err(()) => return,
             }
             if self.out.capacity() > KEEP_BUFFER_BYTES {
                 self.out = BytesMut::new();
@@ -620,9 +623,17 @@ where
         method: &Method,
         version: Version,
     ) {
-        if self.respond(resp, method, version, false).await.is_err()
-            || self.io.shutdown().await.is_err()
-        {
+        if self.respond(resp, method, version, false).await.is_ok() {
+            self.close().await;
+        }
+    }
+
+    /// Closes after a complete last answer: FIN (TLS: `close_notify`) first, then what the
+    /// client still sends is read and dropped for a moment (see [`LINGER`]), so that unread
+    /// bytes (a pipelined request, the rest of a refused body) do not make the kernel reset the
+    /// connection and destroy the answer before the client has read it.
+    async fn close(&mut self) {
+        if self.io.shutdown().await.is_err() {
             return;
         }
         let deadline = Instant::now() + LINGER;

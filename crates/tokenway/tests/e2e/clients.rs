@@ -132,3 +132,54 @@ async fn curl_with_expect_100_continue_and_a_large_prompt_is_served() {
         "{out}"
     );
 }
+
+#[tokio::test]
+async fn an_answer_that_ends_its_tls_connection_ends_it_with_close_notify() {
+    if !python_has("ssl") {
+        return;
+    }
+    let backend = sim(FAST_SIM);
+    let gw = gateway(&[&backend], "tls_listen = \"127.0.0.1:0\"", "");
+    let tls = gw.tls_addr.expect("TLS listener");
+    let body = chat("to the end", true, 8);
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/python/tls_close.py"
+    );
+    // HTTP/1.0 streaming: the answer ends with the connection, so only close_notify tells a
+    // complete answer from a cut one. HTTP/1.1 `connection: close`, and a request behind it
+    // that is never read, end the same way.
+    for request in [
+        format!(
+            "POST /v1/chat/completions HTTP/1.0\\r\\ncontent-type: application/json\\r\\n\
+             content-length: {}\\r\\n\\r\\n{body}",
+            body.len()
+        ),
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\\r\\nhost: x\\r\\ncontent-type: application/json\\r\\n\
+             content-length: {}\\r\\nconnection: close\\r\\n\\r\\n{body}GET /health HTTP/1.1\\r\\n\\r\\n",
+            body.len()
+        ),
+    ] {
+        let out = tokio::task::spawn_blocking({
+            let (script, port) = (script, tls.port().to_string());
+            move || {
+                Command::new("python3")
+                    .args([script, "127.0.0.1", &port, &request])
+                    .output()
+                    .expect("python3 runs")
+            }
+        })
+        .await
+        .expect("joined");
+        let answer = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{answer}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.contains("data: [DONE]"), "{answer}");
+        assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{answer}");
+    }
+}
