@@ -953,11 +953,14 @@ enum ChunkState {
     Done,
 }
 
-/// A chunked request body decoded incrementally (RFC 9112 §7.1); trailers are read and dropped.
+/// A chunked request body decoded incrementally (RFC 9112 §7.1); trailers are read and dropped,
+/// at most [`MAX_HEAD_BYTES`] of them (a client sending trailer lines without end would keep
+/// its connection and the gateway's reading forever).
 #[derive(Default)]
 struct ChunkedBody {
     state: ChunkState,
     body: BytesMut,
+    trailer_bytes: usize,
 }
 
 impl ChunkedBody {
@@ -979,8 +982,11 @@ impl ChunkedBody {
                     let line = buf.split_to(end + 1);
                     let line = line[..end].strip_suffix(b"\r").unwrap_or(&line[..end]);
                     if self.state == ChunkState::Trailers {
+                        self.trailer_bytes += end + 1;
                         if line.is_empty() {
                             self.state = ChunkState::Done;
+                        } else if self.trailer_bytes > MAX_HEAD_BYTES {
+                            return Err(ChunkError::Malformed("trailer section too large"));
                         }
                         continue;
                     }
@@ -1092,6 +1098,21 @@ mod tests {
         assert_eq!(
             decode_in_steps(b"ffffffffffffffffff\r\n", 64, 8),
             Err(ChunkError::Malformed("bad chunk size"))
+        );
+        // Trailers without end: refused past a head's size, each line short as it may be.
+        let mut endless = b"1\r\nx\r\n0\r\n".to_vec();
+        let field = format!("x-t: {}\r\n", "v".repeat(1000));
+        let fitting = MAX_HEAD_BYTES / field.len();
+        for _ in 0..fitting {
+            endless.extend_from_slice(field.as_bytes());
+        }
+        let mut fits = endless.clone();
+        fits.extend_from_slice(b"\r\n");
+        assert_eq!(decode_in_steps(&fits, 4096, 8).expect("fits"), b"x");
+        endless.extend_from_slice(field.as_bytes());
+        assert_eq!(
+            decode_in_steps(&endless, 4096, 8),
+            Err(ChunkError::Malformed("trailer section too large"))
         );
     }
 
