@@ -226,6 +226,7 @@ where
             }
         }
     }
+    join_cookies(req.headers_mut());
     let path = req.uri().path();
     let route = proxied(path);
     let method = req.method().clone();
@@ -510,6 +511,25 @@ fn model_alias(shared: &Shared, model: &str) -> Option<String> {
         }
     }
     (model != WILDCARD_MODEL && router.serves(WILDCARD_MODEL)).then(|| WILDCARD_MODEL.to_owned())
+}
+
+/// Joins the `cookie` fields of a request into one, `; ` between them: HTTP/2 and HTTP/3 clients
+/// may send each cookie as a field of its own (RFC 9113 §8.2.3, RFC 9114 §4.2.1), and an
+/// HTTP/1.1 backend must see one (RFC 6265 §5.4: servers may read only the first).
+fn join_cookies(headers: &mut http::HeaderMap) {
+    let mut cookies = headers.get_all(header::COOKIE).iter();
+    let (Some(first), Some(_)) = (cookies.next(), cookies.next()) else {
+        return;
+    };
+    let mut joined = first.as_bytes().to_vec();
+    for more in headers.get_all(header::COOKIE).iter().skip(1) {
+        joined.extend_from_slice(b"; ");
+        joined.extend_from_slice(more.as_bytes());
+    }
+    // Made of valid field values and `; `: always a valid value.
+    if let Ok(value) = HeaderValue::from_bytes(&joined) {
+        headers.insert(header::COOKIE, value);
+    }
 }
 
 /// What can be decided from a request's head alone, before the HTTP/1.1 front reads its body:
@@ -882,5 +902,23 @@ mod tests {
         assert_eq!(bearer_token("BEARER k1"), Some("k1"));
         assert_eq!(bearer_token("Basic k1"), None);
         assert_eq!(bearer_token("Bearerk1"), None);
+    }
+
+    #[test]
+    fn cookies_sent_as_separate_fields_reach_the_backend_as_one() {
+        let mut h = http::HeaderMap::new();
+        h.append(header::COOKIE, HeaderValue::from_static("a=1"));
+        join_cookies(&mut h);
+        assert_eq!(h[header::COOKIE], "a=1");
+        h.append(header::COOKIE, HeaderValue::from_static("b=2"));
+        h.append(header::COOKIE, HeaderValue::from_static("c=3; d=4"));
+        h.append(header::ACCEPT, HeaderValue::from_static("*/*"));
+        join_cookies(&mut h);
+        let all: Vec<_> = h.get_all(header::COOKIE).iter().collect();
+        assert_eq!(all, ["a=1; b=2; c=3; d=4"]);
+        assert_eq!(h[header::ACCEPT], "*/*");
+        let mut none = http::HeaderMap::new();
+        join_cookies(&mut none);
+        assert!(none.is_empty());
     }
 }
