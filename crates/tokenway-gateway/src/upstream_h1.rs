@@ -48,6 +48,12 @@ const MAX_IDLE_PER_BACKEND: usize = 512;
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often connections idle past [`IDLE_TIMEOUT`] are looked for when no check-in does it.
 const IDLE_SWEEP: Duration = Duration::from_secs(15);
+/// How soon after a request was written on a pooled connection its close must come to be taken
+/// for the backend's idle close racing the reuse (the request never read), and the request
+/// sent again on a new connection. That close comes within a round trip; one that comes later
+/// (a backend that read the request, worked on it, and died) is that attempt's failure, seen
+/// by the proxy's retries and health accounting, not a hidden second generation.
+const STALE_WINDOW: Duration = Duration::from_secs(1);
 
 /// Why a request to a backend failed.
 #[derive(Debug, thiserror::Error)]
@@ -238,6 +244,7 @@ impl H1Pool {
             stream,
             buf,
             pooled,
+            written: Instant::now(),
             authority,
             parts,
             head,
@@ -374,9 +381,11 @@ pub struct Sent<'r> {
     stream: TcpStream,
     /// The connection's read buffer (see [`Idle`]).
     buf: BytesMut,
-    /// The connection came from the pool: if it turns out closed, the request is sent again,
-    /// once, on a new connection.
+    /// The connection came from the pool: if it turns out closed within [`STALE_WINDOW`] of
+    /// `written`, the request is sent again, once, on a new connection.
     pooled: bool,
+    /// When the request was written.
+    written: Instant,
     authority: &'r Arc<str>,
     parts: &'r Parts,
     head: &'r [u8],
@@ -391,6 +400,7 @@ impl Sent<'_> {
             stream,
             buf,
             pooled,
+            written,
             authority,
             parts,
             head,
@@ -400,7 +410,7 @@ impl Sent<'_> {
         match pool.read_head(stream, buf, authority, parts).await {
             Ok(answer) => return Ok(answer),
             Err(Exchange::Failed(e)) => return Err(e),
-            Err(Exchange::Stale) if pooled => {}
+            Err(Exchange::Stale) if pooled && written.elapsed() < STALE_WINDOW => {}
             Err(Exchange::Stale) => return Err(stale()),
         }
         let stream = pool.fresh(authority, head, body).await?;
@@ -1195,6 +1205,49 @@ mod tests {
         assert!(post_once(&pool, &authority).await.0);
         drop(pool);
         assert_eq!(server.await.expect("server"), 2);
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_closed_long_after_its_request_is_a_failure_not_a_resend() {
+        use tokio::io::AsyncReadExt;
+        // A backend that answers its first request, then reads the second, works on it past
+        // the stale window, and dies without answering.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let mut buf = vec![0u8; 4096];
+            let _ = s.read(&mut buf).await;
+            let _ = s
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await;
+            let _ = s.read(&mut buf).await;
+            tokio::time::sleep(STALE_WINDOW + Duration::from_millis(200)).await;
+            drop(s);
+            // A resend would come as a second connection.
+            tokio::time::timeout(Duration::from_millis(500), listener.accept())
+                .await
+                .is_ok()
+        });
+        let pool = H1Pool::new(Duration::from_secs(1), 1);
+        let authority: Arc<str> = addr.to_string().into();
+        assert!(!post_once(&pool, &authority).await.0);
+        let parts = http::Request::post("/v1/completions")
+            .body(())
+            .expect("req")
+            .into_parts()
+            .0;
+        let body = Bytes::from_static(b"{}");
+        let head = encode_head(&authority, "", &parts, std::iter::empty(), body.len());
+        let sent = pool
+            .send(&authority, &parts, &head, &body)
+            .await
+            .expect("written");
+        assert!(sent.pooled);
+        assert!(matches!(sent.response().await, Err(H1Error::Io(_))));
+        assert!(!server.await.expect("server"), "the request was sent again");
     }
 
     #[tokio::test]
