@@ -405,7 +405,7 @@ impl FecReceiver {
 
     fn classify(&mut self, now: Instant, datagram: &mut [u8]) -> Received {
         let (offset, inner) = match &self.obfs {
-            Some(o) => match o.open_in_place(datagram) {
+            Some(o) => match o.open_in_place_as(self.peer_version, datagram) {
                 Ok(inner) => (SALT_LEN, &*inner),
                 Err(e) => return Received::Dropped(drop_reason(&e)),
             },
