@@ -335,7 +335,10 @@ mod tests {
             }
         }
         // About 16 of 4096 in the fixed order (one in 256); none in the peer's.
-        assert!(misread_fixed > 0, "the seed shows the fixed order's misreads");
+        assert!(
+            misread_fixed > 0,
+            "the seed shows the fixed order's misreads"
+        );
         assert_eq!(misread_own, 0);
         // A version-2 peer read as if it still spoke version 1 (its first datagrams after an
         // upgrade) is still read: the other stream is tried too.

@@ -659,7 +659,10 @@ impl FecReceiver {
         let q = &mut self.recovered_q;
         let pool = &mut self.pool;
         let stats = &mut self.stats;
-        let mut restored = 0u64;
+        // Restored and queued for QUIC; restored but dropped (the queue was full). A dropped
+        // one is not marked restored: its original, if it comes late, must still go to QUIC,
+        // not be dropped as a duplicate of a copy QUIC never saw.
+        let (mut restored, mut dropped) = (0u64, 0u64);
         let result = self.decoder.0.decode(
             k,
             r,
@@ -668,14 +671,15 @@ impl FecReceiver {
             &b.repairs,
             |index, packet| {
                 let bit = 1u64 << index;
-                if have & bit != 0 || restored & bit != 0 {
+                if (have | restored | dropped) & bit != 0 {
                     return;
                 }
-                restored |= bit;
                 if q.len() >= MAX_RECOVERED_QUEUE {
+                    dropped |= bit;
                     stats.recovered_dropped += 1;
                     return;
                 }
+                restored |= bit;
                 q.push_back(pooled_copy(pool, packet));
             },
         );
@@ -862,12 +866,26 @@ impl FecReceiver {
     }
 
     /// When [`on_timeout`](Self::on_timeout) or [`poll_transmit`](Self::poll_transmit) has
-    /// work next: the oldest block's expiry or the next loss report, if either.
+    /// work next: the oldest block's expiry, the oldest skipped id's (then counted missing,
+    /// which the next report tells the sender), or the next loss report, if any.
     pub fn next_deadline(&self) -> Option<Instant> {
-        let expiry = self
-            .blocks
+        let age = self.config.max_block_age;
+        let block = self.blocks.front().map(|b| b.opened + age);
+        // Skipped ids carry their time in wrapping milliseconds (`ms_since_epoch`): their
+        // expiry is found from the latest `now` seen, whose millisecond count is known.
+        let skipped = self
+            .skipped
             .front()
-            .map(|b| b.opened + self.config.max_block_age);
+            .zip(self.last_now)
+            .map(|(&(_, at), now)| {
+                let waited =
+                    Duration::from_millis(u64::from(self.ms_since_epoch(now).wrapping_sub(at)));
+                now + age.saturating_sub(waited)
+            });
+        let expiry = match (block, skipped) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let report = match (self.report_dirty, self.last_report) {
             (false, _) => None,
             (true, Some(t)) => Some(t + self.config.report_interval),
@@ -975,6 +993,90 @@ mod tests {
         );
         d.extend_from_slice(&vec![0u8; crate::fec::MAX_SHARD_LEN + 2]);
         assert!(matches!(rx.on_datagram(now, &mut d), Received::Dropped(_)));
+    }
+
+    /// The datagrams of `blocks` blocks of two 100-byte sources and one repair each (the
+    /// second source of block `b` is `[b; 100]`), sent at `now`.
+    fn blocks_of_two(blocks: u8, now: Instant) -> Vec<Vec<Vec<u8>>> {
+        let config = FecConfig {
+            mode: FecMode::Fixed { k: 2, r: 1 },
+            scope: FecScope::All,
+            ..FecConfig::default()
+        };
+        let mut tx = FecSender::new(config, None, [1; 32]).expect("sender");
+        (0..blocks)
+            .map(|b| {
+                let mut wire = Vec::new();
+                for n in [200, b] {
+                    let mut out = Vec::new();
+                    tx.send(now, &[n; 100], &mut out).expect("send");
+                    wire.push(out);
+                }
+                tx.on_timeout(now + Duration::from_secs(1));
+                let mut out = Vec::new();
+                while tx.poll_transmit(now + Duration::from_secs(1), &mut out) {
+                    wire.push(std::mem::take(&mut out));
+                }
+                assert_eq!(wire.len(), 3);
+                wire
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_restored_packet_dropped_for_a_full_queue_still_takes_its_late_original() {
+        let now = Instant::now();
+        let count = u8::try_from(MAX_RECOVERED_QUEUE + 1).expect("fits");
+        let mut wire = blocks_of_two(count, now);
+        let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
+        // Every block loses its second source, restored from the first and the repair; nobody
+        // pops the restored packets, so the last block's finds the queue full.
+        for block in &mut wire {
+            for d in [0, 2] {
+                let _ = rx.on_datagram(now, &mut block[d]);
+            }
+        }
+        let s = rx.stats();
+        assert_eq!(
+            (s.recovered, s.recovered_dropped),
+            (u64::from(count) - 1, 1)
+        );
+        // The dropped one's original arrives late: QUIC gets it. (One restored and queued is a
+        // duplicate, as before.)
+        let last = wire.last_mut().expect("blocks");
+        assert!(matches!(
+            rx.on_datagram(now, &mut last[1]),
+            Received::Deliver(_)
+        ));
+        assert!(matches!(
+            rx.on_datagram(now, &mut wire[0][1]),
+            Received::Dropped(DropReason::Duplicate)
+        ));
+    }
+
+    #[test]
+    fn a_skipped_block_is_counted_missing_on_time_without_more_traffic() {
+        let now = Instant::now();
+        let mut wire = blocks_of_two(4, now);
+        let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
+        // Blocks 0 and 3 arrive whole; 1 and 2 not at all.
+        for b in [0, 3] {
+            for d in &mut wire[b] {
+                let _ = rx.on_datagram(now, d);
+            }
+        }
+        let mut report = Vec::new();
+        assert!(rx.poll_transmit(now, &mut report));
+        assert_eq!(rx.stats().blocks_missing, 0);
+        // Nothing more arrives: the timer must still come when the skipped ids expire.
+        let due = rx.next_deadline().expect("the skipped ids' expiry");
+        assert_eq!(due, now + rx.config.max_block_age);
+        rx.on_timeout(due);
+        assert_eq!(rx.stats().blocks_missing, 2);
+        // And the report telling the sender is due next.
+        let due = rx.next_deadline().expect("a report");
+        assert!(rx.poll_transmit(due, &mut report));
+        assert_eq!(rx.next_deadline(), None);
     }
 
     #[test]
