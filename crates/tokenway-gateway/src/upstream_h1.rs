@@ -1103,14 +1103,32 @@ mod tests {
         assert!(parse_head(&mut garbage).is_err());
     }
 
-    /// A backend that answers the first request on a connection and closes the connection on
-    /// the second without answering (an idle timeout racing the reuse).
-    async fn one_answer_per_connection() -> (std::net::SocketAddr, tokio::task::JoinHandle<usize>) {
-        use tokio::io::AsyncReadExt;
+    /// A listener on a free loopback port, and its address.
+    async fn loopback_listener() -> (tokio::net::TcpListener, std::net::SocketAddr) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let addr = listener.local_addr().expect("addr");
+        (listener, addr)
+    }
+
+    /// The parts, head and body of `POST /v1/completions` with the body `{}` to `authority`.
+    fn post_request(authority: &str) -> (Parts, Vec<u8>, Bytes) {
+        let parts = http::Request::post("/v1/completions")
+            .body(())
+            .expect("req")
+            .into_parts()
+            .0;
+        let body = Bytes::from_static(b"{}");
+        let head = encode_head(authority, "", &parts, std::iter::empty(), body.len());
+        (parts, head, body)
+    }
+
+    /// A backend that answers the first request on a connection and closes the connection on
+    /// the second without answering (an idle timeout racing the reuse).
+    async fn one_answer_per_connection() -> (std::net::SocketAddr, tokio::task::JoinHandle<usize>) {
+        use tokio::io::AsyncReadExt;
+        let (listener, addr) = loopback_listener().await;
         let server = tokio::spawn(async move {
             let mut connections = 0;
             while let Ok((mut s, _)) = listener.accept().await {
@@ -1143,13 +1161,7 @@ mod tests {
     /// returns the connection to the pool.
     /// Whether the request went out on a pooled connection, and the answer's data.
     async fn post_once(pool: &Arc<H1Pool>, authority: &Arc<str>) -> (bool, Bytes) {
-        let parts = http::Request::post("/v1/completions")
-            .body(())
-            .expect("req")
-            .into_parts()
-            .0;
-        let body = Bytes::from_static(b"{}");
-        let head = encode_head(authority, "", &parts, std::iter::empty(), body.len());
+        let (parts, head, body) = post_request(authority);
         let sent = pool
             .send(authority, &parts, &head, &body)
             .await
@@ -1175,10 +1187,7 @@ mod tests {
         answers: usize,
     ) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
         use tokio::io::AsyncReadExt;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
+        let (listener, addr) = loopback_listener().await;
         let server = tokio::spawn(async move {
             for _ in 0..connections {
                 let (mut s, _) = listener.accept().await.expect("accept");
@@ -1212,10 +1221,7 @@ mod tests {
         use tokio::io::AsyncReadExt;
         // A backend that answers its first request, then reads the second, works on it past
         // the stale window, and dies without answering.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
+        let (listener, addr) = loopback_listener().await;
         let server = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.expect("accept");
             let mut buf = vec![0u8; 4096];
@@ -1234,13 +1240,7 @@ mod tests {
         let pool = H1Pool::new(Duration::from_secs(1), 1);
         let authority: Arc<str> = addr.to_string().into();
         assert!(!post_once(&pool, &authority).await.0);
-        let parts = http::Request::post("/v1/completions")
-            .body(())
-            .expect("req")
-            .into_parts()
-            .0;
-        let body = Bytes::from_static(b"{}");
-        let head = encode_head(&authority, "", &parts, std::iter::empty(), body.len());
+        let (parts, head, body) = post_request(&authority);
         let sent = pool
             .send(&authority, &parts, &head, &body)
             .await
@@ -1268,10 +1268,7 @@ mod tests {
     async fn connections_idle_past_the_timeout_are_closed_with_their_buffers() {
         use tokio::io::AsyncReadExt;
         // Answers one request per connection, then waits for the client to close it.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
+        let (listener, addr) = loopback_listener().await;
         let server = tokio::spawn(async move {
             let mut open = Vec::new();
             for _ in 0..3 {
@@ -1318,10 +1315,7 @@ mod tests {
             .build()
             .expect("runtime");
         rt.block_on(async {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("bind");
-            let addr = listener.local_addr().expect("addr");
+            let (_listener, addr) = loopback_listener().await;
             let mut list = Vec::new();
             let start = Instant::now();
             for age in [90, 70, 30, 5] {
@@ -1360,10 +1354,7 @@ mod tests {
     #[tokio::test]
     async fn a_read_buffer_grown_by_a_large_head_is_not_kept() {
         use tokio::io::AsyncReadExt;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
+        let (listener, addr) = loopback_listener().await;
         let server = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.expect("accept");
             let mut buf = vec![0u8; 4096];
@@ -1520,10 +1511,7 @@ mod tests {
     #[tokio::test]
     async fn an_answer_read_with_an_interim_one_is_not_kept_waiting() {
         use tokio::io::AsyncReadExt;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
+        let (listener, addr) = loopback_listener().await;
         let server = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.expect("accept");
             let mut buf = vec![0u8; 4096];
