@@ -221,7 +221,14 @@ where
             }
             let (body, held) = match self.read_body(&head).await {
                 Ok(body) => body,
-                Err(end) => return self.end(end, version).await,
+                Err(end) => {
+                    // Counted as every answer is (413, 408, a 503 for the body budget...).
+                    if let End::Reject(e) = &end {
+                        let route = service::route_label(head.parts.uri.path());
+                        self.shared.count_request(route, None, e.status.as_u16());
+                    }
+                    return self.end(end, version).await;
+                }
             };
             let mut req = Request::from_parts(head.parts, Full::new(body));
             req.extensions_mut().insert(service::BodyHeld);

@@ -54,6 +54,13 @@ pub(crate) fn proxied(path: &str) -> Option<&'static str> {
     PROXIED.iter().copied().find(|r| *r == path)
 }
 
+/// The `route` label of a request to `path` in `tokenway_requests_total`: its proxied route
+/// (sloppy slashes read as [`answer`] reads them), else `other`. For the answers the HTTP/1.1
+/// front gives itself, which the request-handling core never sees.
+pub(crate) fn route_label(path: &str) -> &'static str {
+    proxied(normalized(path).as_deref().unwrap_or(path)).unwrap_or("other")
+}
+
 /// `path` with repeated slashes collapsed and a trailing one dropped (`/v1//chat/completions/`
 /// is `/v1/chat/completions`, as the Python servers read it after their redirect), or `None`
 /// when it is already so.
@@ -902,6 +909,16 @@ mod tests {
         assert_eq!(bearer_token("BEARER k1"), Some("k1"));
         assert_eq!(bearer_token("Basic k1"), None);
         assert_eq!(bearer_token("Bearerk1"), None);
+    }
+
+    #[test]
+    fn the_route_label_reads_sloppy_paths_as_the_core_does() {
+        assert_eq!(route_label("/v1/chat/completions"), "/v1/chat/completions");
+        assert_eq!(
+            route_label("/v1//chat/completions/"),
+            "/v1/chat/completions"
+        );
+        assert_eq!(route_label("/nothing"), "other");
     }
 
     #[test]

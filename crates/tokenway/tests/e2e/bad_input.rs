@@ -192,6 +192,16 @@ async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
     assert_eq!(resp.status(), 503);
     assert_eq!(resp.headers()["retry-after"], "1");
     streamed.abort();
+    // Every refusal is counted, the HTTP/1.1 front's own (the first two) as well.
+    let metrics = get(&format!("{}/metrics", gw.url())).await.body;
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "tokenway_requests_total{route=\"/v1/chat/completions\",backend=\"none\",status=\"503\"}"
+        ),
+        3.0,
+        "{metrics}"
+    );
 
     // The holder's body completes: answered, and its bytes are given back.
     holder
