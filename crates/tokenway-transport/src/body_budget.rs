@@ -45,11 +45,6 @@ impl BodyBudget {
         }
     }
 
-    /// Bytes not held by any body now.
-    pub fn available(&self) -> usize {
-        self.permits.available_permits()
-    }
-
     /// An empty hold, to grow as a body arrives.
     pub fn hold(&self) -> Held {
         Held {

@@ -32,9 +32,9 @@
 //! stream on the first block and checks the version byte, then the other: first the version
 //! the peer last spoke (under the wrong stream the byte is random and shows the other version
 //! one time in 256, so a fixed order lost one datagram in 256 of a version-1 peer). Version 1
-//! is still read so that a peer running
-//! an older build keeps working while the two ends are upgraded one after the other; the layer
-//! answers a peer in the version it speaks ([`crate::fec::FecSender::set_version`]).
+//! is still read so that a peer running an older build keeps working while the two ends are
+//! upgraded one after the other; the layer answers a peer in the version it speaks
+//! ([`crate::fec::FecSender::set_version`]).
 //!
 //! Obfuscation is not authentication: a datagram under the wrong key de-obfuscates to random
 //! bytes, which the version check (two candidate streams), the type byte and the header ranges
