@@ -88,16 +88,17 @@ pub struct FecConfig {
     /// 1.5 packets, so one burst does not take the repairs too (default 1 ms; 0 sends them
     /// back to back).
     pub repair_spacing: Duration,
-    /// Longest a *sparse* block stays open in `auto` mode (default 50 ms): a block opened by a
-    /// packet that follows the previous one by more than the flush delay (a token stream) stays
-    /// open for `min(max_sparse_flush_delay, 0.5 · sRTT)` (less once its stream is overdue)
-    /// or until it holds [`Adaptation::sparse_k_max`](adapt::Adaptation::sparse_k_max)
-    /// packets, and gets the repairs of
-    /// [`Adaptation::sparse_repairs_for`](adapt::Adaptation::sparse_repairs_for) instead of
-    /// a duplicate per packet.
-    /// Without a known sRTT there are no sparse blocks. The same delay (or this maximum while
-    /// the sRTT is unknown) is the pause after which a packet opens a *head* block
-    /// ([`HEAD_EXTRA_MAX_K`]). Zero disables both.
+    /// Longest a *sparse* block stays open in `auto` mode (default 50 ms), on every path: a
+    /// block opened by a packet that follows the previous one by more than the flush delay
+    /// and less than this (a token stream) stays open this long (less once its stream is
+    /// overdue) or until it holds
+    /// [`Adaptation::sparse_k_max`](adapt::Adaptation::sparse_k_max) packets, and gets the
+    /// repairs of [`Adaptation::sparse_repairs_for`](adapt::Adaptation::sparse_repairs_for)
+    /// instead of a duplicate per packet. Without a known sRTT there are no sparse blocks.
+    /// The same delay is the pause after which a packet opens a *head* block
+    /// ([`HEAD_EXTRA_MAX_K`]). Zero disables both. Not scaled down on short paths: there a
+    /// token stream's packets would all be heads, each sent three times whatever the loss
+    /// (docs/datagram-layer.md, "Short paths").
     pub max_sparse_flush_delay: Duration,
 }
 
@@ -117,12 +118,6 @@ pub const HEAD_EXTRA_MAX_K: usize = 4;
 /// Most packets in a sparse block (see [`FecConfig::max_sparse_flush_delay`]; two under heavy
 /// loss, [`adapt::Adaptation::sparse_k_max`]), and most repairs one gets.
 pub const SPARSE_K_MAX: usize = 3;
-/// A sparse block's flush delay as a fraction of the sRTT: a packet lost at the start of the
-/// block is restored at most this long after it should have arrived (QUIC itself needs
-/// 9/8 RTT to declare it lost and half an RTT more to deliver the retransmission).
-/// docs/datagram-layer.md ("Token streams: the arithmetic") weighs blocks of 3 against
-/// longer ones.
-pub const SPARSE_FLUSH_RTT_FRACTION: f64 = 0.5;
 
 impl Default for FecConfig {
     fn default() -> Self {

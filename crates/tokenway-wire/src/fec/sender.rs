@@ -10,7 +10,7 @@ use super::adapt::Adaptation;
 use super::codec::{shard_len_for, Encoder};
 use super::{
     datagram_overhead, FecConfig, FecMode, FecScope, HEAD_EXTRA_MAX_K, MAX_DATAGRAM_LEN,
-    MAX_PROTECTED_LEN, SMALL_PACKET_MAX_LEN, SPARSE_FLUSH_RTT_FRACTION,
+    MAX_PROTECTED_LEN, SMALL_PACKET_MAX_LEN,
 };
 use crate::error::WireError;
 use crate::loss_report::LossReport;
@@ -47,7 +47,7 @@ pub struct SenderStats {
     pub blocks: u64,
     /// Blocks closed by the flush deadline rather than by filling up.
     pub blocks_flushed: u64,
-    /// Sparse blocks (a token stream's packets grouped over a fraction of the RTT).
+    /// Sparse blocks (a token stream's packets grouped, up to the sparse flush delay).
     pub blocks_sparse: u64,
     /// Head blocks (the first packets after a pause), which get one repair beyond the budget.
     pub blocks_head: u64,
@@ -272,15 +272,18 @@ impl FecSender {
         }
     }
 
-    /// The flush delay of a sparse block, if sparse blocks are on (auto mode, sRTT known).
+    /// The flush delay of a sparse block, if sparse blocks are on (auto mode, sRTT known):
+    /// `max_sparse_flush_delay` on every path. It is not cut to a fraction of the sRTT: on a
+    /// path shorter than twice a token interval every token would then open a head block of its
+    /// own and go out three times, loss or not, where a block of two or three tokens (whose
+    /// first is restored one or two intervals late) still beats QUIC's own recovery, which
+    /// waits for a later packet's acknowledgement and then 1.5 RTT more.
     fn sparse_flush_delay(&self) -> Option<Duration> {
         if self.config.mode != FecMode::Auto || self.config.max_sparse_flush_delay.is_zero() {
             return None;
         }
-        let d = self
-            .config
-            .max_sparse_flush_delay
-            .min(self.srtt?.mul_f64(SPARSE_FLUSH_RTT_FRACTION));
+        self.srtt?;
+        let d = self.config.max_sparse_flush_delay;
         (d > self.flush_delay()).then_some(d)
     }
 
@@ -308,17 +311,11 @@ impl FecSender {
         b.deadline = b.latest.min(now + wait);
     }
 
-    /// The pause after which a packet opens a head block: the sparse flush delay, or
-    /// `max_sparse_flush_delay` while the sRTT is unknown or tiny. `None` outside `auto` mode
-    /// or with sparse blocks disabled.
+    /// The pause after which a packet opens a head block: the sparse flush delay, whether or
+    /// not the sRTT is known. `None` outside `auto` mode or with sparse blocks disabled.
     fn head_pause(&self) -> Option<Duration> {
-        if self.config.mode != FecMode::Auto || self.config.max_sparse_flush_delay.is_zero() {
-            return None;
-        }
-        Some(
-            self.sparse_flush_delay()
-                .unwrap_or(self.config.max_sparse_flush_delay),
-        )
+        (self.config.mode == FecMode::Auto && !self.config.max_sparse_flush_delay.is_zero())
+            .then_some(self.config.max_sparse_flush_delay)
     }
 
     /// Whether a block opened at `now` by a packet that is not small is a head block: no such
@@ -534,11 +531,13 @@ impl FecSender {
         // Under bursty loss repairs are spread so that one burst does not take a block's
         // repairs with its sources. A sparse block's go out over the next two sparse flush
         // delays, between the stream's next packets (a burst is a run of consecutive
-        // datagrams as much as a stretch of time), so a loss is restored within ~1 sRTT.
+        // datagrams as much as a stretch of time): a loss is restored within ~100 ms, before
+        // QUIC's own recovery on paths of 70 ms and more (on shorter ones whichever comes
+        // first; docs/datagram-layer.md, "Short paths").
         let spacing = if !self.adapt.is_bursty() {
             Duration::ZERO
         } else if let (BlockKind::Sparse, Some(d)) = (block.kind, self.sparse_flush_delay()) {
-            (d * 2 / r as u32).max(self.config.repair_spacing)
+            (2 * d / r as u32).max(self.config.repair_spacing)
         } else {
             self.config.repair_spacing
         };
