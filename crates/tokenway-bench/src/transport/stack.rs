@@ -225,7 +225,10 @@ pub async fn start(spec: &StackSpec<'_>) -> Result<Stack, BenchError> {
              batch_penalty = 0.0\n\
              max_concurrency = 256\n\
              max_queue = 256\n\
-             prefix_cache_tokens = 0\n",
+             prefix_cache_tokens = 0\n\
+             # A prompt of up to the gateway's 32 MiB body limit fits the context\n\
+             # (2^21 tokens): `--upload-kib 30720` measures the transports, not a 400.\n\
+             bytes_per_token = 64\n",
             spec.token_ms
         ),
     )?;
