@@ -283,7 +283,8 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
         return too_large();
     }
     // The body is held (for a retry on a fresh connection) within the edge's bound on held
-    // bodies, taken as it arrives (a declared length at once).
+    // bodies, taken as it arrives (a declared length must fit the room left, but holds
+    // nothing until its bytes come).
     let mut held = local.bodies.hold();
     let busy = || {
         let mut r = error(
@@ -295,7 +296,7 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         count(local, route, &Arc::from("none"), r)
     };
-    if !held.grow(declared.unwrap_or(0) as usize) {
+    if !held.has_room_for(declared.unwrap_or(0) as usize) {
         return busy();
     }
     let mut collected = bytes::BytesMut::new();

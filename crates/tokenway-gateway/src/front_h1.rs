@@ -314,9 +314,9 @@ where
     }
 
     /// Reads the request's body whole, under `max_body_bytes` and within the gateway's budget
-    /// of bodies held (`max_held_body_bytes`: a declared length is taken at once, before
-    /// `100 Continue`; a chunked body as it is decoded), whose bytes the returned [`Held`]
-    /// keeps. The client read timeout bounds each silence, not the whole upload (nginx's
+    /// of bodies held (`max_held_body_bytes`: a declared length must fit the room left before
+    /// `100 Continue` and any of it is read, and takes its bytes as they arrive; a chunked
+    /// body as it is decoded), whose bytes the returned [`Held`] keeps. The client read timeout bounds each silence, not the whole upload (nginx's
     /// `client_body_timeout`): a large body on a slow link that keeps coming is read to its end.
     async fn read_body(&mut self, head: &Head) -> Result<(Bytes, Held), End> {
         let limit = self.shared.config.max_body_bytes;
@@ -330,20 +330,31 @@ where
                     return Err(End::Reject(ApiError::body_too_large(limit)));
                 }
                 let n = n as usize;
-                if !held.grow(n) {
+                if !held.has_room_for(n) {
                     return no_room();
                 }
                 if head.expect_continue && self.buf.len() < n {
                     self.continue_().await?;
                 }
-                while self.buf.len() < n {
+                loop {
+                    // What arrived of this body (the buffer may hold the next request too).
+                    if !held.grow(self.buf.len().min(n).saturating_sub(held.bytes())) {
+                        return no_room();
+                    }
+                    if self.buf.len() >= n {
+                        return Ok((self.buf.split_to(n).freeze(), held));
+                    }
                     self.body_read(Instant::now() + silence, n - self.buf.len())
                         .await?;
                 }
-                Ok((self.buf.split_to(n).freeze(), held))
             }
             RequestBody::Chunked => {
                 if head.expect_continue {
+                    // Invited only while some room is left (a full budget answers now, not
+                    // after the client started sending).
+                    if !held.has_room_for(1) {
+                        return no_room();
+                    }
                     self.continue_().await?;
                 }
                 let mut chunked = ChunkedBody::default();

@@ -654,8 +654,9 @@ where
     }
     let counted = parts.extensions.get::<BodyHeld>().is_none();
     let mut held = shared.bodies.hold();
-    // A declared length takes its bytes at once: a body that cannot be held is not read.
-    if counted && !held.grow(declared.unwrap_or(0) as usize) {
+    // A declared length that does not fit the room left is not read; it takes its bytes as
+    // they arrive (a declaration alone holds nothing).
+    if counted && !held.has_room_for(declared.unwrap_or(0) as usize) {
         return Err(ApiError::bodies_held());
     }
     // The client read timeout bounds each silence, not the whole upload (as on HTTP/1.1).

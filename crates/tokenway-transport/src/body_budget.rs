@@ -4,10 +4,12 @@
 //! be sent again: on a fresh connection, to another backend, to a hedge), up to
 //! `max_body_bytes` each; with no bound on their number, one h2c client with 1024 streams of
 //! 32 MiB made the edge hold 32 GiB, and 10 000 HTTP/1.1 connections could make a gateway
-//! hold ten times that. A body takes its bytes from this budget as they arrive (a declared
-//! length at once) and gives them back when the request no longer needs them (its answer's
-//! head is in, or it failed); a request that finds no room is answered 503 at once (with
-//! `Retry-After`), the rest of its body unread. Shared by the edge and the gateway, which
+//! hold ten times that. A body takes its bytes from this budget as they arrive and gives them
+//! back when the request no longer needs them (its answer's head is in, or it failed); a
+//! request that finds no room is answered 503 at once (with `Retry-After`), the rest of its
+//! body unread. A declared length is checked against the room left before any of the body
+//! is read (and before `100 Continue`), but takes nothing: a declaration alone, its bytes
+//! trickled or never sent, must not hold the budget that other requests' real bytes need. Shared by the edge and the gateway, which
 //! never import each other.
 
 use std::sync::Arc;
@@ -75,6 +77,13 @@ impl Held {
         }
     }
 
+    /// Whether the budget has room for `bytes` more now (a body's declared length, before
+    /// any of it is read). Takes nothing: the bytes are taken by [`grow`](Self::grow) as they
+    /// arrive, and may find the room gone by then.
+    pub fn has_room_for(&self, bytes: usize) -> bool {
+        self.permits.available_permits() >= bytes
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         self.permit
@@ -95,8 +104,10 @@ mod tests {
         assert!(a.grow(total - 10));
         assert_eq!(a.bytes(), total - 10);
         let mut b = budget.hold();
+        assert!(b.has_room_for(10) && !b.has_room_for(11));
         assert!(b.grow(10));
         assert!(!b.grow(1), "the budget is full");
+        assert!(!budget.hold().has_room_for(1));
         drop(a);
         assert!(b.grow(1_000), "a body that is done gives its bytes back");
         // Large bodies: room for two of the largest.

@@ -106,8 +106,29 @@ async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
     };
     let big = sized(60_000);
     assert_eq!(big.len(), 60_000);
-    // HTTP/1.1: a declared body takes its bytes at once, before any of it arrives (and before
-    // the client is invited to send it).
+    // HTTP/1.1: a declaration alone holds nothing. A client that declares a large body and
+    // sends none of it (or trickles it) does not keep the next request out.
+    let mut liar = TcpStream::connect(gw.addr).await.expect("connect");
+    liar.write_all(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n",
+            big.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .expect("write");
+    let second = sized(50_000);
+    let r = post(&chat_url, &second, None).await;
+    assert_eq!(
+        r.status, 200,
+        "a declared body held its bytes before they came: {}",
+        r.body
+    );
+    // The bytes that did arrive are held: the holder is invited (room is left), sends 55 000
+    // of its 60 000 bytes, and a second large body no longer fits. The gateway reads them
+    // as they come; once it has, the second body is refused.
     let mut holder = TcpStream::connect(gw.addr).await.expect("connect");
     holder
         .write_all(
@@ -128,15 +149,24 @@ async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
     let invited = String::from_utf8_lossy(&invited[..n]);
     assert!(invited.starts_with("HTTP/1.1 100 Continue"), "{invited}");
     holder
-        .write_all(&big.as_bytes()[..1000])
+        .write_all(&big.as_bytes()[..55_000])
         .await
         .expect("write");
-    let second = sized(50_000);
-    let r = post(&chat_url, &second, None).await;
+    let mut refused = None;
+    for _ in 0..100 {
+        let r = post(&chat_url, &second, None).await;
+        if r.status != 200 {
+            refused = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = refused.expect("a second large body was refused while the first held the budget");
     assert_eq!(
         (r.status, error_code(&r.body).as_str()),
         (503, "gateway_busy"),
-        "a second large body was taken while the first held the budget"
+        "{}",
+        r.body
     );
     assert_eq!(r.headers["retry-after"], "1");
     // A small body still fits.
@@ -203,9 +233,10 @@ async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
         "{metrics}"
     );
 
+    drop(liar);
     // The holder's body completes: answered, and its bytes are given back.
     holder
-        .write_all(&big.as_bytes()[1000..])
+        .write_all(&big.as_bytes()[55_000..])
         .await
         .expect("write");
     let mut buf = Vec::new();
