@@ -107,18 +107,27 @@ async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
     let big = sized(60_000);
     assert_eq!(big.len(), 60_000);
     // HTTP/1.1: a declaration alone holds nothing. A client that declares a large body and
-    // sends none of it (or trickles it) does not keep the next request out.
+    // sends none of it (or trickles it) does not keep the next request out. (It waits for
+    // `100 Continue`, so that its head is known to have passed the check before the next
+    // request: invited, it sends nothing.)
     let mut liar = TcpStream::connect(gw.addr).await.expect("connect");
     liar.write_all(
         format!(
             "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
-             content-length: {}\r\n\r\n",
+             content-length: {}\r\nexpect: 100-continue\r\n\r\n",
             big.len()
         )
         .as_bytes(),
     )
     .await
     .expect("write");
+    let mut invited = vec![0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(5), liar.read(&mut invited))
+        .await
+        .expect("invited in time")
+        .expect("read");
+    let invited = String::from_utf8_lossy(&invited[..n]);
+    assert!(invited.starts_with("HTTP/1.1 100 Continue"), "{invited}");
     let second = sized(50_000);
     let r = post(&chat_url, &second, None).await;
     assert_eq!(
@@ -126,9 +135,8 @@ async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
         "a declared body held its bytes before they came: {}",
         r.body
     );
-    // The bytes that did arrive are held: the holder is invited (room is left), sends 55 000
-    // of its 60 000 bytes, and a second large body no longer fits. The gateway reads them
-    // as they come; once it has, the second body is refused.
+    // The bytes that did arrive are held: the holder is invited (room is left) and sends 55 000
+    // of its 60 000 bytes, which the gateway reads as they come.
     let mut holder = TcpStream::connect(gw.addr).await.expect("connect");
     holder
         .write_all(
@@ -152,39 +160,38 @@ async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
         .write_all(&big.as_bytes()[..55_000])
         .await
         .expect("write");
+    // HTTP/1.1 with `Expect: 100-continue`: a body that does not fit the room left is refused
+    // before the client is invited to send it. Such a probe takes nothing while it waits (a
+    // body taking its bytes first would race the holder's for them), so it also tells when
+    // the gateway has read the holder's bytes.
+    let probe = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\
+         expect: 100-continue\r\n\r\n",
+        second.len()
+    );
     let mut refused = None;
     for _ in 0..100 {
-        let r = post(&chat_url, &second, None).await;
-        if r.status != 200 {
-            refused = Some(r);
+        let answer = answer_to_head(gw.addr, probe.as_bytes()).await;
+        if !answer.starts_with("HTTP/1.1 100 Continue") {
+            refused = Some(answer);
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let r = refused.expect("a second large body was refused while the first held the budget");
+    let answer = refused.expect("a second large body refused while the first holds the budget");
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(!answer.contains("100 Continue"), "{answer}");
+    // The same body sent at once.
+    let r = post(&chat_url, &second, None).await;
     assert_eq!(
         (r.status, error_code(&r.body).as_str()),
         (503, "gateway_busy"),
-        "{}",
-        r.body
+        "a second large body was taken while the first held the budget"
     );
     assert_eq!(r.headers["retry-after"], "1");
     // A small body still fits.
     let r = post(&chat_url, &chat("small", false, 2), None).await;
     assert_eq!(r.status, 200, "{}", r.body);
-    // HTTP/1.1 with `Expect: 100-continue`: refused before the client is invited to send.
-    let answer = answer_to_head(
-        gw.addr,
-        format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\
-             expect: 100-continue\r\n\r\n",
-            second.len()
-        )
-        .as_bytes(),
-    )
-    .await;
-    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
-    assert!(!answer.contains("100 Continue"), "{answer}");
 
     // HTTP/2, a body of no declared length: refused once what arrived passes the room left.
     let tcp = TcpStream::connect(gw.addr).await.expect("connect");
