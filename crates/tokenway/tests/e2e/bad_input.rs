@@ -89,6 +89,25 @@ async fn bad_requests_get_openai_errors_and_the_gateway_keeps_serving() {
     assert_eq!(r.status, 200, "{}", r.body);
 }
 
+/// A connection that sent a chat request's head declaring a body of `len` bytes with
+/// `Expect: 100-continue` (and `extra` header lines), and was invited to send it.
+async fn invited_to_send(addr: std::net::SocketAddr, len: usize, extra: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {len}\r\nexpect: 100-continue\r\n{extra}\r\n"
+    );
+    s.write_all(head.as_bytes()).await.expect("write");
+    let mut invited = vec![0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut invited))
+        .await
+        .expect("invited in time")
+        .expect("read");
+    let invited = String::from_utf8_lossy(&invited[..n]);
+    assert!(invited.starts_with("HTTP/1.1 100 Continue"), "{invited}");
+    s
+}
+
 #[tokio::test]
 async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
     let backend = sim(FAST_SIM);
@@ -110,24 +129,7 @@ async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
     // sends none of it (or trickles it) does not keep the next request out. (It waits for
     // `100 Continue`, so that its head is known to have passed the check before the next
     // request: invited, it sends nothing.)
-    let mut liar = TcpStream::connect(gw.addr).await.expect("connect");
-    liar.write_all(
-        format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
-             content-length: {}\r\nexpect: 100-continue\r\n\r\n",
-            big.len()
-        )
-        .as_bytes(),
-    )
-    .await
-    .expect("write");
-    let mut invited = vec![0u8; 64];
-    let n = tokio::time::timeout(Duration::from_secs(5), liar.read(&mut invited))
-        .await
-        .expect("invited in time")
-        .expect("read");
-    let invited = String::from_utf8_lossy(&invited[..n]);
-    assert!(invited.starts_with("HTTP/1.1 100 Continue"), "{invited}");
+    let liar = invited_to_send(gw.addr, big.len(), "").await;
     let second = sized(50_000);
     let r = post(&chat_url, &second, None).await;
     assert_eq!(
@@ -137,25 +139,7 @@ async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
     );
     // The bytes that did arrive are held: the holder is invited (room is left) and sends 55 000
     // of its 60 000 bytes, which the gateway reads as they come.
-    let mut holder = TcpStream::connect(gw.addr).await.expect("connect");
-    holder
-        .write_all(
-            format!(
-                "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
-                 content-length: {}\r\nexpect: 100-continue\r\nconnection: close\r\n\r\n",
-                big.len()
-            )
-            .as_bytes(),
-        )
-        .await
-        .expect("write");
-    let mut invited = vec![0u8; 64];
-    let n = tokio::time::timeout(Duration::from_secs(5), holder.read(&mut invited))
-        .await
-        .expect("invited in time")
-        .expect("read");
-    let invited = String::from_utf8_lossy(&invited[..n]);
-    assert!(invited.starts_with("HTTP/1.1 100 Continue"), "{invited}");
+    let mut holder = invited_to_send(gw.addr, big.len(), "connection: close\r\n").await;
     holder
         .write_all(&big.as_bytes()[..55_000])
         .await
