@@ -296,7 +296,12 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         count(local, route, &Arc::from("none"), r)
     };
-    if !held.has_room_for(declared.unwrap_or(0) as usize) {
+    // A body of no declared length needs a byte of room: with none left it is refused before
+    // hyper invites it (`100 Continue` goes out when the body is first read).
+    let need = declared.map_or(usize::from(!hyper::body::Body::is_end_stream(&body)), |n| {
+        n as usize
+    });
+    if !held.has_room_for(need) {
         return busy();
     }
     let mut collected = bytes::BytesMut::new();

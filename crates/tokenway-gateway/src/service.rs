@@ -655,8 +655,11 @@ where
     let counted = parts.extensions.get::<BodyHeld>().is_none();
     let mut held = shared.bodies.hold();
     // A declared length that does not fit the room left is not read; it takes its bytes as
-    // they arrive (a declaration alone holds nothing).
-    if counted && !held.has_room_for(declared.unwrap_or(0) as usize) {
+    // they arrive (a declaration alone holds nothing). A body of no declared length needs a
+    // byte of room: with none left it is refused before hyper invites it (`100 Continue` goes
+    // out when the body is first read).
+    let need = declared.map_or(usize::from(!body.is_end_stream()), |n| n as usize);
+    if counted && !held.has_room_for(need) {
         return Err(ApiError::bodies_held());
     }
     // The client read timeout bounds each silence, not the whole upload (as on HTTP/1.1).

@@ -382,6 +382,17 @@ impl FecReceiver {
         self.peer_version
     }
 
+    /// Takes `version` for the version the peer speaks until a datagram says otherwise: for a
+    /// new peer whose first datagram the caller already opened (under that version's key
+    /// stream), so that this receiver opens it under the same stream first. Under the other
+    /// one its first byte shows a version one time in 256, and it would be lost. Unknown
+    /// versions are ignored.
+    pub fn assume_peer_version(&mut self, version: u8) {
+        if version == packet::VERSION || version == packet::VERSION_1 {
+            self.peer_version = version;
+        }
+    }
+
     /// Number of blocks currently open (for metrics and tests).
     pub fn open_blocks(&self) -> usize {
         self.blocks.len()
