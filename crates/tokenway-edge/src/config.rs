@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::de::IgnoredAny;
 use serde::Deserialize;
+use tokenway_transport::body_budget::BodyBudget;
 use tokenway_transport::tunnel_config::{is_host_port, TunnelClientConfig};
 use tokenway_transport::TransportError;
 
@@ -22,6 +23,10 @@ pub struct EdgeConfig {
     /// request can be retried on a fresh connection).
     #[serde(default = "default_max_body")]
     pub max_body_bytes: usize,
+    /// Request bodies held at once, all requests together, bytes (unset: the larger of
+    /// 256 MiB and twice `max_body_bytes`).
+    #[serde(default)]
+    pub max_held_body_bytes: Option<usize>,
     /// How often the local address towards each gateway is checked, milliseconds; when it
     /// changes the QUIC endpoint rebinds so connections migrate at once (0 = never).
     #[serde(default = "default_address_check")]
@@ -90,6 +95,14 @@ impl EdgeConfig {
                 self.max_body_bytes
             ));
         }
+        if let Some(held) = self.max_held_body_bytes {
+            if held < self.max_body_bytes || held > u32::MAX as usize {
+                return bad(format!(
+                    "max_held_body_bytes must be in max_body_bytes ({})..=4294967295 (got {held})",
+                    self.max_body_bytes
+                ));
+            }
+        }
         for (i, f) in self.forwards.iter().enumerate() {
             if !is_host_port(&f.target) {
                 return bad(format!(
@@ -99,6 +112,14 @@ impl EdgeConfig {
             }
         }
         Ok(())
+    }
+
+    /// The bound on request bodies held, all requests together.
+    pub fn body_budget(&self) -> BodyBudget {
+        match self.max_held_body_bytes {
+            Some(bytes) => BodyBudget::of_bytes(bytes),
+            None => BodyBudget::for_bodies_of(self.max_body_bytes),
+        }
     }
 
     /// The roaming check interval, `None` when disabled.
@@ -179,6 +200,33 @@ mod tests {
             };
             let e = EdgeConfig::from_toml_str(&text).unwrap_err().to_string();
             assert!(e.contains(key), "{key}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_bodies_held_are_bounded_by_max_held_body_bytes_or_the_default() {
+        let c = EdgeConfig::from_toml_str(&format!("max_body_bytes = 4096\n{}", base()))
+            .expect("valid");
+        assert_eq!(c.max_held_body_bytes, None);
+        let budget = c.body_budget();
+        assert!(budget.hold().has_room_for(256 << 20));
+        assert!(!budget.hold().has_room_for((256 << 20) + 1));
+        let c = EdgeConfig::from_toml_str(&format!(
+            "max_body_bytes = 4096\nmax_held_body_bytes = 10000\n{}",
+            base()
+        ))
+        .expect("valid");
+        let budget = c.body_budget();
+        assert!(budget.hold().has_room_for(10_000));
+        assert!(!budget.hold().has_room_for(10_001));
+        for held in ["4095", "4294967296"] {
+            let e = EdgeConfig::from_toml_str(&format!(
+                "max_body_bytes = 4096\nmax_held_body_bytes = {held}\n{}",
+                base()
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("max_held_body_bytes"), "{held}: {e}");
         }
     }
 

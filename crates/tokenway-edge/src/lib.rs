@@ -54,9 +54,7 @@ pub async fn bind(config: EdgeConfig) -> Result<BoundEdge, EdgeError> {
             tunnel,
             metrics,
             max_body_bytes: config.max_body_bytes,
-            bodies: tokenway_transport::body_budget::BodyBudget::for_bodies_of(
-                config.max_body_bytes,
-            ),
+            bodies: config.body_budget(),
         }),
         forwards,
     })

@@ -89,25 +89,6 @@ async fn bad_requests_get_openai_errors_and_the_gateway_keeps_serving() {
     assert_eq!(r.status, 200, "{}", r.body);
 }
 
-/// A connection that sent a chat request's head declaring a body of `len` bytes with
-/// `Expect: 100-continue` (and `extra` header lines), and was invited to send it.
-async fn invited_to_send(addr: std::net::SocketAddr, len: usize, extra: &str) -> TcpStream {
-    let mut s = TcpStream::connect(addr).await.expect("connect");
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
-         content-length: {len}\r\nexpect: 100-continue\r\n{extra}\r\n"
-    );
-    s.write_all(head.as_bytes()).await.expect("write");
-    let mut invited = vec![0u8; 64];
-    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut invited))
-        .await
-        .expect("invited in time")
-        .expect("read");
-    let invited = String::from_utf8_lossy(&invited[..n]);
-    assert!(invited.starts_with("HTTP/1.1 100 Continue"), "{invited}");
-    s
-}
-
 #[tokio::test]
 async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
     let backend = sim(FAST_SIM);
@@ -118,19 +99,14 @@ async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
         "",
     );
     let chat_url = format!("{}/v1/chat/completions", gw.url());
-    let sized = |n: usize| {
-        let body = chat(&"y".repeat(n), false, 2);
-        let pad = n - (body.len() - n);
-        chat(&"y".repeat(pad), false, 2)
-    };
-    let big = sized(60_000);
+    let big = chat_of_len(60_000);
     assert_eq!(big.len(), 60_000);
     // HTTP/1.1: a declaration alone holds nothing. A client that declares a large body and
     // sends none of it (or trickles it) does not keep the next request out. (It waits for
     // `100 Continue`, so that its head is known to have passed the check before the next
     // request: invited, it sends nothing.)
     let liar = invited_to_send(gw.addr, big.len(), "").await;
-    let second = sized(50_000);
+    let second = chat_of_len(50_000);
     let r = post(&chat_url, &second, None).await;
     assert_eq!(
         r.status, 200,
@@ -234,7 +210,7 @@ async fn the_request_bodies_held_are_bounded_across_connections_and_fronts() {
     let _ = tokio::time::timeout(Duration::from_secs(10), holder.read_to_end(&mut buf)).await;
     let text = String::from_utf8_lossy(&buf);
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    let r = post(&chat_url, &sized(50_000), None).await;
+    let r = post(&chat_url, &chat_of_len(50_000), None).await;
     assert_eq!(r.status, 200, "{}", r.body);
 }
 

@@ -239,6 +239,25 @@ pub struct Reply {
 
 /// POSTs JSON and collects the answer.
 pub async fn post(url: &str, body: &str, key: Option<&str>) -> Reply {
+    post_on(&client(), url, body, key).await
+}
+
+/// POSTs JSON over h2c (HTTP/2 with prior knowledge) and collects the answer.
+pub async fn post_h2c(url: &str, body: &str) -> Reply {
+    let mut c = HttpConnector::new();
+    c.set_nodelay(true);
+    let h2c = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(c);
+    post_on(&h2c, url, body, None).await
+}
+
+async fn post_on(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    url: &str,
+    body: &str,
+    key: Option<&str>,
+) -> Reply {
     let mut req = http::Request::post(url)
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
@@ -249,7 +268,7 @@ pub async fn post(url: &str, body: &str, key: Option<&str>) -> Reply {
             format!("Bearer {k}").parse().expect("header"),
         );
     }
-    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req))
+    let resp = tokio::time::timeout(Duration::from_secs(20), client.request(req))
         .await
         .expect("answered in time")
         .expect("request succeeds");
@@ -295,6 +314,33 @@ pub async fn answer_to_head(addr: SocketAddr, head: &[u8]) -> String {
         .expect("an answer without the body")
         .expect("read");
     String::from_utf8_lossy(&answer[..n]).into_owned()
+}
+
+/// A connection that sent a chat request's head declaring a body of `len` bytes with
+/// `Expect: 100-continue` (and `extra` header lines), and was invited to send it.
+pub async fn invited_to_send(addr: SocketAddr, len: usize, extra: &str) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {len}\r\nexpect: 100-continue\r\n{extra}\r\n"
+    );
+    s.write_all(head.as_bytes()).await.expect("write");
+    let mut invited = vec![0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut invited))
+        .await
+        .expect("invited in time")
+        .expect("read");
+    let invited = String::from_utf8_lossy(&invited[..n]);
+    assert!(invited.starts_with("HTTP/1.1 100 Continue"), "{invited}");
+    s
+}
+
+/// A non-streaming chat request body of exactly `len` bytes (its prompt padded with `y`).
+pub fn chat_of_len(len: usize) -> String {
+    let body = chat(&"y".repeat(len), false, 2);
+    let pad = len - (body.len() - len);
+    chat(&"y".repeat(pad), false, 2)
 }
 
 /// A chat request body.

@@ -1350,6 +1350,70 @@ async fn an_edge_refuses_a_declared_oversized_body_before_reading_it() {
 }
 
 #[tokio::test]
+async fn the_request_bodies_an_edge_holds_are_bounded_and_a_declaration_alone_holds_nothing() {
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(&backend, "", "");
+    // Room for one 60 000-byte body and a bit: a second large body waits.
+    let edge = edge_for(
+        &gw,
+        "max_body_bytes = 65536\nmax_held_body_bytes = 100000",
+        "",
+    );
+    let chat_url = format!("{}/v1/chat/completions", edge.url());
+    let busy = |r: &Reply| {
+        let v: serde_json::Value = serde_json::from_str(&r.body).expect("a JSON error");
+        r.status == 503 && v["error"]["code"] == "edge_busy" && r.headers["retry-after"] == "1"
+    };
+    // A client that declares a large body and sends none of it keeps no one out.
+    let liar = invited_to_send(edge.addr, 60_000, "").await;
+    let r = post(&chat_url, &chat_of_len(50_000), None).await;
+    assert_eq!(r.status, 200, "a declaration held bytes: {}", r.body);
+    // The bytes that did arrive are held: 55 000 of the holder's 60 000.
+    let big = chat_of_len(60_000);
+    let mut holder = invited_to_send(edge.addr, big.len(), "connection: close\r\n").await;
+    holder
+        .write_all(&big.as_bytes()[..55_000])
+        .await
+        .expect("write");
+    // A declared body that does not fit the room left is refused before it is invited (and
+    // such a probe takes nothing while it waits, so it also tells when the edge has read the
+    // holder's bytes).
+    let probe = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 50000\r\n\
+                 expect: 100-continue\r\n\r\n";
+    let mut refused = None;
+    for _ in 0..100 {
+        let answer = answer_to_head(edge.addr, probe.as_bytes()).await;
+        if !answer.starts_with("HTTP/1.1 100 Continue") {
+            refused = Some(answer);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let answer = refused.expect("a large body refused while another holds the budget");
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    // The same body sent at once, over HTTP/1.1 and over h2c.
+    let r = post(&chat_url, &chat_of_len(50_000), None).await;
+    assert!(busy(&r), "{} {:?}", r.status, r.body);
+    let r = post_h2c(&chat_url, &chat_of_len(50_000)).await;
+    assert!(busy(&r), "{} {:?}", r.status, r.body);
+    // A small body still fits.
+    let r = post(&chat_url, &chat("small", false, 2), None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    drop(liar);
+    // The holder's body completes: answered, and its bytes are given back.
+    holder
+        .write_all(&big.as_bytes()[55_000..])
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), holder.read_to_end(&mut buf)).await;
+    let text = String::from_utf8_lossy(&buf);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let r = post(&chat_url, &chat_of_len(50_000), None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[tokio::test]
 async fn at_shutdown_the_edge_finishes_a_stream_in_flight_then_exits() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // 30 tokens at 40 ms: the stream is still running when the edge is told to stop.
