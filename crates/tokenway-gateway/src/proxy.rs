@@ -307,6 +307,17 @@ pub async fn forward(
             }
         };
         match tried {
+            // A whole answer that did not come in `whole_answer_ms` is not tried again: its
+            // wait is the generation's length, which the next backend would take as long over
+            // (three backends made a client wait half an hour for a 504, each generation
+            // thrown away). The 504 says `x-should-retry: false` for the same reason.
+            Tried::Failed {
+                backend,
+                failure: Failure::Timeout,
+            } if req.request.whole_answer => {
+                note_failure(&mut last_failure, backend, Failure::Timeout);
+                break;
+            }
             Tried::Failed { backend, failure } => note_failure(&mut last_failure, backend, failure),
             Tried::Answered(answer) => {
                 let counted = answer.head.parts.status == StatusCode::OK;

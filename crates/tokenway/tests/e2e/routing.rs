@@ -329,6 +329,36 @@ async fn an_answer_that_is_not_streamed_may_take_longer_than_the_first_byte_time
 }
 
 #[tokio::test]
+async fn a_whole_answer_past_its_timeout_gets_a_504_and_is_not_run_again_elsewhere() {
+    // 25 tokens at 40 ms: a whole answer takes about a second, past `whole_answer_ms`.
+    let slow = "base_latency_ms = 1.0\ntime_per_output_token_ms = 40.0\n";
+    let sims = [sim(slow), sim(slow), sim(slow)];
+    let gw = gateway(
+        &[&sims[0], &sims[1], &sims[2]],
+        "policy = \"round_robin\"",
+        "[timeouts]\nwhole_answer_ms = 300\n",
+    );
+    let r = post(
+        &format!("{}/v1/chat/completions", gw.url()),
+        &chat("a long generation", false, 25),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 504, "{}", r.body);
+    assert!(r.body.contains("upstream_timeout"), "{}", r.body);
+    assert_eq!(r.headers["x-should-retry"], "false");
+    // One backend was asked to generate it, not each in turn.
+    let mut asked = 0;
+    for s in &sims {
+        let metrics = get(&format!("{}/metrics", s.url())).await.body;
+        if metric_sum(&metrics, "vllm:prompt_tokens") > 0.0 {
+            asked += 1;
+        }
+    }
+    assert_eq!(asked, 1, "the whole answer was tried on {asked} backends");
+}
+
+#[tokio::test]
 async fn a_trial_answered_with_a_server_error_keeps_the_backend_ejected() {
     let failing = sim("[faults]\nerror_rate = 1.0\n");
     // A healthy second backend: the last healthy backend of a model is never ejected for its
