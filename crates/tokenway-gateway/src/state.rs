@@ -21,8 +21,8 @@ use tokenway_router::{
 };
 use tokenway_telemetry::quic::QuicMetrics;
 use tokenway_telemetry::{
-    BackendLabels, BackendMetrics, Counter, Gauge, Histogram, Registry, RequestLabels,
-    RequestMetrics, StreamLabels,
+    BackendLabels, BackendMetrics, Counter, Family, Gauge, Histogram, LatencyHistogram,
+    MetricConstructor, Registry, RequestLabels, RequestMetrics, StreamLabels,
 };
 use tokenway_transport::body_budget::BodyBudget;
 
@@ -365,22 +365,30 @@ impl Shared {
         {
             return h.clone();
         }
+        let u = self.upstream(id);
+        // Under the lock `remove_backend` takes after marking the backend removed: a stream
+        // of a removed backend that ends later gets handles of no series, instead of adding
+        // its series back for good.
+        let mut cache = self
+            .stream_histograms
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        if u.removed.load(Ordering::Relaxed) {
+            return std::array::from_fn(|_| LatencyHistogram.new_metric());
+        }
         let labels = StreamLabels {
             route: route.to_string(),
-            backend: self.upstream(id).name.clone(),
+            backend: u.name.clone(),
             transport: transport.to_string(),
             client_region: self.regions[region].clone(),
-            backend_region: self.upstream(id).labels.region.clone(),
+            backend_region: u.labels.region.clone(),
         };
         let handles = [
             self.metrics.ttft.get_or_create(&labels).clone(),
             self.metrics.inter_token.get_or_create(&labels).clone(),
             self.metrics.duration.get_or_create(&labels).clone(),
         ];
-        self.stream_histograms
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, handles.clone());
+        cache.insert(key, handles.clone());
         handles
     }
 
@@ -500,22 +508,54 @@ impl Shared {
     pub fn note_transition(&self, id: BackendId, t: Option<HealthTransition>) {
         let Some(t) = t else { return };
         let u = self.upstream(id);
-        match t {
+        let healthy = match t {
             HealthTransition::Ejected { reason } => {
                 tracing::warn!(backend = %u.name, ?reason, "backend ejected");
-                self.backend_metrics.healthy.get_or_create(&u.labels).set(0);
+                0
             }
             HealthTransition::Readmitted => {
                 tracing::info!(backend = %u.name, "backend re-admitted");
                 u.models_stale.store(true, Ordering::Relaxed);
-                self.backend_metrics.healthy.get_or_create(&u.labels).set(1);
+                1
             }
+        };
+        // A removed backend's requests still in flight may end in failures that eject it:
+        // its gauge, gone with it, is not set again.
+        self.backend_series(&u, &self.backend_metrics.healthy, &u.labels, |g| {
+            g.set(healthy);
+        });
+    }
+
+    /// Applies `f` to `family`'s series of `labels` for backend `u`, unless `u` is removed
+    /// (its series went with it and are not added back by what its last requests report).
+    pub fn backend_series<L, M, C>(
+        &self,
+        u: &Upstream,
+        family: &Family<L, M, C>,
+        labels: &L,
+        f: impl FnOnce(&M),
+    ) where
+        L: Clone + std::hash::Hash + Eq,
+        C: MetricConstructor<M>,
+    {
+        if u.removed.load(Ordering::Relaxed) {
+            return;
+        }
+        f(&family.get_or_create(labels));
+        // Removed meanwhile: `remove_backend` may have removed the series before it was
+        // created here.
+        if u.removed.load(Ordering::Relaxed) {
+            family.remove(labels);
         }
     }
 
     /// Sets the in-flight gauge of `id`.
     pub fn set_inflight_gauge(&self, id: BackendId, inflight: u32) {
         let u = self.upstream(id);
+        if u.removed.load(Ordering::Relaxed) {
+            // Its gauge went with it.
+            return;
+        }
         u.inflight_gauge
             .get_or_init(|| {
                 self.backend_metrics
@@ -547,6 +587,24 @@ impl Shared {
         {
             return c.clone();
         }
+        // Under the lock `remove_backend` takes after marking the backend removed: the answers
+        // of a removed backend still in flight count in no series, instead of adding theirs
+        // back for good.
+        let mut cache = self
+            .request_counters
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(name) = &key.1 {
+            let live = self
+                .upstreams
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .any(|u| u.name == *name && !u.removed.load(Ordering::Relaxed));
+            if !live {
+                return Counter::default();
+            }
+        }
         let counter = self
             .metrics
             .requests
@@ -556,10 +614,7 @@ impl Shared {
                 status,
             })
             .clone();
-        self.request_counters
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, counter.clone());
+        cache.insert(key, counter.clone());
         counter
     }
 
@@ -668,15 +723,18 @@ impl Attempt {
     pub fn count_stream_error(&self, cause: &'static str) {
         debug_assert!(STREAM_ERROR_CAUSES.contains(&cause), "{cause}");
         let u = self.shared.upstream(self.id);
-        self.shared
-            .backend_metrics
-            .stream_errors
-            .get_or_create(&tokenway_telemetry::StreamErrorLabels {
+        self.shared.backend_series(
+            &u,
+            &self.shared.backend_metrics.stream_errors,
+            &tokenway_telemetry::StreamErrorLabels {
                 backend: u.labels.backend.clone(),
                 region: u.labels.region.clone(),
                 cause,
-            })
-            .inc();
+            },
+            |c| {
+                c.inc();
+            },
+        );
     }
 
     /// Notes the first token (the first body frame) `ttft` after the request was sent. The
@@ -809,6 +867,30 @@ mod tests {
         let text = tokenway_telemetry::render(&shared.registry);
         assert!(!text.contains("gone-pod"), "{text}");
         assert!(text.contains("backend=\"kept\""), "{text}");
+        // Its requests still in flight end (the pod is killed after its grace period): what
+        // they report does not bring its series back.
+        let gone = BackendId(0);
+        shared
+            .request_counter("/v1/chat/completions", Some("gone-pod".into()), 502)
+            .inc();
+        shared.stream_histograms(gone, "/v1/completions", "h2", "local")[1].observe(0.2);
+        shared.note_transition(
+            gone,
+            Some(HealthTransition::Ejected {
+                reason: tokenway_router::EjectReason::ConnectError,
+            }),
+        );
+        shared.set_inflight_gauge(gone, 0);
+        let text = tokenway_telemetry::render(&shared.registry);
+        assert!(!text.contains("gone-pod"), "{text}");
+        // The live backend's still are.
+        shared
+            .request_counter("/v1/chat/completions", Some("kept".into()), 502)
+            .inc();
+        shared.note_transition(BackendId(1), Some(HealthTransition::Readmitted));
+        let text = tokenway_telemetry::render(&shared.registry);
+        assert!(text.contains("status=\"502\""), "{text}");
+        assert!(text.contains("tokenway_backend_healthy{backend=\"kept\""), "{text}");
     }
 
     #[test]

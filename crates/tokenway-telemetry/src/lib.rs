@@ -17,7 +17,10 @@ pub use families::{
     RequestMetrics, StreamErrorLabels, StreamLabels,
 };
 pub use prometheus_client::metrics::{
-    counter::Counter, family::Family, gauge::Gauge, histogram::Histogram,
+    counter::Counter,
+    family::{Family, MetricConstructor},
+    gauge::Gauge,
+    histogram::Histogram,
 };
 pub use prometheus_client::registry::Registry;
 pub use tracing_setup::init_tracing;
