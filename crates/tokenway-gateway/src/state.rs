@@ -890,7 +890,10 @@ mod tests {
         shared.note_transition(BackendId(1), Some(HealthTransition::Readmitted));
         let text = tokenway_telemetry::render(&shared.registry);
         assert!(text.contains("status=\"502\""), "{text}");
-        assert!(text.contains("tokenway_backend_healthy{backend=\"kept\""), "{text}");
+        assert!(
+            text.contains("tokenway_backend_healthy{backend=\"kept\""),
+            "{text}"
+        );
     }
 
     #[test]

@@ -106,6 +106,9 @@ pub struct Adaptation {
     /// Whether losses count as bursty ([`BURSTY`], [`BURSTY_EXIT`]).
     bursty: bool,
     last: Option<LossReport>,
+    /// A report that looked like a restarted receiver's, waiting for a second one to agree
+    /// (a replayed old report looks the same, and alone it reset the baseline).
+    restart: Option<LossReport>,
 }
 
 impl Adaptation {
@@ -132,13 +135,25 @@ impl Adaptation {
         if restarted(report, &prev) {
             // The peer's receiver started over (its process or its state for this peer): its
             // counters began again from zero, so the difference from `prev` would be garbage
-            // (wrapped to billions). Its next report is measured from this one.
-            self.last = Some(*report);
-            return true;
+            // (wrapped to billions). Its next report is measured from this one, once a second
+            // report follows it consistently: one old report replayed looks restarted too,
+            // and taken alone it set the baseline back so that the next genuine report was
+            // measured over a past window (again at each replay).
+            let confirmed = self
+                .restart
+                .is_some_and(|first| report.is_newer_than(&first) && !restarted(report, &first));
+            if confirmed {
+                self.last = Some(*report);
+                self.restart = None;
+                return true;
+            }
+            self.restart = Some(*report);
+            return false;
         }
         if !report.is_newer_than(&prev) {
             return false;
         }
+        self.restart = None;
         self.last = Some(*report);
         let sample = report.since(&prev);
         let (whole, whole_bursts) =
@@ -311,9 +326,17 @@ const REORDER_REPORTS: u32 = 64;
 /// counters went back, and it is not an old report that arrived late (a few behind `prev`).
 fn restarted(report: &LossReport, prev: &LossReport) -> bool {
     let back = |now: u32, before: u32| (now.wrapping_sub(before) as i32) < 0;
+    // The burst counts too: a restarted receiver's `received` and `lost` may have passed the
+    // old ones by the time its reports are newer, while a burst bucket has not (a delta
+    // wrapped to billions made the sender take every loss for a burst of 48).
     let counters_back = back(report.received, prev.received)
         || back(report.lost, prev.lost)
-        || back(report.blocks_missing, prev.blocks_missing);
+        || back(report.blocks_missing, prev.blocks_missing)
+        || report
+            .bursts
+            .iter()
+            .zip(&prev.bursts)
+            .any(|(&now, &before)| back(now, before));
     let reordered =
         !report.is_newer_than(prev) && prev.seq.wrapping_sub(report.seq) <= REORDER_REPORTS;
     counters_back && !reordered
@@ -369,6 +392,7 @@ mod tests {
             burst,
             bursty: burst >= BURSTY,
             last: None,
+            restart: None,
         }
     }
 
@@ -609,10 +633,12 @@ mod tests {
         let mut a = Adaptation::default();
         assert!(a.on_report(&report(1_000, 50_000, 0, 0), |_| None));
         assert!(a.on_report(&report(1_001, 50_100, 0, 0), |_| None));
-        assert!(a.on_report(&report(0, 100, 0, 0), |_| None));
+        // Its first report waits for a second to agree; the second is the new baseline.
+        assert!(!a.on_report(&report(0, 100, 0, 0), |_| None));
+        assert!(a.on_report(&report(1, 200, 0, 0), |_| None));
         assert_eq!(a.loss_estimate(), 0.0);
         // 2 % loss after the restart is measured as such.
-        for seq in 1..40 {
+        for seq in 2..40 {
             let r = report(seq, 100 + seq * 98, seq * 2, seq * 2);
             assert!(a.on_report(&r, |_| None));
         }
@@ -623,8 +649,39 @@ mod tests {
         let mut b = Adaptation::default();
         assert!(b.on_report(&report(3, 300, 0, 0), |_| None));
         assert!(b.on_report(&report(4, 400, 0, 0), |_| None));
-        assert!(b.on_report(&report(5, 10, 0, 0), |_| None));
+        assert!(!b.on_report(&report(5, 10, 0, 0), |_| None));
         assert!(b.on_report(&report(6, 110, 0, 0), |_| None));
+        assert!(b.on_report(&report(7, 210, 0, 0), |_| None));
         assert_eq!(b.loss_estimate(), 0.0);
+    }
+
+    #[test]
+    fn a_replayed_old_report_does_not_reset_the_baseline() {
+        let mut a = Adaptation::default();
+        let old = report(10, 1_000, 0, 0);
+        assert!(a.on_report(&old, |_| None));
+        // 5 % loss for a while, then a long clean stretch: the estimate decays.
+        let mut received = 1_000;
+        let mut lost = 0;
+        for seq in 11..400 {
+            received += 100;
+            if seq < 60 {
+                lost += 5;
+            }
+            assert!(a.on_report(&report(seq, received, lost, lost), |_| None));
+        }
+        let clean = a.loss_estimate();
+        // The old report replayed before each genuine one: ignored, and the genuine reports
+        // are measured from their predecessors, not from the past window.
+        for seq in 400..420 {
+            assert!(!a.on_report(&old, |_| None));
+            received += 100;
+            assert!(a.on_report(&report(seq, received, lost, lost), |_| None));
+        }
+        assert!(
+            a.loss_estimate() <= clean,
+            "{} > {clean}",
+            a.loss_estimate()
+        );
     }
 }

@@ -28,6 +28,13 @@ const STALE_RESYNC: u32 = 64;
 /// Skipped block ids awaited at once (see [`FecReceiver::note_skipped`]); a jump over more
 /// ids than this counts them missing at once.
 const MAX_SKIPPED: usize = 64;
+/// Packets that must agree on a new position before the receiver follows a jump over more
+/// than [`MAX_SKIPPED`] ids (an outage, or a peer that renumbered): one datagram alone, a
+/// stray or a replayed old one whose id reads as ahead in serial arithmetic, moved the newest
+/// block so far that every genuine packet after it was stale (untracked, its repairs dropped)
+/// until a resync, and counted hundreds of blocks missing. A genuine packet in between starts
+/// the count again; an outage's packets all agree, so it costs the FEC of its first few.
+const JUMP_CONFIRM: u32 = 8;
 /// Most restored packets waiting for [`FecReceiver::pop_recovered`].
 const MAX_RECOVERED_QUEUE: usize = 2 * MAX_BLOCK_SOURCES;
 
@@ -203,8 +210,8 @@ pub struct ReceiverStats {
     pub blocks_incomplete: u64,
     /// Blocks whose shards could not be decoded (inconsistent input).
     pub decode_failures: u64,
-    /// Reed-Solomon decodes not done because the peer had not earned them with source packets
-    /// (forged repairs; see `DECODE_CREDIT_PER_SOURCE`).
+    /// Blocks whose Reed-Solomon decode was not done because the peer had not earned it with
+    /// source packets (forged repairs; see `DECODE_CREDIT_PER_SOURCE`); counted once a block.
     pub decodes_refused: u64,
     /// Restored packets dropped because [`FecReceiver::pop_recovered`] was not drained.
     pub recovered_dropped: u64,
@@ -249,6 +256,8 @@ struct Block {
     sources: Vec<(u8, Vec<u8>)>,
     repairs: Vec<(u8, Vec<u8>)>,
     bytes: usize,
+    /// A decode was refused for want of credit (counted once).
+    refused: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -297,6 +306,9 @@ pub struct FecReceiver {
     recent_missing: MissingIds,
     /// Packets in a row that contradicted the state ([`Self::suspect`]).
     suspect_run: u32,
+    /// A jump ahead not yet followed: the furthest id of the packets that agree on it, and
+    /// how many did ([`JUMP_CONFIRM`]).
+    jump: Option<(BlockId, u32)>,
     recovered_q: VecDeque<Vec<u8>>,
     pool: Vec<Vec<u8>>,
     decoder: DecoderBox,
@@ -348,6 +360,7 @@ impl FecReceiver {
             last_missing: None,
             recent_missing: MissingIds::default(),
             suspect_run: 0,
+            jump: None,
             recovered_q: VecDeque::new(),
             pool: Vec::new(),
             decoder: DecoderBox::default(),
@@ -458,9 +471,18 @@ impl FecReceiver {
                 if !self.suspect() {
                     return Slot::Stale;
                 }
-            } else if d > 0 {
+            } else if d > MAX_SKIPPED as i32 + 1 {
+                if !self.confirm_jump(id) {
+                    return Slot::Stale;
+                }
                 self.note_skipped(now, newest, d);
                 self.newest = Some(id);
+            } else {
+                self.jump = None;
+                if d > 0 {
+                    self.note_skipped(now, newest, d);
+                    self.newest = Some(id);
+                }
             }
         }
         if self.newest.is_none() {
@@ -492,6 +514,7 @@ impl FecReceiver {
             sources: Vec::new(),
             repairs: Vec::new(),
             bytes: 0,
+            refused: false,
         });
         Slot::Open(self.blocks.len() - 1)
     }
@@ -527,6 +550,25 @@ impl FecReceiver {
             }
             self.skipped.push_back((id, at));
         }
+    }
+
+    /// Counts a packet `id` far ahead of the newest block towards following it there: `true`
+    /// once [`JUMP_CONFIRM`] such packets in a row, within [`MAX_SKIPPED`] ids of each other,
+    /// agree (the packet is then tracked).
+    fn confirm_jump(&mut self, id: BlockId) -> bool {
+        let agreeing = match self.jump {
+            Some((at, n)) if id.distance_from(at).unsigned_abs() <= MAX_SKIPPED as u32 => {
+                let furthest = if id.distance_from(at) > 0 { id } else { at };
+                (furthest, n + 1)
+            }
+            _ => (id, 1),
+        };
+        if agreeing.1 >= JUMP_CONFIRM {
+            self.jump = None;
+            return true;
+        }
+        self.jump = Some(agreeing);
+        false
     }
 
     /// Counts a packet that contradicts the receiver's state; after [`STALE_RESYNC`] in a
@@ -566,7 +608,14 @@ impl FecReceiver {
                 if f.have & bit != 0 {
                     // Soon after the block closed: a network duplicate, or the original of a
                     // restored packet. Later: a replay, or a restarted peer reusing the id.
-                    let age = Duration::from_millis(u64::from(now_ms.wrapping_sub(f.at_ms)));
+                    // The timer may have finalised the block with a later `now` than this
+                    // packet's: a negative age is no age, not 49 days.
+                    let age = Duration::from_millis(
+                        (now_ms.wrapping_sub(f.at_ms) as i32)
+                            .max(0)
+                            .unsigned_abs()
+                            .into(),
+                    );
                     if age < self.config.max_block_age {
                         return Received::Dropped(DropReason::Duplicate);
                     }
@@ -662,7 +711,11 @@ impl FecReceiver {
         if k >= 2 && r >= 2 {
             if self.decode_credit < DECODE_COST {
                 // Not earned: the block waits (a late source may complete it) or expires.
-                self.stats.decodes_refused += 1;
+                // Counted once per block, not at each shard that arrives while it waits.
+                if !b.refused {
+                    b.refused = true;
+                    self.stats.decodes_refused += 1;
+                }
                 return;
             }
             self.decode_credit -= DECODE_COST;
@@ -812,6 +865,7 @@ impl FecReceiver {
         self.last_missing = None;
         self.recent_missing = MissingIds::default();
         self.suspect_run = 0;
+        self.jump = None;
         self.stats.resyncs += 1;
     }
 
@@ -918,7 +972,8 @@ impl FecReceiver {
 enum Slot {
     Open(usize),
     Finalised,
-    /// More than [`STALE_WINDOW`] ids behind the newest.
+    /// More than [`STALE_WINDOW`] ids behind the newest, or far ahead of it in a jump not
+    /// yet confirmed ([`JUMP_CONFIRM`]).
     Stale,
 }
 
