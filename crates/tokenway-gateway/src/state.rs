@@ -543,10 +543,20 @@ impl Shared {
         }
         f(&family.get_or_create(labels));
         // Removed meanwhile: `remove_backend` may have removed the series before it was
-        // created here.
-        if u.removed.load(Ordering::Relaxed) {
+        // created here. Unless a backend of the same name took its place (discovery replaces
+        // a changed backend by removing and adding it): the series is the newcomer's then.
+        if u.removed.load(Ordering::Relaxed) && !self.names_live_backend(&u.name) {
             family.remove(labels);
         }
+    }
+
+    /// Whether a backend named `name` is configured and not removed.
+    fn names_live_backend(&self, name: &str) -> bool {
+        self.upstreams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|u| u.name == name && !u.removed.load(Ordering::Relaxed))
     }
 
     /// Sets the in-flight gauge of `id`.
@@ -594,14 +604,14 @@ impl Shared {
             .request_counters
             .write()
             .unwrap_or_else(|p| p.into_inner());
+        // A label that names no backend at all (an overflow to a peer region, `overflow:<peer>`)
+        // is counted as usual.
         if let Some(name) = &key.1 {
-            let live = self
-                .upstreams
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .any(|u| u.name == *name && !u.removed.load(Ordering::Relaxed));
-            if !live {
+            let upstreams = self.upstreams.read().unwrap_or_else(|p| p.into_inner());
+            let mut named = upstreams.iter().filter(|u| u.name == *name).peekable();
+            let removed =
+                named.peek().is_some() && named.all(|u| u.removed.load(Ordering::Relaxed));
+            if removed {
                 return Counter::default();
             }
         }
@@ -888,8 +898,13 @@ mod tests {
             .request_counter("/v1/chat/completions", Some("kept".into()), 502)
             .inc();
         shared.note_transition(BackendId(1), Some(HealthTransition::Readmitted));
+        // An answer through a peer region is labelled with no backend of this gateway's.
+        shared
+            .request_counter("/v1/chat/completions", Some("overflow:peer".into()), 200)
+            .inc();
         let text = tokenway_telemetry::render(&shared.registry);
         assert!(text.contains("status=\"502\""), "{text}");
+        assert!(text.contains("backend=\"overflow:peer\""), "{text}");
         assert!(
             text.contains("tokenway_backend_healthy{backend=\"kept\""),
             "{text}"
