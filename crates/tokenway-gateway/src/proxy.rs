@@ -58,6 +58,10 @@ enum Failure {
     Status(StatusCode),
     /// A 200 event stream that opened with the backend's own error event.
     ErrorEvent,
+    /// The request was not sent (connected and written) in time: the backend has not started
+    /// on it.
+    SendTimeout,
+    /// No answer in time after the request was sent.
     Timeout,
 }
 
@@ -115,7 +119,7 @@ async fn try_backend(
     // `server-timing`), not between the answer's arrival and its first byte to the client.
     let mut attempt = Attempt::start_reserved(held, req.request.clone());
     let sent = match written {
-        Err(_) => return fail(attempt, Failure::Timeout),
+        Err(_) => return fail(attempt, Failure::SendTimeout),
         Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
         Ok(Err(H1Error::ConnectTimeout(e))) => return fail(attempt, Failure::ConnectTimeout(e)),
         Ok(Err(H1Error::Local(e))) => return fail(attempt, Failure::Local(e)),
@@ -310,11 +314,13 @@ pub async fn forward(
             // A whole answer that did not come in `whole_answer_ms` is not tried again: its
             // wait is the generation's length, which the next backend would take as long over
             // (three backends made a client wait half an hour for a 504, each generation
-            // thrown away). The 504 says `x-should-retry: false` for the same reason.
+            // thrown away). The 504 says `x-should-retry: false` for the same reason. Unless
+            // the backend has been ejected meanwhile: then it was hung (accepting, never
+            // answering), not slow, and the next one may well answer in time.
             Tried::Failed {
                 backend,
                 failure: Failure::Timeout,
-            } if req.request.whole_answer => {
+            } if req.request.whole_answer && is_healthy(shared, id) => {
                 note_failure(&mut last_failure, backend, Failure::Timeout);
                 break;
             }
@@ -336,7 +342,7 @@ pub async fn forward(
         }
     }
     let error = match last_failure {
-        Some((backend, Failure::Timeout)) => ApiError::new(
+        Some((backend, Failure::Timeout | Failure::SendTimeout)) => ApiError::new(
             StatusCode::GATEWAY_TIMEOUT,
             "upstream_error",
             "upstream_timeout",
@@ -614,6 +620,11 @@ fn respond(shared: &Arc<Shared>, req: &ProxyRequest<'_>, answer: Answer) -> Resp
     resp
 }
 
+/// Whether the router still counts `id` healthy (not ejected).
+fn is_healthy(shared: &Shared, id: BackendId) -> bool {
+    shared.router().backend(id).is_some_and(|b| b.healthy)
+}
+
 fn upstream_is_first(routed: &Route, id: BackendId) -> bool {
     routed.backends.first() == Some(&id)
 }
@@ -629,7 +640,7 @@ impl Failure {
             // A busy or model-less backend answered; that says nothing about its health.
             Failure::Status(_) => Outcome::Success,
             Failure::ErrorEvent => Outcome::ServerError,
-            Failure::Timeout => Outcome::Timeout,
+            Failure::SendTimeout | Failure::Timeout => Outcome::Timeout,
         }
     }
 
@@ -640,6 +651,7 @@ impl Failure {
             Failure::Reset(e) => format!("connection failed: {e}"),
             Failure::Status(s) => format!("answered {s}"),
             Failure::ErrorEvent => "its stream opened with an error event".to_string(),
+            Failure::SendTimeout => "timed out sending the request".to_string(),
             Failure::Timeout => "timed out before the first byte".to_string(),
         }
     }

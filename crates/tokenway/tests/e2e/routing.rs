@@ -359,6 +359,42 @@ async fn a_whole_answer_past_its_timeout_gets_a_504_and_is_not_run_again_elsewhe
 }
 
 #[tokio::test]
+async fn a_whole_answer_on_a_backend_found_hung_meanwhile_is_tried_on_the_next() {
+    let hung = sim("[faults]\nhang = true\n");
+    let ok = sim(FAST_SIM);
+    // No probe judges the hung backend (its /health answers anyway): only requests do.
+    let gw = gateway(
+        &[&hung, &ok],
+        "policy = \"round_robin\"",
+        "[timeouts]\nfirst_byte_ms = 200\nwhole_answer_ms = 3000\n\
+         [health]\nprobe_interval_ms = 3600000\n",
+    );
+    let url = format!("{}/v1/chat/completions", gw.url());
+    // The first request is ranked first on b0, the hung one.
+    let whole = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, &chat("whole", false, 4), None).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Streamed requests meanwhile: every other one waits 200 ms on b0 for a first byte and is
+    // retried on b1; three such timeouts eject b0.
+    for i in 0..8 {
+        let r = post(&url, &chat(&format!("s{i}"), true, 2), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(backend_of(&r), "b1");
+    }
+    let admin: serde_json::Value =
+        serde_json::from_str(&get(&format!("{}/admin/backends", gw.url())).await.body)
+            .expect("JSON");
+    assert_ne!(admin["backends"][0]["state"], "healthy", "{admin}");
+    // When its wait ends the whole answer's backend has been ejected: it was hung, not slow,
+    // so the next backend is asked instead of the client getting a 504.
+    let r = whole.await.expect("task");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(backend_of(&r), "b1");
+}
+
+#[tokio::test]
 async fn a_trial_answered_with_a_server_error_keeps_the_backend_ejected() {
     let failing = sim("[faults]\nerror_rate = 1.0\n");
     // A healthy second backend: the last healthy backend of a model is never ejected for its
