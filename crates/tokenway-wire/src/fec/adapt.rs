@@ -151,6 +151,18 @@ impl Adaptation {
             return false;
         }
         if !report.is_newer_than(&prev) {
+            // Not newer than the old receiver's last: a reordered or replayed report, or the
+            // restarted receiver's second one, which agrees with the first although its
+            // counters have already passed the old receiver's (and its sequence will not pass
+            // the old one's for a long while: without this, adaptation stood still till then).
+            let confirms = self
+                .restart
+                .is_some_and(|first| report.is_newer_than(&first) && !restarted(report, &first));
+            if confirms {
+                self.last = Some(*report);
+                self.restart = None;
+                return true;
+            }
             return false;
         }
         self.restart = None;
@@ -653,6 +665,23 @@ mod tests {
         assert!(b.on_report(&report(6, 110, 0, 0), |_| None));
         assert!(b.on_report(&report(7, 210, 0, 0), |_| None));
         assert_eq!(b.loss_estimate(), 0.0);
+    }
+
+    #[test]
+    fn a_restarted_receiver_whose_counters_pass_the_old_ones_is_followed() {
+        let mut a = Adaptation::default();
+        assert!(a.on_report(&report(1_000, 50_000, 0, 0), |_| None));
+        // The restarted receiver's first report: behind the old one's counters, a candidate.
+        assert!(!a.on_report(&report(0, 100, 0, 0), |_| None));
+        // Its second, after a burst of traffic, has passed the old counters but not the old
+        // sequence: it agrees with the first, so it is the baseline now.
+        assert!(a.on_report(&report(1, 60_000, 600, 600), |_| None));
+        assert!(a.on_report(&report(2, 70_000, 1_600, 1_600), |_| None));
+        assert!(
+            a.loss_estimate() > 0.01,
+            "the new receiver's losses are heard: {}",
+            a.loss_estimate()
+        );
     }
 
     #[test]

@@ -33,7 +33,8 @@ const MAX_SKIPPED: usize = 64;
 /// stray or a replayed old one whose id reads as ahead in serial arithmetic, moved the newest
 /// block so far that every genuine packet after it was stale (untracked, its repairs dropped)
 /// until a resync, and counted hundreds of blocks missing. A genuine packet in between starts
-/// the count again; an outage's packets all agree, so it costs the FEC of its first few.
+/// the count again; an outage's packets all agree, so it costs the FEC of the blocks its first
+/// few fell in (they are delivered untracked, and counted neither received nor lost).
 const JUMP_CONFIRM: u32 = 8;
 /// Most restored packets waiting for [`FecReceiver::pop_recovered`].
 const MAX_RECOVERED_QUEUE: usize = 2 * MAX_BLOCK_SOURCES;
@@ -269,6 +270,22 @@ struct Finalised {
     at_ms: u32,
     /// Source indices received or restored.
     have: u64,
+    /// Closed without being tracked: the block of a packet that arrived before the receiver
+    /// followed a jump to it. Its later sources are delivered untracked, not counted late.
+    untracked: bool,
+}
+
+/// A jump ahead not yet followed ([`JUMP_CONFIRM`]).
+#[derive(Debug)]
+struct Jump {
+    /// The lowest and the furthest block id of the packets that agree on it, at most
+    /// [`MAX_SKIPPED`] apart.
+    lowest: BlockId,
+    furthest: BlockId,
+    /// How many packets agreed.
+    agreeing: u32,
+    /// Their blocks and the source indices delivered of each (at most [`JUMP_CONFIRM`]).
+    seen: Vec<(BlockId, u64)>,
 }
 
 /// `reed_solomon_simd`'s decoder has no `Debug`.
@@ -306,9 +323,8 @@ pub struct FecReceiver {
     recent_missing: MissingIds,
     /// Packets in a row that contradicted the state ([`Self::suspect`]).
     suspect_run: u32,
-    /// A jump ahead not yet followed: the furthest id of the packets that agree on it, and
-    /// how many did ([`JUMP_CONFIRM`]).
-    jump: Option<(BlockId, u32)>,
+    /// A jump ahead not yet followed.
+    jump: Option<Jump>,
     recovered_q: VecDeque<Vec<u8>>,
     pool: Vec<Vec<u8>>,
     decoder: DecoderBox,
@@ -463,8 +479,10 @@ impl FecReceiver {
     }
 
     /// Finds the open block `id`, or where it was finalised; opens it if new.
-    /// [`Slot::Stale`] for a stale id (counted towards a resync, which then tracks it).
-    fn locate(&mut self, now: Instant, id: BlockId) -> Slot {
+    /// [`Slot::Stale`] for a stale id (counted towards a resync, which then tracks it),
+    /// [`Slot::Ahead`] for one far ahead (counted towards following the jump). `bit` is the
+    /// source index's bit of a source packet, 0 for a repair.
+    fn locate(&mut self, now: Instant, id: BlockId, bit: u64) -> Slot {
         if let Some(newest) = self.newest {
             let d = id.distance_from(newest);
             if d < -STALE_WINDOW {
@@ -472,11 +490,10 @@ impl FecReceiver {
                     return Slot::Stale;
                 }
             } else if d > MAX_SKIPPED as i32 + 1 {
-                if !self.confirm_jump(id) {
-                    return Slot::Stale;
-                }
-                self.note_skipped(now, newest, d);
-                self.newest = Some(id);
+                let Some(jump) = self.confirm_jump(id, bit) else {
+                    return Slot::Ahead;
+                };
+                self.follow_jump(now, newest, jump);
             } else {
                 self.jump = None;
                 if d > 0 {
@@ -524,10 +541,10 @@ impl FecReceiver {
     /// (see [`Self::expire`]). More than [`MAX_SKIPPED`] at once (an outage) count at once,
     /// unless the jump is beyond [`STALE_WINDOW`] (a renumbered peer).
     fn note_skipped(&mut self, now: Instant, newest: BlockId, d: i32) {
-        let gap = (d - 1) as usize;
-        if gap == 0 {
+        if d <= 1 {
             return;
         }
+        let gap = (d - 1) as usize;
         if gap > MAX_SKIPPED {
             // An outage counts its blocks; a jump further than the stale window is a peer
             // that renumbered (a restart), not a loss, and counts nothing.
@@ -552,23 +569,61 @@ impl FecReceiver {
         }
     }
 
-    /// Counts a packet `id` far ahead of the newest block towards following it there: `true`
-    /// once [`JUMP_CONFIRM`] such packets in a row, within [`MAX_SKIPPED`] ids of each other,
-    /// agree (the packet is then tracked).
-    fn confirm_jump(&mut self, id: BlockId) -> bool {
-        let agreeing = match self.jump {
-            Some((at, n)) if id.distance_from(at).unsigned_abs() <= MAX_SKIPPED as u32 => {
-                let furthest = if id.distance_from(at) > 0 { id } else { at };
-                (furthest, n + 1)
-            }
-            _ => (id, 1),
-        };
-        if agreeing.1 >= JUMP_CONFIRM {
-            self.jump = None;
-            return true;
+    /// Counts a packet `id` far ahead of the newest block towards following it there: the
+    /// jump once [`JUMP_CONFIRM`] such packets in a row, within [`MAX_SKIPPED`] ids of each
+    /// other, agree (the packet is then tracked). `bit` as in [`Self::locate`].
+    fn confirm_jump(&mut self, id: BlockId, bit: u64) -> Option<Jump> {
+        let earlier = |a: BlockId, b: BlockId| if a.distance_from(b) < 0 { a } else { b };
+        let later = |a: BlockId, b: BlockId| if a.distance_from(b) > 0 { a } else { b };
+        let agreeing = self.jump.take().and_then(|j| {
+            let (lowest, furthest) = (earlier(j.lowest, id), later(j.furthest, id));
+            (furthest.distance_from(lowest) <= MAX_SKIPPED as i32).then(|| Jump {
+                lowest,
+                furthest,
+                agreeing: j.agreeing + 1,
+                seen: j.seen,
+            })
+        });
+        let mut jump = agreeing.unwrap_or_else(|| Jump {
+            lowest: id,
+            furthest: id,
+            agreeing: 1,
+            seen: Vec::with_capacity(JUMP_CONFIRM as usize),
+        });
+        if jump.agreeing >= JUMP_CONFIRM {
+            // This packet is placed by the caller, as any tracked one.
+            return Some(jump);
         }
-        self.jump = Some(agreeing);
-        false
+        if bit != 0 {
+            match jump.seen.iter_mut().find(|(b, _)| *b == id) {
+                Some((_, have)) => *have |= bit,
+                None => jump.seen.push((id, bit)),
+            }
+        }
+        self.jump = Some(jump);
+        None
+    }
+
+    /// Follows a confirmed jump from `newest`: the ids up to its lowest are an outage (counted
+    /// missing), those between its lowest and its furthest are awaited as any jumped over, and
+    /// the blocks whose sources were delivered while it was unconfirmed are closed untracked
+    /// (counting what they missed would count as lost the packets delivered before).
+    fn follow_jump(&mut self, now: Instant, newest: BlockId, jump: Jump) {
+        self.note_skipped(now, newest, jump.lowest.distance_from(newest));
+        self.note_skipped(now, jump.lowest, jump.furthest.distance_from(jump.lowest));
+        self.skipped
+            .retain(|(s, _)| !jump.seen.iter().any(|(b, _)| b == s));
+        let at_ms = self.ms_since_epoch(now);
+        for (id, have) in jump.seen {
+            self.history[usize::from(id.0) % HISTORY] = Finalised {
+                id,
+                valid: true,
+                at_ms,
+                have,
+                untracked: true,
+            };
+        }
+        self.newest = Some(jump.furthest);
     }
 
     /// Counts a packet that contradicts the receiver's state; after [`STALE_RESYNC`] in a
@@ -593,10 +648,10 @@ impl FecReceiver {
         // block already had) still goes to QUIC, untracked: QUIC authenticates it and drops
         // a duplicate by its packet number, while withholding it would lose every packet of
         // a restarted peer (a new handshake) until the receiver resyncs. No state grows.
-        let slot = self.locate(now, h.block);
         let bit = 1u64 << h.index;
+        let slot = self.locate(now, h.block, bit);
         let i = match slot {
-            Slot::Stale => {
+            Slot::Stale | Slot::Ahead => {
                 self.pool_put(packet);
                 self.stats.untracked_sources += 1;
                 return Received::Deliver(range);
@@ -625,7 +680,11 @@ impl FecReceiver {
                 }
                 f.have |= bit;
                 self.suspect_run = 0;
-                self.stats.late_sources += 1;
+                if f.untracked {
+                    self.stats.untracked_sources += 1;
+                } else {
+                    self.stats.late_sources += 1;
+                }
                 return Received::Deliver(range);
             }
             Slot::Open(i) => i,
@@ -655,8 +714,8 @@ impl FecReceiver {
     }
 
     fn on_repair(&mut self, now: Instant, h: RepairHeader, shard: Vec<u8>) -> Received {
-        let i = match self.locate(now, h.block) {
-            Slot::Stale => {
+        let i = match self.locate(now, h.block, 0) {
+            Slot::Stale | Slot::Ahead => {
                 self.pool_put(shard);
                 return Received::Dropped(DropReason::Stale);
             }
@@ -786,6 +845,7 @@ impl FecReceiver {
             valid: true,
             at_ms,
             have: b.received | b.recovered,
+            untracked: false,
         };
         self.buffered -= b.bytes;
         for (_, buf) in b.sources.into_iter().chain(b.repairs) {
@@ -972,9 +1032,10 @@ impl FecReceiver {
 enum Slot {
     Open(usize),
     Finalised,
-    /// More than [`STALE_WINDOW`] ids behind the newest, or far ahead of it in a jump not
-    /// yet confirmed ([`JUMP_CONFIRM`]).
+    /// More than [`STALE_WINDOW`] ids behind the newest.
     Stale,
+    /// Far ahead of it, in a jump not yet confirmed ([`JUMP_CONFIRM`]).
+    Ahead,
 }
 
 fn low_bits(k: usize) -> u64 {
