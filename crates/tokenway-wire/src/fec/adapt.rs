@@ -155,9 +155,11 @@ impl Adaptation {
             // restarted receiver's second one, which agrees with the first although its
             // counters have already passed the old receiver's (and its sequence will not pass
             // the old one's for a long while: without this, adaptation stood still till then).
-            let confirms = self
-                .restart
-                .is_some_and(|first| report.is_newer_than(&first) && !restarted(report, &first));
+            // (An old report arriving late has counters behind the baseline's: not this.)
+            let confirms = !counters_back(report, &prev)
+                && self.restart.is_some_and(|first| {
+                    report.is_newer_than(&first) && !restarted(report, &first)
+                });
             if confirms {
                 self.last = Some(*report);
                 self.restart = None;
@@ -337,21 +339,25 @@ const REORDER_REPORTS: u32 = 64;
 /// Whether `report` comes from a receiver that started over since `prev`: its cumulative
 /// counters went back, and it is not an old report that arrived late (a few behind `prev`).
 fn restarted(report: &LossReport, prev: &LossReport) -> bool {
+    let reordered =
+        !report.is_newer_than(prev) && prev.seq.wrapping_sub(report.seq) <= REORDER_REPORTS;
+    counters_back(report, prev) && !reordered
+}
+
+/// Whether any of `report`'s cumulative counters is behind `prev`'s.
+fn counters_back(report: &LossReport, prev: &LossReport) -> bool {
     let back = |now: u32, before: u32| (now.wrapping_sub(before) as i32) < 0;
     // The burst counts too: a restarted receiver's `received` and `lost` may have passed the
     // old ones by the time its reports are newer, while a burst bucket has not (a delta
     // wrapped to billions made the sender take every loss for a burst of 48).
-    let counters_back = back(report.received, prev.received)
+    back(report.received, prev.received)
         || back(report.lost, prev.lost)
         || back(report.blocks_missing, prev.blocks_missing)
         || report
             .bursts
             .iter()
             .zip(&prev.bursts)
-            .any(|(&now, &before)| back(now, before));
-    let reordered =
-        !report.is_newer_than(prev) && prev.seq.wrapping_sub(report.seq) <= REORDER_REPORTS;
-    counters_back && !reordered
+            .any(|(&now, &before)| back(now, before))
 }
 
 /// `P(X ≥ m)` for `X ~ Binomial(n, p)` (`n` is small: a block's packets).
@@ -673,6 +679,9 @@ mod tests {
         assert!(a.on_report(&report(1_000, 50_000, 0, 0), |_| None));
         // The restarted receiver's first report: behind the old one's counters, a candidate.
         assert!(!a.on_report(&report(0, 100, 0, 0), |_| None));
+        // A late report of the old receiver's, its counters behind the baseline, is no
+        // second report of the new one.
+        assert!(!a.on_report(&report(999, 49_900, 0, 0), |_| None));
         // Its second, after a burst of traffic, has passed the old counters but not the old
         // sequence: it agrees with the first, so it is the baseline now.
         assert!(a.on_report(&report(1, 60_000, 600, 600), |_| None));

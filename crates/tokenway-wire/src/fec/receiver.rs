@@ -560,13 +560,19 @@ impl FecReceiver {
         let mut id = newest;
         for _ in 0..gap {
             id = id.next();
-            if self.skipped.len() >= MAX_SKIPPED {
-                if let Some((old, _)) = self.skipped.pop_front() {
-                    self.confirm_missing(old);
-                }
-            }
-            self.skipped.push_back((id, at));
+            self.await_skipped(id, at);
         }
+    }
+
+    /// Awaits block `id`, jumped over at `at`; the longest awaited is missing if there are
+    /// [`MAX_SKIPPED`] already.
+    fn await_skipped(&mut self, id: BlockId, at: u32) {
+        if self.skipped.len() >= MAX_SKIPPED {
+            if let Some((old, _)) = self.skipped.pop_front() {
+                self.confirm_missing(old);
+            }
+        }
+        self.skipped.push_back((id, at));
     }
 
     /// Counts a packet `id` far ahead of the newest block towards following it there: the
@@ -610,10 +616,14 @@ impl FecReceiver {
     /// (counting what they missed would count as lost the packets delivered before).
     fn follow_jump(&mut self, now: Instant, newest: BlockId, jump: Jump) {
         self.note_skipped(now, newest, jump.lowest.distance_from(newest));
-        self.note_skipped(now, jump.lowest, jump.furthest.distance_from(jump.lowest));
-        self.skipped
-            .retain(|(s, _)| !jump.seen.iter().any(|(b, _)| b == s));
         let at_ms = self.ms_since_epoch(now);
+        let mut id = jump.lowest;
+        for _ in 1..jump.furthest.distance_from(jump.lowest) {
+            id = id.next();
+            if !jump.seen.iter().any(|(b, _)| *b == id) {
+                self.await_skipped(id, at_ms);
+            }
+        }
         for (id, have) in jump.seen {
             self.history[usize::from(id.0) % HISTORY] = Finalised {
                 id,
