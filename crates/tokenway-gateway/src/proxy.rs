@@ -63,6 +63,9 @@ enum Failure {
     SendTimeout,
     /// No answer in time after the request was sent.
     Timeout,
+    /// The same on a backend that was ejected while this attempt waited (for what other
+    /// requests saw: a hung engine) or was on trial: the next backend may do better.
+    TimeoutEjected,
 }
 
 /// How one attempt before the first byte ended.
@@ -128,7 +131,7 @@ async fn try_backend(
     };
     let ready = Ready::new(shared, req, &upstream, id, routed);
     let (head, mut body) = match tokio::time::timeout_at(deadline, sent.response()).await {
-        Err(_) => return fail(attempt, Failure::Timeout),
+        Err(_) => return fail(attempt, timed_out(shared, id)),
         Ok(Err(H1Error::Connect(e))) => return fail(attempt, Failure::Connect(e)),
         Ok(Err(H1Error::ConnectTimeout(e))) => return fail(attempt, Failure::ConnectTimeout(e)),
         Ok(Err(H1Error::Local(e))) => return fail(attempt, Failure::Local(e)),
@@ -147,7 +150,7 @@ async fn try_backend(
         return fail(attempt, Failure::Status(status));
     }
     let first = match tokio::time::timeout_at(deadline, first_frame(&mut body)).await {
-        Err(_) => return fail(attempt, Failure::Timeout),
+        Err(_) => return fail(attempt, timed_out(shared, id)),
         Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
         Ok(Ok(f)) => f,
     };
@@ -178,6 +181,9 @@ async fn try_backend(
         // The last candidate's own error answer goes to the client as it is; it still counts
         // against the backend's health.
         attempt.finish(Outcome::ServerError);
+    } else if status.is_client_error() {
+        // Nor is a client error an answer that passes a trial.
+        attempt.finish(Outcome::Rejected);
     }
     Tried::Answered(Box::new(Answer {
         attempt,
@@ -315,12 +321,12 @@ pub async fn forward(
             // wait is the generation's length, which the next backend would take as long over
             // (three backends made a client wait half an hour for a 504, each generation
             // thrown away). The 504 says `x-should-retry: false` for the same reason. Unless
-            // the backend has been ejected meanwhile: then it was hung (accepting, never
-            // answering), not slow, and the next one may well answer in time.
+            // the backend was ejected meanwhile (`TimeoutEjected`): then it was hung
+            // (accepting, never answering), not slow, and the next one may well answer in time.
             Tried::Failed {
                 backend,
                 failure: Failure::Timeout,
-            } if req.request.whole_answer && is_healthy(shared, id) => {
+            } if req.request.whole_answer => {
                 note_failure(&mut last_failure, backend, Failure::Timeout);
                 break;
             }
@@ -342,12 +348,14 @@ pub async fn forward(
         }
     }
     let error = match last_failure {
-        Some((backend, Failure::Timeout | Failure::SendTimeout)) => ApiError::new(
+        Some((backend, Failure::Timeout | Failure::TimeoutEjected | Failure::SendTimeout)) => {
+            ApiError::new(
             StatusCode::GATEWAY_TIMEOUT,
             "upstream_error",
             "upstream_timeout",
             format!("no backend answered in time (last tried: {backend})"),
-        ),
+            )
+        }
         // A busy answer set aside for a backend that then filled up, or failed too: the client
         // is told to come back, as the busy backend would have told it, not given a 502.
         Some((backend, f @ Failure::Status(StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE))) => {
@@ -620,9 +628,14 @@ fn respond(shared: &Arc<Shared>, req: &ProxyRequest<'_>, answer: Answer) -> Resp
     resp
 }
 
-/// Whether the router still counts `id` healthy (not ejected).
-fn is_healthy(shared: &Shared, id: BackendId) -> bool {
-    shared.router().backend(id).is_some_and(|b| b.healthy)
+/// The failure of an attempt on `id` that did not answer in time: told before the attempt's
+/// own end is reported, so that its own timeout, ejecting the backend, does not count.
+fn timed_out(shared: &Shared, id: BackendId) -> Failure {
+    if shared.router().backend(id).is_some_and(|b| b.healthy) {
+        Failure::Timeout
+    } else {
+        Failure::TimeoutEjected
+    }
 }
 
 fn upstream_is_first(routed: &Route, id: BackendId) -> bool {
@@ -638,9 +651,9 @@ impl Failure {
             Failure::Reset(_) => Outcome::ServerError,
             Failure::Status(s) if s.is_server_error() => Outcome::ServerError,
             // A busy or model-less backend answered; that says nothing about its health.
-            Failure::Status(_) => Outcome::Success,
+            Failure::Status(_) => Outcome::Rejected,
             Failure::ErrorEvent => Outcome::ServerError,
-            Failure::SendTimeout | Failure::Timeout => Outcome::Timeout,
+            Failure::SendTimeout | Failure::Timeout | Failure::TimeoutEjected => Outcome::Timeout,
         }
     }
 
@@ -652,7 +665,9 @@ impl Failure {
             Failure::Status(s) => format!("answered {s}"),
             Failure::ErrorEvent => "its stream opened with an error event".to_string(),
             Failure::SendTimeout => "timed out sending the request".to_string(),
-            Failure::Timeout => "timed out before the first byte".to_string(),
+            Failure::Timeout | Failure::TimeoutEjected => {
+                "timed out before the first byte".to_string()
+            }
         }
     }
 }

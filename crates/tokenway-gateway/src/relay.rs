@@ -138,7 +138,7 @@ impl RelayBody {
             }
             StreamErrorCause::Client => {
                 self.attempt.count_stream_error("backend_rejected");
-                Outcome::Success
+                Outcome::Rejected
             }
         }
     }

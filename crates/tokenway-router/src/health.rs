@@ -142,8 +142,13 @@ impl OutlierConfig {
 /// How one attempt on a backend ended, as far as that backend's health is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Outcome {
-    /// The backend answered (any status below 500, or a complete stream).
+    /// The backend answered (2xx, or a complete stream).
     Success,
+    /// The backend answered with a client error (a 4xx, a 429 included, or an error event it
+    /// says the request caused): it is up, but that says nothing of how it serves. No verdict:
+    /// it neither resets the failures counted nor passes a trial (one request that provoked a
+    /// quick 400 from a hung engine's front end re-admitted it).
+    Rejected,
     /// The backend answered 5xx.
     ServerError,
     /// The connection could not be established (refused, unreachable, TLS failure).
@@ -482,8 +487,13 @@ impl HealthState {
         match verdict {
             Some(true) => Some(self.readmit(now)),
             Some(false) => Some(self.eject(EjectReason::TrialFailed, now, cfg)),
+            // No verdict (the client left, or the answer was a client error): the next trial
+            // waits `min_ejection`, as after a failed probe. At once, a hung engine whose
+            // clients give up before its timeout took every next request as its trial.
             None => {
-                *trial = Trial::Waiting { not_before: now };
+                *trial = Trial::Waiting {
+                    not_before: later(now, cfg.min_ejection),
+                };
                 None
             }
         }
@@ -576,7 +586,7 @@ impl HealthState {
                 *consecutive_stalls = 0;
                 None
             }
-            Outcome::ClientCancelled => None,
+            Outcome::ClientCancelled | Outcome::Rejected => None,
             Outcome::ConnectError => Some(self.eject(EjectReason::ConnectError, now, cfg)),
             Outcome::ServerError | Outcome::Timeout => {
                 *consecutive_passive_failures = consecutive_passive_failures.saturating_add(1);
@@ -1012,7 +1022,8 @@ mod tests {
         let mut h = ejected_at(t0, &cfg);
         assert!(h.begin_trial(t0 + ms(1000), &ocfg));
         assert_eq!(h.end_trial(None, t0 + ms(1200), &cfg), None);
-        assert!(h.trial_available(t0 + ms(1200), &ocfg));
+        assert!(!h.trial_available(t0 + ms(2199), &ocfg));
+        assert!(h.trial_available(t0 + ms(2200), &ocfg));
         h.on_probe(false, t0 + ms(1300), &cfg, true);
         assert!(!h.trial_available(t0 + ms(2299), &ocfg));
         assert!(h.trial_available(t0 + ms(2300), &ocfg));

@@ -1006,7 +1006,7 @@ impl Router {
         let t = if ticket.trial {
             let verdict = match outcome {
                 Outcome::Success => Some(true),
-                Outcome::ClientCancelled => None,
+                Outcome::ClientCancelled | Outcome::Rejected => None,
                 _ => Some(false),
             };
             b.health.end_trial(verdict, now, &cfg.health)
@@ -1064,13 +1064,20 @@ impl Router {
             .iter()
             .filter(|o| !o.removed && !o.health.is_healthy())
             .count();
-        out < live.div_ceil(2)
-            && self.backends.iter().enumerate().any(|(i, other)| {
+        // Every model it serves must have another healthy backend: one shared model was
+        // enough before, and a backend serving a base model and an adapter that no other
+        // backend has left every request for the adapter a 503 for the hold.
+        let served_elsewhere = |m: &String| {
+            self.backends.iter().enumerate().any(|(i, other)| {
                 i != id.0
                     && !other.removed
                     && other.health.is_healthy()
-                    && other.spec.models.iter().any(|m| b.spec.models.contains(m))
+                    && other.spec.models.contains(m)
             })
+        };
+        out < live.div_ceil(2)
+            && !b.spec.models.is_empty()
+            && b.spec.models.iter().all(served_elsewhere)
     }
 
     /// An attempt on `id` ended: one fewer in flight, and passive health sees the outcome (as
@@ -1089,7 +1096,7 @@ impl Router {
         let t = if b.health.trial_in_flight() {
             let verdict = match outcome {
                 Outcome::Success => Some(true),
-                Outcome::ClientCancelled => None,
+                Outcome::ClientCancelled | Outcome::Rejected => None,
                 _ => Some(false),
             };
             b.health.end_trial(verdict, now, &cfg.health)
@@ -1906,6 +1913,30 @@ mod tests {
             assert_eq!(ranked.len(), 2);
             assert!(!ranked.contains(&down));
         }
+    }
+
+    #[test]
+    fn a_backend_is_not_ejected_for_its_traffic_while_the_last_healthy_one_of_any_of_its_models() {
+        let t0 = Instant::now();
+        let mut r = Router::new(Policy::RoundRobin, HealthConfig::default(), 1);
+        let both = r.add_backend(spec("both", &[M, "lora-x"], 8));
+        // The base model has another backend; the adapter has none.
+        r.add_backend(spec("base", &[M], 8));
+        for k in 0..5 {
+            r.on_attempt_start(both, t0);
+            r.on_attempt_end(both, Outcome::ServerError, t0 + ms(10 * k));
+        }
+        assert!(
+            r.backend(both).expect("known").healthy,
+            "the adapter's only backend"
+        );
+        assert_eq!(r.rank("lora-x", t0 + ms(100)), Ok(vec![both]));
+        // Once another backend serves the adapter too, the failures eject it.
+        let also = r.add_backend(spec("also", &["lora-x"], 8));
+        r.on_attempt_start(both, t0);
+        r.on_attempt_end(both, Outcome::ServerError, t0 + ms(100));
+        assert!(!r.backend(both).expect("known").healthy);
+        assert_eq!(r.rank("lora-x", t0 + ms(200)), Ok(vec![also]));
     }
 
     #[test]

@@ -395,8 +395,9 @@ async fn a_whole_answer_on_a_backend_found_hung_meanwhile_is_tried_on_the_next()
 }
 
 #[tokio::test]
-async fn a_trial_answered_with_a_server_error_keeps_the_backend_ejected() {
-    let failing = sim("[faults]\nerror_rate = 1.0\n");
+async fn a_trial_answered_with_a_client_or_server_error_keeps_the_backend_ejected() {
+    // Its context length is checked before its faults: a request too long for it is a 400.
+    let failing = sim("max_model_len = 1000\n[faults]\nerror_rate = 1.0\n");
     // A healthy second backend: the last healthy backend of a model is never ejected for its
     // answers, and it takes the retries of the failing one's.
     let ok = sim(FAST_SIM);
@@ -422,8 +423,16 @@ async fn a_trial_answered_with_a_server_error_keeps_the_backend_ejected() {
     }
     let b = state().await;
     assert_eq!(b["eject_reason"], "passive_failures", "{b}");
-    // After the hold its next request is a trial; the trial's 500 fails it (and the request
-    // is answered by the other backend).
+    // After the hold its next request is a trial. One answered with a client error (the
+    // request's fault, passed to the client) is no verdict: the backend stays ejected.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let r = post(&url, &chat("too long for it", true, 5_000), None).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let b = state().await;
+    assert_ne!(b["state"], "healthy", "a 400 re-admitted it: {b}");
+    assert_eq!(b["eject_reason"], "passive_failures", "{b}");
+    // The next trial comes `min_ejection` later; its 500 fails it (and the request is
+    // answered by the other backend).
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     let r = post(&url, &chat("trial", true, 2), None).await;
     assert_eq!(r.status, 200, "{}", r.body);
