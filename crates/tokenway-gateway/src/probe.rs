@@ -44,19 +44,25 @@ pub async fn run(
             return;
         }
         let sent = Instant::now();
-        let Some(ok) = probe_once(&shared, id).await else {
+        let result = probe_once(&shared, id).await;
+        if result == Probe::Local {
             tracing::warn!(backend = %shared.upstream(id).name, "this gateway could not open a probe connection (out of file descriptors or ports?)");
             continue;
-        };
+        }
+        let ok = result == Probe::Ok;
         let now = Instant::now();
         let transition = {
             let mut router = shared.router();
-            if ok {
+            match result {
                 // The probe is a tiny request on a pooled connection: its round trip is the
                 // network RTT plus the backend's own scheduling, which is what a request pays.
-                router.on_rtt_sample(id, now - sent, now);
+                Probe::Ok => {
+                    router.on_rtt_sample(id, now - sent, now);
+                    router.on_probe(id, true, now)
+                }
+                Probe::TimedOut => router.on_probe_timeout(id, now),
+                Probe::Failed | Probe::Local => router.on_probe(id, false, now),
             }
-            router.on_probe(id, ok, now)
         };
         shared.note_transition(id, transition);
         if ok
@@ -90,44 +96,61 @@ async fn get(
     request(shared, id, path).await.ok()
 }
 
-/// `GET path` on backend `id`: the answer, or whether the failure was this host's own (see
-/// [`is_local_failure`]: out of descriptors or ports), which is no verdict on the backend.
+/// How a health probe ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probe {
+    /// A 2xx answer.
+    Ok,
+    /// Another answer, or no connection (refused, reset).
+    Failed,
+    /// No answer within `probe_timeout_ms` (a dead host, or an engine too busy to answer):
+    /// capped by the router as passive ejections are.
+    TimedOut,
+    /// This host could not even try (out of descriptors or ports: see [`is_local_failure`]),
+    /// which says nothing about the backend.
+    Local,
+}
+
+/// `GET path` on backend `id`: the answer, or how it failed (never [`Probe::Ok`]).
 async fn request(
     shared: &Shared,
     id: BackendId,
     path: &str,
-) -> Result<http::Response<hyper::body::Incoming>, bool> {
+) -> Result<http::Response<hyper::body::Incoming>, Probe> {
     let u = shared.upstream(id);
     let mut parts = u.base.clone().into_parts();
     parts.path_and_query = format!("{}{path}", u.path_prefix).parse().ok();
-    let uri = Uri::from_parts(parts).map_err(|_| false)?;
+    let uri = Uri::from_parts(parts).map_err(|_| Probe::Failed)?;
     let mut req = Request::get(uri)
         .body(Full::new(Bytes::new()))
-        .map_err(|_| false)?;
+        .map_err(|_| Probe::Failed)?;
     if let Some(auth) = &u.authorization {
         req.headers_mut()
             .insert(http::header::AUTHORIZATION, auth.clone());
     }
     let timeout = std::time::Duration::from_millis(shared.config.health.probe_timeout_ms);
     match tokio::time::timeout(timeout, shared.client.request(req)).await {
-        Err(_) => Err(false),
+        Err(_) => Err(Probe::TimedOut),
         Ok(Ok(resp)) => Ok(resp),
         Ok(Err(e)) => {
             let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
             while let Some(c) = cause {
                 if let Some(io) = c.downcast_ref::<std::io::Error>() {
-                    return Err(is_local_failure(io));
+                    return Err(if is_local_failure(io) {
+                        Probe::Local
+                    } else {
+                        Probe::Failed
+                    });
                 }
                 cause = c.source();
             }
-            Err(false)
+            Err(Probe::Failed)
         }
     }
 }
 
-/// Whether backend `id` answered its health probe; `None` when this host could not even try
-/// (out of descriptors or ports), which says nothing about the backend.
-async fn probe_once(shared: &Shared, id: BackendId) -> Option<bool> {
+/// How backend `id` answered its health probe.
+async fn probe_once(shared: &Shared, id: BackendId) -> Probe {
     let timeout = std::time::Duration::from_millis(shared.config.health.probe_timeout_ms);
     let u = shared.upstream(id);
     let path = u
@@ -136,13 +159,17 @@ async fn probe_once(shared: &Shared, id: BackendId) -> Option<bool> {
         .unwrap_or(&shared.config.health.probe_path);
     let resp = match request(shared, id, path).await {
         Ok(resp) => resp,
-        Err(local) => return (!local).then_some(false),
+        Err(failed) => return failed,
     };
-    let ok = resp.status().is_success();
+    let ok = if resp.status().is_success() {
+        Probe::Ok
+    } else {
+        Probe::Failed
+    };
     // Drain the (small) body so the pooled connection can be reused.
     let _ =
         tokio::time::timeout(timeout, Limited::new(resp.into_body(), 64 * 1024).collect()).await;
-    Some(ok)
+    ok
 }
 
 /// Largest `/metrics` answer read from a backend.

@@ -499,6 +499,32 @@ impl HealthState {
         }
     }
 
+    /// Feed an active probe that got no answer in time: a failed probe, except that while
+    /// healthy it ejects only as passive failures do (`may_eject`, the router's guard). An
+    /// overloaded engine answers `/health` late (its event loop is busy), and under a
+    /// fleet-wide load every probe timed out together: every backend was ejected, every
+    /// request got a 503, the load fell, the backends came back, and again. A refused probe
+    /// still ejects regardless (nothing listens).
+    pub fn on_probe_timeout(
+        &mut self,
+        now: Instant,
+        cfg: &HealthConfig,
+        trials: bool,
+        may_eject: bool,
+    ) -> Option<HealthTransition> {
+        match self {
+            Self::Healthy {
+                consecutive_probe_failures,
+                ..
+            } if !may_eject => {
+                // Counted: it ejects once the guard allows.
+                *consecutive_probe_failures = consecutive_probe_failures.saturating_add(1);
+                None
+            }
+            _ => self.on_probe(false, now, cfg, trials),
+        }
+    }
+
     /// Feed the result of one active probe; `trials` says whether half-open trials are on
     /// (without them, probes re-admit whatever the ejection's reason).
     pub fn on_probe(

@@ -1129,6 +1129,17 @@ impl Router {
         after_transition(b, t)
     }
 
+    /// An active health probe of `id` got no answer in time: a failed probe, capped as passive
+    /// ejections are (see [`crate::health::HealthState::on_probe_timeout`]).
+    pub fn on_probe_timeout(&mut self, id: BackendId, now: Instant) -> Option<HealthTransition> {
+        let health = self.cfg.health;
+        let trials = self.cfg.outlier.half_open_trial;
+        let may_eject = self.may_eject_passively(id);
+        let b = self.backends.get_mut(id.0)?;
+        let t = b.health.on_probe_timeout(now, &health, trials, may_eject);
+        after_transition(b, t)
+    }
+
     /// An active RTT probe of `id` measured `rtt` (network only, for example a TCP connect or
     /// an HTTP/2 ping) at `now`.
     pub fn on_rtt_sample(&mut self, id: BackendId, rtt: Duration, now: Instant) {
@@ -1937,6 +1948,33 @@ mod tests {
         r.on_attempt_end(both, Outcome::ServerError, t0 + ms(100));
         assert!(!r.backend(both).expect("known").healthy);
         assert_eq!(r.rank("lora-x", t0 + ms(200)), Ok(vec![also]));
+    }
+
+    #[test]
+    fn probes_that_time_out_everywhere_eject_no_more_than_half_the_backends() {
+        let t0 = Instant::now();
+        let mut r = router(Policy::RoundRobin, 4);
+        for k in 0..5 {
+            for i in 0..4 {
+                r.on_probe_timeout(BackendId(i), t0 + ms(1000 * k));
+            }
+        }
+        let healthy = r.backends().filter(|(_, b)| b.healthy).count();
+        assert_eq!(healthy, 2, "an overloaded fleet keeps half its backends");
+        assert_eq!(r.rank(M, t0 + ms(4500)).map(|v| v.len()), Ok(2));
+        // A refused probe is no overload: it ejects whatever the guard says.
+        let t1 = t0 + ms(6000);
+        for k in 0..3 {
+            let up: Vec<BackendId> = r
+                .backends()
+                .filter(|(_, b)| b.healthy)
+                .map(|(id, _)| id)
+                .collect();
+            for id in up {
+                r.on_probe(id, false, t1 + ms(k));
+            }
+        }
+        assert_eq!(r.backends().filter(|(_, b)| b.healthy).count(), 0);
     }
 
     #[test]
