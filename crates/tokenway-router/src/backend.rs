@@ -144,6 +144,11 @@ impl BackendState {
         self.spec.max_inflight == 0 || self.occupied() < self.spec.max_inflight
     }
 
+    /// Whether a retry or a hedge may go here: not removed, not ejected, with headroom.
+    pub(crate) fn takes_more(&self) -> bool {
+        !self.removed && self.health.is_healthy() && self.has_headroom()
+    }
+
     /// Attempts in flight and slots reserved for attempts about to start (routed, their
     /// request being written): what every load measure counts, so that a burst routed while
     /// connections open does not all see the same idle backend.

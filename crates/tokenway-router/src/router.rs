@@ -945,10 +945,11 @@ impl Router {
     }
 
     /// Reserves a slot of `id` if it has one free (a retry or a hedge, which go to backends
-    /// ranked when the request was routed, perhaps full by now); says whether it did.
+    /// ranked when the request was routed, perhaps full or ejected by now); says whether it
+    /// did.
     pub fn try_reserve(&mut self, id: BackendId) -> bool {
         match self.backends.get_mut(id.0) {
-            Some(b) if !b.removed && b.has_headroom() => {
+            Some(b) if b.takes_more() => {
                 b.reserved = b.reserved.saturating_add(1);
                 true
             }
@@ -956,12 +957,12 @@ impl Router {
         }
     }
 
-    /// Whether backend `id` could take one more request now (not removed, below its
-    /// `max_inflight`), without reserving.
+    /// Whether backend `id` could take one more request now (not removed, not ejected, below
+    /// its `max_inflight`), without reserving. A backend ejected since the request was ranked
+    /// is no candidate for its retry or hedge any more: a request whose first backend failed
+    /// went on to one found hung meanwhile, and waited its first-byte timeout there too.
     pub fn has_room(&self, id: BackendId) -> bool {
-        self.backends
-            .get(id.0)
-            .is_some_and(|b| !b.removed && b.has_headroom())
+        self.backends.get(id.0).is_some_and(|b| b.takes_more())
     }
 
     /// Gives back a slot held by [`Router::reserve`] (the attempt started, or never will).
@@ -1975,6 +1976,22 @@ mod tests {
             }
         }
         assert_eq!(r.backends().filter(|(_, b)| b.healthy).count(), 0);
+    }
+
+    #[test]
+    fn a_backend_ejected_after_the_ranking_takes_no_retry_or_hedge() {
+        let t0 = Instant::now();
+        let mut r = router(Policy::RoundRobin, 3);
+        let ranked = r.rank(M, t0).expect("ranked");
+        assert_eq!(ranked.len(), 3);
+        let gone = ranked[2];
+        for k in 0..3 {
+            r.on_probe(gone, false, t0 + ms(k));
+        }
+        assert!(!r.has_room(gone));
+        assert!(!r.try_reserve(gone));
+        assert!(r.has_room(ranked[1]));
+        assert!(r.try_reserve(ranked[1]));
     }
 
     #[test]
