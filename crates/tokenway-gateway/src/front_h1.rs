@@ -55,11 +55,16 @@ const MAX_LINE_BYTES: usize = 4 * 1024;
 /// Buffers grown past this (a large body or answer) are given back between requests: every idle
 /// keep-alive connection keeps its buffers.
 const KEEP_BUFFER_BYTES: usize = 32 * 1024;
-/// After an error answer that leaves part of a request unread, how long and how much of it is
-/// read and dropped before closing (closing with unread bytes resets the connection, and the
-/// client may then never see the answer).
-const LINGER: std::time::Duration = std::time::Duration::from_millis(500);
-const LINGER_BYTES: usize = 1024 * 1024;
+/// After an error answer that leaves part of a request unread, how long, with what silence, and
+/// how much of it is read and dropped before closing (closing with unread bytes resets the
+/// connection, and the client may then never see the answer). Clients that write a whole body
+/// before reading (httpx, so the `openai` SDK: no `Expect`) uploading more than the first
+/// 500 ms and 1 MiB let through got a reset for their 401 or 413 (`APIConnectionError`, and
+/// the SDK's retries uploaded it again). Read and dropped, the bytes cost no memory; nginx
+/// lingers 30 s with 5 s of silence.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(10);
+const LINGER_SILENCE: std::time::Duration = std::time::Duration::from_secs(2);
+const LINGER_BYTES: usize = 64 * 1024 * 1024;
 
 /// One client connection's HTTP/1.1 exchanges, as a future a [`crate::drain::Drain`] can close
 /// gracefully: an idle connection closes at once, one with a request in flight after its answer.
@@ -654,10 +659,11 @@ where
         if self.io.shutdown().await.is_err() {
             return;
         }
-        let deadline = Instant::now() + LINGER;
+        let end = Instant::now() + LINGER;
         let mut drained = 0;
         while drained < LINGER_BYTES {
             self.buf.clear();
+            let deadline = end.min(Instant::now() + LINGER_SILENCE);
             match self.read(deadline, false).await {
                 Read::Data => drained += self.buf.len(),
                 _ => return,

@@ -539,6 +539,20 @@ fn join_cookies(headers: &mut http::HeaderMap) {
     }
 }
 
+/// Body bytes a request to a route that takes none may carry and still be read (and ignored).
+const NO_BODY_TOLERATED: u64 = 1024;
+
+/// Whether `headers` declare a body of more than `limit` bytes, or one of untold length
+/// (chunked).
+fn declares_body_over(headers: &http::HeaderMap, limit: u64) -> bool {
+    headers.contains_key(header::TRANSFER_ENCODING)
+        || headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_some_and(|n| n > limit)
+}
+
 /// What can be decided from a request's head alone, before the HTTP/1.1 front reads its body:
 /// a request to a proxied route without a valid API key is refused, so that a client without
 /// one is neither invited by `100 Continue` to send up to `max_body_bytes` nor has such a body
@@ -555,6 +569,32 @@ pub fn before_body(shared: &Shared, parts: &http::request::Parts, front: TcpFron
     let path = parts.uri.path();
     let normal = normalized(path);
     let path = normal.as_deref().unwrap_or(path);
+    // No route here takes a body but a proxied one by POST: a body declared to any other is
+    // refused unread (before, `GET /health` or `PUT /v1/chat/completions` with a body was
+    // invited by `100 Continue`, key or no key, and its body held in the shared budget while it
+    // trickled in). A small one (a client that sends `{}` anyway) is read and ignored.
+    let takes_body = parts.method == Method::POST && proxied(path).is_some();
+    if !takes_body && declares_body_over(&parts.headers, NO_BODY_TOLERATED) {
+        let mut refusal = match proxied(path) {
+            Some(_) => not_routed(&parts.method, path, allowed_methods(path, Some("POST"))),
+            None if matches!(parts.method, Method::POST | Method::PUT | Method::PATCH) => {
+                not_routed(&parts.method, path, allowed_methods(path, None))
+            }
+            None => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "body_not_allowed",
+                format!("{} {path} takes no request body", parts.method),
+            )
+            .into_response(),
+        };
+        let route = proxied(path).unwrap_or("other");
+        shared.count_request(route, None, refusal.status().as_u16());
+        if let Some(cors) = &shared.cors {
+            cors.mark_for(&parts.headers, &mut refusal);
+        }
+        return BeforeBody::Refuse(refusal);
+    }
     let Some(route) = proxied(path) else {
         // A body sent to a route that takes none is not read: its 404 or 405 comes now.
         if matches!(parts.method, Method::POST | Method::PUT | Method::PATCH) {
