@@ -22,6 +22,7 @@ pub mod error;
 pub mod forward_tcp;
 pub mod front_h1;
 pub mod h1_head;
+pub mod h2_idle;
 pub mod h2_stall;
 pub mod h3_front;
 pub mod masquerade;

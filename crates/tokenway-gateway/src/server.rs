@@ -26,9 +26,11 @@ use crate::cpu_placement::{self, PinnedThreads};
 use crate::drain::Drain;
 use crate::error::GatewayError;
 use crate::front_h1::H1Connection;
+use crate::h2_idle::{Activity, IdleClose};
 use crate::h3_front::{self, Front};
 use crate::service::TcpFront;
 use crate::state::Shared;
+use crate::tunnel::AUTH_HEADER;
 use crate::{cpu_affinity, discovery, probe, service};
 use tokenway_transport::certs::Identity;
 use tokenway_transport::stall_io::StallGuard;
@@ -581,18 +583,24 @@ async fn serve_h2<S>(
         .keep_alive_interval(Some(Duration::from_secs(20)));
     let stream = StallGuard::new(stream, shared.config.timeouts.client_write());
     let write_deadline = shared.config.timeouts.client_write();
+    let idle = shared.config.timeouts.client_read();
+    let activity = Arc::new(Activity::default());
+    let requests = Arc::clone(&activity);
     let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
+        let edge = front == TcpFront::Tunnel || req.headers().contains_key(AUTH_HEADER);
+        let in_flight = requests.start(edge);
         let answer = service::handle(shared.clone(), req, peer, front);
         async move {
             let resp = answer.await?;
-            Ok::<_, std::convert::Infallible>(
-                resp.map(|body| crate::h2_stall::with_write_deadline(body, write_deadline)),
-            )
+            Ok::<_, std::convert::Infallible>(resp.map(|body| {
+                in_flight.track(crate::h2_stall::with_write_deadline(body, write_deadline))
+            }))
         }
     });
     // With upgrades: CONNECT port forwarding from edges on their TCP fallback.
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-    if let Err(e) = drain.watch(conn.into_owned()).await {
+    let conn = IdleClose::new(conn.into_owned(), activity, idle);
+    if let Err(e) = drain.watch(conn).await {
         tracing::debug!(error = %e, "connection ended with an error");
     }
 }

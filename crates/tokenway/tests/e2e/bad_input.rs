@@ -320,6 +320,33 @@ async fn a_client_that_sends_its_request_too_slowly_is_timed_out() {
         "the gateway kept an idle keep-alive connection open"
     );
     assert!(String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 200"));
+    // An HTTP/2 connection left idle after a request is closed too (GOAWAY), although it
+    // answers the gateway's PINGs.
+    let tcp = TcpStream::connect(gw.addr).await.expect("connect");
+    let (mut send, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .timer(hyper_util::rt::TokioTimer::new())
+            .keep_alive_interval(Duration::from_millis(200))
+            .keep_alive_while_idle(true)
+            .handshake::<_, http_body_util::Full<bytes::Bytes>>(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .expect("h2 handshake");
+    let conn = tokio::spawn(conn);
+    let health = send
+        .send_request(
+            http::Request::get(format!("{}/health", gw.url()))
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .expect("request"),
+        )
+        .await
+        .expect("answer");
+    assert_eq!(health.status(), 200);
+    drop(health);
+    let closed = tokio::time::timeout(Duration::from_secs(5), conn).await;
+    assert!(
+        closed.is_ok(),
+        "the gateway kept an idle HTTP/2 connection open"
+    );
 
     // A body that never completes gets 408.
     let mut s = TcpStream::connect(gw.addr).await.expect("connect");
@@ -488,4 +515,78 @@ async fn a_process_started_with_a_low_open_files_limit_raises_it_to_the_hard_one
         raised,
         "soft limit {seen:?}, hard {hard}: not raised to {want}"
     );
+}
+
+#[tokio::test]
+async fn a_body_on_a_route_that_takes_none_is_refused_unread_and_an_early_error_survives_a_big_upload(
+) {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(
+        &[&backend],
+        "api_keys = [\"sk-good\"]\nmax_body_bytes = 65536",
+        "",
+    );
+    // A body declared to a route that takes none, without a key: refused from the head, never
+    // invited (nor held while it trickles in).
+    for (head, status) in [
+        (
+            "GET /health HTTP/1.1\r\nhost: x\r\ncontent-length: 60000\r\nexpect: 100-continue\r\n\r\n",
+            "HTTP/1.1 400",
+        ),
+        (
+            "PUT /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 60000\r\n\
+             expect: 100-continue\r\n\r\n",
+            "HTTP/1.1 405",
+        ),
+        (
+            "DELETE /metrics HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\
+             expect: 100-continue\r\n\r\n",
+            "HTTP/1.1 400",
+        ),
+    ] {
+        let answer = answer_to_head(gw.addr, head.as_bytes()).await;
+        assert!(answer.starts_with(status), "{head}: {answer}");
+        assert!(!answer.contains("100 Continue"), "{answer}");
+    }
+    // A small one is read and ignored.
+    let answer = answer_to_head(
+        gw.addr,
+        b"GET /health HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    // A client that writes its whole body before reading (the `openai` SDK sends no `Expect`)
+    // gets its early answer, not a reset, even for a body past what used to be drained.
+    for (extra, status) in [
+        ("authorization: Bearer sk-good\r\n", "HTTP/1.1 413"),
+        ("authorization: Bearer sk-bad\r\n", "HTTP/1.1 401"),
+    ] {
+        let body = chat_of_len(3 << 20);
+        let mut s = TcpStream::connect(gw.addr).await.expect("connect");
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n{extra}\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.expect("head");
+        s.write_all(body.as_bytes())
+            .await
+            .expect("the whole body is taken, not reset");
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut answer))
+            .await
+            .expect("answered and closed in time")
+            .expect("no reset");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with(status), "{answer}");
+    }
+    // Still serving.
+    let r = post(
+        &format!("{}/v1/chat/completions", gw.url()),
+        &chat("hi", true, 2),
+        Some("sk-good"),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
 }
