@@ -16,13 +16,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::time::{Instant, Sleep};
 
 use crate::drain::Graceful;
-use crate::error::{BoxError, ResponseBody};
+use crate::error::ResponseBody;
 
 /// What a connection's requests tell its watcher.
 #[derive(Debug, Default)]
@@ -60,36 +58,12 @@ impl Drop for InFlight {
 impl InFlight {
     /// `body`, holding this request in flight until it is dropped (sent whole or reset).
     pub fn track(self, body: ResponseBody) -> ResponseBody {
-        Tracked {
-            body,
-            _in_flight: self,
-        }
+        // The frame mapper owns the guard: it goes when the body goes.
+        body.map_frame(move |frame| {
+            let _held = &self;
+            frame
+        })
         .boxed()
-    }
-}
-
-struct Tracked {
-    body: ResponseBody,
-    _in_flight: InFlight,
-}
-
-impl Body for Tracked {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
     }
 }
 
