@@ -336,6 +336,19 @@ pub async fn invited_to_send(addr: SocketAddr, len: usize, extra: &str) -> tokio
     s
 }
 
+/// The connection `holder`, whose body was sent but for `rest`, sends it: its answer is a 200,
+/// and its bytes held are given back (a 50 000-byte request to `chat_url` fits again).
+pub async fn holder_completes(mut holder: tokio::net::TcpStream, rest: &[u8], chat_url: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    holder.write_all(rest).await.expect("write");
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), holder.read_to_end(&mut buf)).await;
+    let text = String::from_utf8_lossy(&buf);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let r = post(chat_url, &chat_of_len(50_000), None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
 /// A non-streaming chat request body of exactly `len` bytes (its prompt padded with `y`).
 pub fn chat_of_len(len: usize) -> String {
     let body = chat(&"y".repeat(len), false, 2);
