@@ -357,11 +357,10 @@ struct Peer {
     window_start: Instant,
     window_bytes: u64,
     interactive: bool,
-    /// QUIC has sent to this address (loss reports go only to such).
-    sent: bool,
     /// A QUIC handshake with this address completed ([`DatagramHandle::confirm`], from the
     /// connection's RTT follower): a two-way peer, not an address someone spoofed. Sending
-    /// again after QUIC answered is no proof: QUIC answers a forged Initial.
+    /// again after QUIC answered is no proof: QUIC answers a forged Initial. Loss reports go
+    /// only to such peers.
     confirmed: bool,
 }
 
@@ -617,7 +616,6 @@ impl State {
             window_start: now,
             window_bytes: 0,
             interactive: true,
-            sent: false,
             confirmed: false,
         })
     }
@@ -898,9 +896,11 @@ impl State {
                 };
                 rx.on_timeout(now);
                 while rx.poll_transmit(now, out) {
-                    // Loss reports go only where QUIC has sent: an address named by a forged
-                    // packet alone gets no answer (no reflection; a prober sees silence).
-                    if p.sent && send_raw(inner, *addr, p.src_ip, None, out).is_err() {
+                    // Loss reports go only to a peer proved two-way (its handshake completed):
+                    // an address named by forged packets gets no answer, even once QUIC has
+                    // answered its forged Initial (no reflection; a prober sees silence). A
+                    // report withheld is not missed: the next one carries the same counters.
+                    if p.confirmed && send_raw(inner, *addr, p.src_ip, None, out).is_err() {
                         failed += 1;
                     }
                 }
@@ -1163,7 +1163,6 @@ impl DatagramSocket {
             return Ok(());
         };
         peer.last_seen = now;
-        peer.sent = true;
         if t.src_ip.is_some() {
             peer.src_ip = t.src_ip;
         }
@@ -1488,12 +1487,9 @@ mod tests {
         assert_eq!(st.peers.len(), MAX_PEERS);
         // They all came within one second: only the first few got the starting decodes.
         assert_eq!(st.funded, FUNDED_NEW_PEERS_PER_SEC);
-        // QUIC answered every one of them, and every one sent again: no proof of anything
-        // (QUIC answers a forged Initial). Then the handshakes of all but peer 7 completed:
-        // two-way peers.
-        for p in st.peers.values_mut() {
-            p.sent = true;
-        }
+        // Every one sent again: no proof of anything (QUIC answers a forged Initial, and a
+        // spoofer can send again). Then the handshakes of all but peer 7 completed: two-way
+        // peers.
         for i in 0..MAX_PEERS {
             receive(&mut st, i, later);
         }
@@ -1684,6 +1680,78 @@ mod tests {
         eprintln!("{:?} next {next:?}", stats.sent);
         assert_eq!(stats.sent.source_packets, 21);
         assert!(stats.sent.repair_packets > 0, "{:?}", stats.sent);
+    }
+
+    #[tokio::test]
+    async fn loss_reports_go_only_to_a_peer_whose_handshake_completed() {
+        let config = LayerConfig::from_settings(&DatagramSettings::default(), "server", None)
+            .expect("layer config");
+        let fec = config.fec.clone();
+        let ours = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let theirs = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        theirs
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .expect("timeout");
+        let peer = theirs.local_addr().expect("bound");
+        let inner = crate::socket::async_socket(ours).expect("socket");
+        let (socket, handle) = DatagramSocket::wrap(inner, config).expect("layer");
+        let mut poller = socket.clone().create_io_poller();
+        std::future::poll_fn(|cx| poller.as_mut().poll_writable(cx))
+            .await
+            .expect("writable");
+        let mut sender = FecSender::new(fec, None, [9; 32]).expect("sender");
+        let t0 = Instant::now();
+        sender.set_interactive(t0, true);
+        // `peer` sends a few QUIC packets through the layer (one block, whole), QUIC answers it,
+        // and the layer's timers run past the block's expiry: a loss report is due.
+        let round = |sender: &mut FecSender, at: Instant| {
+            let mut out = Vec::new();
+            for _ in 0..4 {
+                sender.send(at, &[0x40; 100], &mut out).expect("framed");
+                let meta = RecvMeta {
+                    addr: peer,
+                    len: out.len(),
+                    stride: out.len(),
+                    ..RecvMeta::default()
+                };
+                lock(&handle.socket.state).on_datagram(at, &meta, &mut out);
+            }
+            socket
+                .try_send(&Transmit {
+                    destination: peer,
+                    ecn: None,
+                    contents: &[0x40; 300],
+                    segment_size: None,
+                    src_ip: None,
+                })
+                .expect("QUIC answers");
+            let later = at + Duration::from_secs(2);
+            lock(&handle.socket.state).service(later, handle.socket.inner.as_ref());
+            // What reached `peer`: QUIC's answer and its repairs, and loss reports, if any.
+            let mut reports = 0;
+            let mut buf = [0u8; 2048];
+            while let Ok(n) = theirs.recv(&mut buf) {
+                let packet = tokenway_wire::packet::parse(&buf[..n]).expect("a layer packet");
+                reports += usize::from(matches!(packet, Packet::LossReport(_)));
+            }
+            reports
+        };
+        // A forged source address looks the same until a handshake completes: QUIC answered
+        // and the address sent again. No report goes there.
+        assert_eq!(
+            round(&mut sender, t0),
+            0,
+            "a report went to a one-way address"
+        );
+        assert_eq!(
+            lock(&handle.socket.state).peers[&peer]
+                .rx_stats
+                .reports_sent,
+            1,
+            "a report was due and withheld"
+        );
+        handle.confirm(peer);
+        assert_eq!(round(&mut sender, t0 + Duration::from_secs(3)), 1);
     }
 
     #[tokio::test]
