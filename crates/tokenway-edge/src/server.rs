@@ -41,7 +41,7 @@ const ROUTES: [&str; 6] = [
 ];
 
 /// Headers that belong to one hop (RFC 9110 §7.6.1) or that the tunnel sets itself.
-static HOP_BY_HOP: [HeaderName; 10] = [
+static HOP_BY_HOP: [HeaderName; 11] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -52,6 +52,7 @@ static HOP_BY_HOP: [HeaderName; 10] = [
     header::HOST,
     HeaderName::from_static(tokenway_transport::tunnel::AUTH_HEADER),
     HeaderName::from_static(tokenway_transport::tunnel::IDEMPOTENCY_HEADER),
+    HeaderName::from_static(tokenway_transport::cc::RX_RATE_HEADER),
 ];
 
 /// State shared by every local connection.

@@ -149,8 +149,13 @@ async fn connection(
             d.layer.follow_rtt(&conn);
         }
     }
-    // The connection's brutal rate handle (tunnel port with `[tunnel.datagram]` only).
-    let rate = tokenway_transport::cc::rate_handle(&conn);
+    // The connection, to reach its brutal rate handle (tunnel port with `[tunnel.datagram]`
+    // and `cc = "brutal"` only): looked up per request, not kept, since quinn builds a new
+    // controller (and handle) when a migration resets the path, and the edge's next request
+    // must reach that one.
+    let rate = tokenway_transport::cc::rate_handle(&conn)
+        .is_some_and(|h| h.negotiates())
+        .then(|| conn.clone());
     let h3_conn = h3_quinn_prio::Connection::new(conn);
     let priorities = h3_conn.priorities();
     let mut h3 = h3::server::builder()
@@ -283,7 +288,7 @@ async fn request(
     shared: Arc<Shared>,
     front: Front,
     remote: SocketAddr,
-    rate: Option<Arc<tokenway_transport::cc::RateHandle>>,
+    rate: Option<quinn::Connection>,
 ) {
     let (mut send, recv) = stream.split();
     let (mut parts, ()) = req.into_parts();
@@ -312,7 +317,7 @@ async fn request(
             }
             // Hysteria-2-style rate negotiation: brutal at min(edge `tw-rx-rate`, our
             // `bandwidth.up`) when `[tunnel.datagram] cc = "brutal"`; the header is consumed.
-            if let Some(rate) = &rate {
+            if let Some(rate) = rate.as_ref().and_then(tokenway_transport::cc::rate_handle) {
                 rate.apply_peer_rx_rate(&mut parts.headers);
             }
             Transport::Tunnel

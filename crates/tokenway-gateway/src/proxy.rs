@@ -759,7 +759,10 @@ fn upstream_headers<'a>(
             || name == &header::AUTHORIZATION
             || name == &header::CONTENT_LENGTH
             // The whole body is already here: the backend must not wait for a go-ahead.
-            || name == &header::EXPECT)
+            || name == &header::EXPECT
+            // The tunnel's rate advertisement (consumed on the QUIC tunnel port; meaningless
+            // to a backend from any other front).
+            || name.as_str() == tokenway_transport::cc::RX_RATE_HEADER)
     });
     let own = upstream
         .authorization

@@ -198,7 +198,9 @@ impl Brutal {
         let rtt = self.srtt.unwrap_or(INITIAL_RTT).as_secs_f64();
         let w = rate as f64 * rtt * self.gain / self.ack_rate(now);
         let min = MIN_WINDOW_PACKETS * u64::from(self.mtu);
-        (w as u64).max(min)
+        // quinn stops pacing altogether for a window above u32::MAX bytes (a rate in the
+        // hundreds of Gbit/s times a long RTT): held there, the pacer still spreads bursts.
+        (w as u64).clamp(min, u64::from(u32::MAX))
     }
 }
 
@@ -316,6 +318,15 @@ mod tests {
         }
         assert_eq!(b.ack_rate(t0 + ms(1000)), 1.0);
         assert_eq!(b.window_at(t0 + ms(1000)), 50_000);
+    }
+
+    #[test]
+    fn a_huge_window_stays_where_quinn_still_paces() {
+        let t0 = Instant::now();
+        // 8 Tbit/s over 500 ms: 5·10^11 bytes, past the u32::MAX where quinn stops pacing.
+        let mut b = Brutal::new(1_000_000_000_000, t0, MTU);
+        b.on_rtt(ms(500));
+        assert_eq!(b.window_at(t0), u64::from(u32::MAX));
     }
 
     #[test]

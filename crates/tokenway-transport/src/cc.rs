@@ -10,9 +10,12 @@
 //! `quinn::Connection::congestion_state()` returns a clone of it, and a clone of a
 //! [`Switchable`] shares the original's `Arc<RateHandle>`. So [`rate_handle`] downcasts that
 //! clone and returns the handle: no registry, no map to bound, nothing to clean up when the
-//! connection ends. (A path migration keeps the controller, cloned, so the handle follows it;
-//! only quinn's full path reset, on a migration to an unrelated address, builds a fresh
-//! controller, which starts again from the configured plan.)
+//! connection ends. A path migration that keeps the IPv4 address keeps the controller,
+//! cloned, so the handle follows it; any other (a new IP, any IPv6 or IPv4-mapped address,
+//! as on a gateway bound to `[::]`) resets the path, and quinn builds a fresh controller from
+//! the configured plan: on the gateway, the base controller until the edge's next request
+//! advertises its rate again. So the gateway looks the handle up per request and never keeps
+//! it.
 //!
 //! **Negotiation (Hysteria 2 style).** The edge advertises what it can receive in the header
 //! [`RX_RATE_HEADER`] (`tw-rx-rate: <bytes per second>`, from its `bandwidth.down`) on every
@@ -78,6 +81,11 @@ impl RateHandle {
             .map(|w| w.saturating_sub(self.settings.repair_reserve(w)).max(1))
             .unwrap_or(0);
         self.rate.store(r, Ordering::Relaxed);
+    }
+
+    /// Whether this end switches to brutal on a peer's advertisement (its `cc` is brutal).
+    pub fn negotiates(&self) -> bool {
+        self.cap.is_some()
     }
 
     /// Applies a peer's advertised receive rate (bytes per second): brutal at

@@ -275,8 +275,11 @@ impl std::str::FromStr for Bandwidth {
             .parse()
             .map_err(|_| format!("bandwidth {s:?}: {num:?} is not a number"))?;
         let bytes = n * scale / 8.0;
-        if !(bytes.is_finite() && (1.0..=1e12).contains(&bytes)) {
-            return Err(format!("bandwidth {s:?} must be between 8 bps and 8 tbps"));
+        // The floor is the least rate a peer's advertisement may set (`cc::MIN_PEER_RATE`):
+        // below it an edge's `down` would be ignored without a word.
+        let least = crate::cc::MIN_PEER_RATE as f64;
+        if !(bytes.is_finite() && (least..=1e12).contains(&bytes)) {
+            return Err(format!("bandwidth {s:?} must be between 8 kbps and 8 tbps"));
         }
         Ok(Self(bytes as u64))
     }
@@ -511,6 +514,13 @@ mod tests {
         let e = s.validate("quic").unwrap_err().to_string();
         assert!(e.contains("quic.keep_alive_ms"), "{e}");
         assert!("vegas".parse::<CongestionControl>().is_err());
+        // Bandwidths: SI bit rates in bytes per second, no lower than a peer's advertisement
+        // may set.
+        assert_eq!("20 mbps".parse::<Bandwidth>(), Ok(Bandwidth(2_500_000)));
+        assert_eq!("8kbps".parse::<Bandwidth>(), Ok(Bandwidth(1_000)));
+        for bad in ["4 kbps", "0 mbps", "9 tbps", "20", "20 mibps"] {
+            assert!(bad.parse::<Bandwidth>().is_err(), "{bad} was taken");
+        }
         assert_eq!(
             "bbr".parse::<CongestionControl>().ok(),
             Some(CongestionControl::Bbr)

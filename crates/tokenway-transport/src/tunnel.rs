@@ -528,13 +528,7 @@ impl Tunnel {
         let mut req = Request::new(body);
         *req.method_mut() = out.method.clone();
         *req.uri_mut() = Uri::from(out.path.clone());
-        *req.headers_mut() = out.headers.clone();
-        let h = req.headers_mut();
-        h.insert(AUTH_HEADER, self.token.clone());
-        h.insert(IDEMPOTENCY_HEADER, idempotency_key());
-        if let Some(rate) = &self.rx_rate {
-            h.insert(crate::cc::RX_RATE_HEADER, rate.clone());
-        }
+        *req.headers_mut() = tunnel_headers(&out.headers, &self.token, self.rx_rate.as_ref());
         Ok(req)
     }
 
@@ -965,5 +959,47 @@ async fn run_link(tunnel: std::sync::Weak<Tunnel>, i: usize) {
             _ = tokio::time::sleep(PROBE_EVERY) => {}
             _ = link.wake.notified() => {}
         }
+    }
+}
+
+/// A tunnel request's headers: the caller's, with this end's token, a fresh idempotency key,
+/// and this end's rate advertisement or none. The rate is this end's to advertise, never the
+/// caller's: a local client (or a public one, through a gateway's overflow) could otherwise set
+/// the rate of the whole shared connection.
+fn tunnel_headers(
+    caller: &HeaderMap,
+    token: &HeaderValue,
+    rx_rate: Option<&HeaderValue>,
+) -> HeaderMap {
+    let mut h = caller.clone();
+    h.insert(AUTH_HEADER, token.clone());
+    h.insert(IDEMPOTENCY_HEADER, idempotency_key());
+    h.remove(crate::cc::RX_RATE_HEADER);
+    if let Some(rate) = rx_rate {
+        h.insert(crate::cc::RX_RATE_HEADER, rate.clone());
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_callers_rate_advertisement_never_rides_the_tunnel() {
+        let mut caller = HeaderMap::new();
+        caller.insert(crate::cc::RX_RATE_HEADER, HeaderValue::from_static("1000"));
+        caller.insert(AUTH_HEADER, HeaderValue::from_static("forged"));
+        caller.insert("x-keep", HeaderValue::from_static("kept"));
+        let token = HeaderValue::from_static("token");
+        let h = tunnel_headers(&caller, &token, None);
+        assert!(h.get(crate::cc::RX_RATE_HEADER).is_none());
+        assert_eq!(h[AUTH_HEADER], "token");
+        assert_eq!(h["x-keep"], "kept");
+        assert_eq!(h[IDEMPOTENCY_HEADER].len(), 32);
+        let ours = HeaderValue::from_static("2500000");
+        let h = tunnel_headers(&caller, &token, Some(&ours));
+        let rates: Vec<_> = h.get_all(crate::cc::RX_RATE_HEADER).iter().collect();
+        assert_eq!(rates, [&ours]);
     }
 }

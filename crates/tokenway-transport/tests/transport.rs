@@ -141,7 +141,9 @@ fn start_server(fair: bool) -> Server {
 async fn serve_connection(incoming: quinn::Incoming, state: Arc<ServerState>) {
     let Ok(conn) = incoming.await else { return };
     *state.conn.lock().expect("not poisoned") = Some(conn.clone());
-    let rate = tokenway_transport::cc::rate_handle(&conn);
+    // As the gateway does: the rate handle is looked up per request (a path reset builds a
+    // new controller with a new handle).
+    let rate = conn.clone();
     let conn = Connection::new(conn);
     let priorities = conn.priorities();
     *state.priorities.lock().expect("not poisoned") = Some(priorities.clone());
@@ -158,7 +160,7 @@ async fn serve_connection(incoming: quinn::Incoming, state: Arc<ServerState>) {
             let Ok((mut req, mut stream)) = resolver.resolve_request().await else {
                 return;
             };
-            if let Some(rate) = &rate {
+            if let Some(rate) = tokenway_transport::cc::rate_handle(&rate) {
                 rate.apply_peer_rx_rate(req.headers_mut());
             }
             let path = req.uri().path();
@@ -557,13 +559,13 @@ struct LayeredServer {
 
 /// The test server (routes as in [`start_server`]) on the project's server endpoint.
 fn start_layered_server(settings: &QuicSettings) -> LayeredServer {
+    start_layered_server_on(settings, "127.0.0.1:0".parse().expect("addr"))
+}
+
+fn start_layered_server_on(settings: &QuicSettings, bind: SocketAddr) -> LayeredServer {
     let identity = Identity::self_signed(&["localhost"]).expect("self-signed identity");
-    let (ep, layer) = endpoint::server_endpoint_with_layer(
-        "127.0.0.1:0".parse().expect("addr"),
-        &identity,
-        settings,
-    )
-    .expect("server endpoint");
+    let (ep, layer) =
+        endpoint::server_endpoint_with_layer(bind, &identity, settings).expect("server endpoint");
     let state = Arc::new(ServerState::default());
     let server = Server {
         addr: ep.local_addr().expect("bound address"),
@@ -590,9 +592,17 @@ async fn layered_client(
     settings: &QuicSettings,
     within: Duration,
 ) -> Result<(RawClient, DatagramHandle, quinn::Connection), String> {
+    // The loopback address of the target's family.
+    let bind = SocketAddr::new(
+        if addr.is_ipv6() {
+            std::net::Ipv6Addr::LOCALHOST.into()
+        } else {
+            std::net::Ipv4Addr::LOCALHOST.into()
+        },
+        0,
+    );
     let (ep, layer) =
-        endpoint::client_endpoint_with_layer("127.0.0.1:0".parse().expect("addr"), settings)
-            .expect("client endpoint");
+        endpoint::client_endpoint_with_layer(bind, settings).expect("client endpoint");
     let config = endpoint::client_config(pinned_tls(server), settings, None).expect("config");
     let connecting = ep
         .connect_with(config, addr, "localhost")
@@ -828,6 +838,70 @@ async fn the_gateway_side_switches_to_brutal_at_the_advertised_rate() {
     let rate = tokenway_transport::cc::rate_handle(&server_conn).expect("a tunnel connection");
     assert_eq!(rate.rate(), Some(500_000), "min(edge rx, gateway up)");
     assert!(server_conn.congestion_state().window() >= 4 * 1200);
+}
+
+/// quinn resets the path (a new controller, so a new rate handle at the configured plan) when
+/// a client moves to a new port of an IPv6 address (or to another IP); the gateway's side
+/// must reach the new controller with the edge's next advertisement. Before the fix the
+/// gateway kept the first connection's handle and the connection stayed on cubic for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_negotiated_brutal_rate_reaches_the_new_controller_after_a_path_reset() {
+    let mut settings = layered("off", PSK);
+    if let Some(d) = settings.datagram.as_mut() {
+        d.cc = Some(CongestionControl::Brutal);
+        d.bandwidth = BandwidthSettings {
+            up: Some(Bandwidth(2_000_000)),
+            down: None,
+        };
+    }
+    let Ok(probe) = std::net::UdpSocket::bind("[::1]:0") else {
+        eprintln!("SKIP: no IPv6 loopback on this machine");
+        return;
+    };
+    drop(probe);
+    let s = start_layered_server_on(&settings, "[::1]:0".parse().expect("addr"));
+    let (client, _layer, _conn) = layered_client(&s.server, s.server.addr, &settings, DEADLINE)
+        .await
+        .expect("connected");
+    let advertise = |client: &RawClient, rx: &'static str| {
+        let mut sender = client.sender.clone();
+        async move {
+            let mut req = request(Method::POST, "/ping", ());
+            req.headers_mut().insert(
+                tokenway_transport::cc::RX_RATE_HEADER,
+                http::HeaderValue::from_static(rx),
+            );
+            let mut stream = sender.send_request(req).await.expect("request");
+            stream.finish().await.expect("request end");
+            stream.recv_response().await.expect("response");
+            while stream.recv_data().await.expect("body").is_some() {}
+        }
+    };
+    let server_rate = || {
+        let conn = s.server.state.conn.lock().expect("not poisoned").clone();
+        tokenway_transport::cc::rate_handle(&conn.expect("a connection")).expect("tunnel")
+    };
+    advertise(&client, "500000").await;
+    let before = server_rate();
+    assert_eq!(before.rate(), Some(500_000));
+
+    // The client moves to a new port; a request on the new path makes the server follow it.
+    let udp = tokenway_transport::socket::bind_udp("[::1]:0".parse().expect("addr"), 1 << 20)
+        .expect("new socket");
+    let (socket, _) = tokenway_transport::socket::layered_socket(udp, &settings, "client")
+        .expect("layered socket");
+    client._endpoint.rebind_abstract(socket).expect("rebind");
+    advertise(&client, "400000").await;
+    let after = server_rate();
+    assert!(
+        !Arc::ptr_eq(&before, &after),
+        "quinn kept the controller: this test no longer covers a path reset"
+    );
+    assert_eq!(
+        after.rate(),
+        Some(400_000),
+        "the new controller got the rate"
+    );
 }
 
 /// Reads a response body to its end: the bytes, and whether it ended cleanly.
