@@ -9,7 +9,12 @@ set -euo pipefail
 
 need_apt=()
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
-command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-pip)
+# Many images ship python3 without pip.
+if ! command -v python3 >/dev/null 2>&1; then
+  need_apt+=(python3 python3-pip)
+elif ! python3 -m pip --version >/dev/null 2>&1; then
+  need_apt+=(python3-pip)
+fi
 # aria2c (-x8) is the multi-connection downloader `tokenway bench weights` compares pulls with.
 command -v aria2c >/dev/null 2>&1 || need_apt+=(aria2)
 # nginx is the reference streaming proxy `tokenway bench gateway` measures the gateway against
@@ -20,12 +25,17 @@ if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null 2>&1; then need_apt+=(iprout
 # Azurite runs on Node.js and comes from npm.
 command -v npm >/dev/null 2>&1 || need_apt+=(nodejs npm)
 if [ ${#need_apt[@]} -gt 0 ]; then
+  # As root, or through sudo when it asks no password; otherwise say what is missing.
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
+    as_root() { "$@"; }
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    as_root() { sudo -n "$@"; }
   else
-    echo "setup: please install: ${need_apt[*]}" >&2
+    echo "setup: please install (as root): apt-get install ${need_apt[*]}" >&2
     exit 1
   fi
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi
 
 if ! python3 -c "import openai, aioquic" >/dev/null 2>&1; then

@@ -22,6 +22,7 @@ use hyper::client::conn::http1;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokenway_wire::sse::find_error_event;
 
 /// Bytes kept from the end of a body to check for the `data: [DONE]` terminator.
 const TAIL_BYTES: usize = 64;
@@ -199,8 +200,8 @@ pub struct StreamRead {
 
 /// Reads a streaming chat response `body` (status `status`) to the end, timing from `start`:
 /// the first chunk holding `data:` stops the TTFT clock (and increments `first_token`), later
-/// chunks holding `data:` give the inter-token gaps. Success means status 200 and a body that
-/// ends with `data: [DONE]`. Works for any transport's body (HTTP/1.1, HTTP/2, HTTP/3).
+/// chunks holding `data:` give the inter-token gaps. Success means status 200, a body that
+/// ends with `data: [DONE]`, and no error event in it. Works for any transport's body (HTTP/1.1, HTTP/2, HTTP/3).
 pub async fn read_stream<B>(
     start: Instant,
     status: StatusCode,
@@ -226,6 +227,7 @@ where
         body_bytes,
     };
     let mut tail: Vec<u8> = Vec::with_capacity(TAIL_BYTES * 2);
+    let mut errored = false;
     loop {
         match body.frame().await {
             None => break,
@@ -235,6 +237,7 @@ where
                     continue;
                 };
                 body_bytes += chunk.len() as u64;
+                errored = errored || error_event(&tail, &chunk);
                 if contains(&chunk, b"data:") {
                     let now = Instant::now();
                     if let Some(prev) = last_event.replace(now) {
@@ -256,6 +259,15 @@ where
     }
     if status != StatusCode::OK {
         return fail(ttft, body_bytes, format!("status {status}"));
+    }
+    // vLLM, SGLang and the sim's `error_after_tokens` fail a stream with an error event and
+    // then still send `[DONE]`.
+    if errored {
+        return fail(
+            ttft,
+            body_bytes,
+            "the stream carried an error event".to_owned(),
+        );
     }
     if !trim_end(&tail).ends_with(b"data: [DONE]") {
         return fail(
@@ -280,6 +292,25 @@ pub fn chat_body(max_tokens: u32) -> Bytes {
     Bytes::from(format!(
         r#"{{"model":"sim-model","stream":true,"max_tokens":{max_tokens},"messages":[{{"role":"user","content":"Say something short about networks and latency."}}]}}"#
     ))
+}
+
+/// Whether an error event (`tokenway_wire::sse::find_error_event`) starts in `chunk`, or
+/// across the seam with the previous chunk, whose last bytes are `tail`.
+fn error_event(tail: &[u8], chunk: &[u8]) -> bool {
+    if find_error_event(chunk).is_some() {
+        return true;
+    }
+    // Frames usually end an event; one that does not may have split an error line.
+    if tail.is_empty() || tail.ends_with(b"\n") {
+        return false;
+    }
+    const SIDE: usize = 24;
+    let mut seam = [0u8; 2 * SIDE];
+    let before = &tail[tail.len().saturating_sub(SIDE)..];
+    let after = &chunk[..chunk.len().min(SIDE)];
+    seam[..before.len()].copy_from_slice(before);
+    seam[before.len()..before.len() + after.len()].copy_from_slice(after);
+    find_error_event(&seam[..before.len() + after.len()]).is_some()
 }
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
@@ -383,6 +414,32 @@ pub fn open_streams(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_stream_with_an_error_event_fails_even_when_it_ends_with_done() {
+        let read = |frames: Vec<&'static [u8]>| async move {
+            let frames = frames.iter().map(|f| {
+                Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(Bytes::from_static(f)))
+            });
+            let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+            read_stream(Instant::now(), StatusCode::OK, body, None)
+                .await
+                .sample
+                .error
+        };
+        let token: &'static [u8] = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        let done: &'static [u8] = b"data: [DONE]\n\n";
+        assert_eq!(read(vec![token, token, done]).await, None);
+        let error: &'static [u8] = b"data: {\"error\":{\"message\":\"stalled\",\"code\":500}}\n\n";
+        assert!(read(vec![token, error, done]).await.is_some());
+        // An error line split between two frames.
+        let (a, b): (&'static [u8], &'static [u8]) =
+            (b"data: {\"err", b"or\":{\"message\":\"x\"}}\n\n");
+        assert!(read(vec![token, a, b, done]).await.is_some());
+        // llama.cpp's SSE `error` field.
+        let field: &'static [u8] = b"error: {\"code\":500,\"message\":\"x\"}\n\n";
+        assert!(read(vec![token, field, done]).await.is_some());
+    }
 
     #[test]
     fn done_terminator_is_found_after_trailing_blank_lines() {

@@ -559,21 +559,25 @@ impl Shared {
             .any(|u| u.name == name && !u.removed.load(Ordering::Relaxed))
     }
 
-    /// Sets the in-flight gauge of `id`.
-    pub fn set_inflight_gauge(&self, id: BackendId, inflight: u32) {
+    /// The in-flight gauge of `id` (`None` once it is removed: its gauge went with it). Set it
+    /// under the router's lock, with the count read there: set after the lock, two attempts
+    /// ending on two threads could set their counts in the other order and leave the gauge
+    /// showing a request that is gone, on an idle backend until its next request.
+    pub fn inflight_gauge(&self, id: BackendId) -> Option<Gauge> {
         let u = self.upstream(id);
         if u.removed.load(Ordering::Relaxed) {
-            // Its gauge went with it.
-            return;
+            return None;
         }
-        u.inflight_gauge
-            .get_or_init(|| {
-                self.backend_metrics
-                    .inflight
-                    .get_or_create(&u.labels)
-                    .clone()
-            })
-            .set(i64::from(inflight));
+        Some(
+            u.inflight_gauge
+                .get_or_init(|| {
+                    self.backend_metrics
+                        .inflight
+                        .get_or_create(&u.labels)
+                        .clone()
+                })
+                .clone(),
+        )
     }
 
     /// Counts a finished request in `tokenway_requests_total` (`backend` `None`: `none`).
@@ -695,15 +699,18 @@ impl Attempt {
         request: Arc<RouteRequest>,
         reserved: bool,
     ) -> Self {
-        let (ticket, inflight) = {
+        let gauge = shared.inflight_gauge(id);
+        let ticket = {
             let mut r = shared.router();
             if reserved {
                 r.unreserve(id);
             }
             let t = r.start_attempt(id, &request, Instant::now());
-            (t, r.backend(id).map_or(0, |b| b.inflight))
+            if let Some(g) = &gauge {
+                g.set(i64::from(r.backend(id).map_or(0, |b| b.inflight)));
+            }
+            t
         };
-        shared.set_inflight_gauge(id, inflight);
         Self {
             shared,
             id,
@@ -785,12 +792,15 @@ impl Attempt {
         let Some(ticket) = self.ticket.take() else {
             return;
         };
-        let (transition, inflight) = {
+        let gauge = self.shared.inflight_gauge(self.id);
+        let transition = {
             let mut r = self.shared.router();
             let t = r.end_attempt(ticket, outcome, Instant::now());
-            (t, r.backend(self.id).map_or(0, |b| b.inflight))
+            if let Some(g) = &gauge {
+                g.set(i64::from(r.backend(self.id).map_or(0, |b| b.inflight)));
+            }
+            t
         };
-        self.shared.set_inflight_gauge(self.id, inflight);
         self.shared.note_transition(self.id, transition);
         self.shared.admission.slot_freed();
     }
@@ -890,7 +900,7 @@ mod tests {
                 reason: tokenway_router::EjectReason::ConnectError,
             }),
         );
-        shared.set_inflight_gauge(gone, 0);
+        assert!(shared.inflight_gauge(gone).is_none());
         let text = tokenway_telemetry::render(&shared.registry);
         assert!(!text.contains("gone-pod"), "{text}");
         // The live backend's still are.

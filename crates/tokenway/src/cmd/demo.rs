@@ -33,9 +33,9 @@ pub struct DemoArgs {
     /// request succeeded). Uses free ports instead of the listen addresses.
     #[arg(long)]
     pub smoke: bool,
-    /// Requests sent by `--smoke`.
-    #[arg(long, default_value_t = 64)]
-    pub smoke_requests: usize,
+    /// Requests sent by `--smoke` (at least 1).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub smoke_requests: u32,
 }
 
 /// The three demo backends: (name, base latency ms, time per output token ms, slots).
@@ -158,7 +158,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let result = if args.smoke {
         super::smoke::run(
             &[("gateway", plain), ("edge", edge_addr)],
-            args.smoke_requests,
+            args.smoke_requests as usize,
         )
         .await
     } else {

@@ -4,13 +4,16 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tokenway_bench::load::{chat_body, LoadClient};
+use tokenway_bench::load::{chat_body, LoadClient, Sample};
 use tokenway_bench::stats::LatencySummary;
 
 /// Concurrent streams per entry point.
 const CONCURRENCY: usize = 8;
 /// Tokens asked for per request.
 const TOKENS: u32 = 16;
+/// Longest a request may take, from sending it to its last byte: a stuck stream fails the
+/// smoke run instead of hanging it (a demo request takes well under a second).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Sends `requests` streaming requests to each of `targets`, prints percentiles, and fails if
 /// any request failed.
@@ -26,7 +29,17 @@ pub async fn run(targets: &[(&str, SocketAddr)], requests: usize) -> anyhow::Res
             tasks.spawn(async move {
                 let mut out = Vec::with_capacity(n);
                 for _ in 0..n {
-                    out.push(client.chat(chat_body(TOKENS), None).await);
+                    let chat = client.chat(chat_body(TOKENS), None);
+                    out.push(
+                        tokio::time::timeout(REQUEST_TIMEOUT, chat)
+                            .await
+                            .unwrap_or_else(|_| Sample {
+                                ttft: None,
+                                total: REQUEST_TIMEOUT,
+                                gaps: Vec::new(),
+                                error: Some(format!("no answer within {REQUEST_TIMEOUT:?}")),
+                            }),
+                    );
                 }
                 out
             });
