@@ -533,6 +533,28 @@ fn text_response(
 /// A deadline already past still spends one unit of the task's cooperative budget: a zero-cost
 /// decode of two million tokens has no other await, and without it held its worker thread for
 /// about a second while every other connection on that thread waited.
+/// Longest a stream waits for its reader to take one event: a client that reads nothing for
+/// this long is taken for gone, and its slot and KV cache are freed (a stalled reader held
+/// them for good, and a few such clients wedged every slot).
+const STUCK_READER: Duration = Duration::from_secs(60);
+
+/// Sends one event of a stream; `false` if the reader is gone, or stuck past [`STUCK_READER`].
+async fn send(tx: &mpsc::Sender<Bytes>, event: Bytes) -> bool {
+    match tx.try_send(event) {
+        Ok(()) => true,
+        Err(mpsc::error::TrySendError::Closed(_)) => false,
+        Err(mpsc::error::TrySendError::Full(event)) => {
+            match tokio::time::timeout(STUCK_READER, tx.send(event)).await {
+                Ok(sent) => sent.is_ok(),
+                Err(_) => {
+                    tracing::info!("a stream's reader took nothing for {STUCK_READER:?}; dropped");
+                    false
+                }
+            }
+        }
+    }
+}
+
 async fn wait_until(deadline: Instant) {
     if deadline > Instant::now() {
         sleep_until(deadline).await;
@@ -1088,7 +1110,12 @@ impl Generator {
         for i in 0.. {
             if i > 0 {
                 deadline = self.next_deadline(deadline);
-                wait_until(deadline).await;
+                // A client that leaves between tokens frees its slot then, not at the next
+                // send (a decode interval can be long under a large batch penalty).
+                tokio::select! {
+                    () = wait_until(deadline) => {}
+                    () = tx.closed() => return,
+                }
             }
             if self.faults.stall_after_tokens == Some(i) {
                 // Keep the connection (and the slot) until the client leaves or we shut down.
@@ -1103,7 +1130,7 @@ impl Generator {
                 // vLLM's in-stream error: an error event, then the stream's usual end.
                 let event = openai::error_event(&engine_failure());
                 for e in [event, Bytes::from_static(openai::DONE)] {
-                    if tx.send(e).await.is_err() {
+                    if !send(&tx, e).await {
                         return;
                     }
                 }
@@ -1113,7 +1140,7 @@ impl Generator {
             for (index, choice) in (0..).zip(plan.choices.iter_mut()) {
                 if i == 0 {
                     if let Some(role) = self.encoder.role(index) {
-                        if tx.send(role).await.is_err() {
+                        if !send(&tx, role).await {
                             return;
                         }
                     }
@@ -1123,12 +1150,12 @@ impl Generator {
                 };
                 produced += 1;
                 kv.grow();
-                if !text.is_empty() && tx.send(self.encoder.token(index, text)).await.is_err() {
+                if !text.is_empty() && !send(&tx, self.encoder.token(index, text)).await {
                     return;
                 }
                 // A choice's end goes out as it ends (each choice of `n` has its own).
                 if let Some(finish) = choice.finish() {
-                    if tx.send(self.encoder.finish(index, finish)).await.is_err() {
+                    if !send(&tx, self.encoder.finish(index, finish)).await {
                         return;
                     }
                 }
@@ -1148,7 +1175,7 @@ impl Generator {
         }
         tail.push(Bytes::from_static(openai::DONE));
         for event in tail {
-            if tx.send(event).await.is_err() {
+            if !send(&tx, event).await {
                 return;
             }
         }

@@ -767,6 +767,41 @@ async fn full_queue_answers_429() {
 }
 
 #[tokio::test]
+async fn a_client_that_leaves_between_tokens_frees_its_slot_at_once() {
+    // One slot, and ten minutes between tokens.
+    let sim = start(SimConfig {
+        max_concurrency: 1,
+        max_queue: 1,
+        time_per_output_token_ms: 600_000.0,
+        ..fast_config()
+    })
+    .await;
+    let slow = sim.request(
+        Method::POST,
+        "/v1/chat/completions",
+        chat("slow", json!({"stream": true, "max_tokens": 5})).to_string(),
+    );
+    let mut body = sim.client.request(slow).await.unwrap().into_body();
+    // The role chunk and the first token, then the client leaves while the next is decoded.
+    let mut events = 0;
+    while events < 2 {
+        if body.frame().await.unwrap().unwrap().is_data() {
+            events += 1;
+        }
+    }
+    drop(body);
+    // Before, the slot stayed taken until the next token's send failed, ten minutes on.
+    let next = sim.post_json(
+        "/v1/chat/completions",
+        chat("next", json!({"max_tokens": 1})),
+    );
+    let (status, _) = tokio::time::timeout(Duration::from_secs(30), next)
+        .await
+        .expect("the slot was freed when the client left");
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
 async fn stall_stops_the_stream_after_n_tokens_but_keeps_it_open() {
     let sim = start(fast_config()).await;
     sim.set_faults(json!({"stall_after_tokens": 2})).await;
