@@ -4,7 +4,7 @@
 
 use bytes::Bytes;
 use http::StatusCode;
-use serde::{Deserialize, Serialize};
+use serde::{de, Deserialize, Serialize};
 use tokenway_wire::openai_fields::{lax_bool, lax_count};
 
 use crate::choice::Finish;
@@ -74,12 +74,8 @@ struct Message {
     content: Option<Content>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Content {
-    Text(String),
-    Parts(Vec<Part>),
-}
+/// A message's content: text, or a list of parts.
+type Content = OneOrMany<Part>;
 
 #[derive(Deserialize)]
 struct Part {
@@ -109,12 +105,7 @@ struct CompletionRequest {
 }
 
 /// `stop`: one string or several.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Stop {
-    One(String),
-    Many(Vec<String>),
-}
+type Stop = OneOrMany<String>;
 
 impl Stop {
     fn into_vec(self) -> Vec<String> {
@@ -125,15 +116,126 @@ impl Stop {
     }
 }
 
+/// A value the OpenAI API takes as one string or as a list. Read as it comes: serde's
+/// `untagged` first copies the whole value into a tree of its own, some 16 times the size of a
+/// list of small items in the body (a 32 MiB body of `[0,0,…]` took over half a gigabyte
+/// before any bound was checked).
+pub(crate) enum OneOrMany<T> {
+    One(String),
+    Many(Vec<T>),
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for OneOrMany<T> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> de::Visitor<'de> for Visit<T> {
+            type Value = OneOrMany<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string or a list")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(OneOrMany::One(v.to_owned()))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(OneOrMany::One(v))
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+                Vec::<T>::deserialize(de::value::SeqAccessDeserializer::new(seq))
+                    .map(OneOrMany::Many)
+            }
+        }
+        d.deserialize_any(Visit(std::marker::PhantomData))
+    }
+}
+
 /// A completion prompt or embedding input as the OpenAI API takes it: text, a batch of texts,
-/// token ids, or a batch of token-id lists.
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// token ids, or a batch of token-id lists. Read as it comes (see [`OneOrMany`]): a list's
+/// first item says which kind of list it is.
 pub(crate) enum Prompt {
     One(String),
     Many(Vec<String>),
     Ids(Vec<u32>),
     IdLists(Vec<Vec<u32>>),
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> de::Visitor<'de> for Visit {
+            type Value = Prompt;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(
+                    "a string, a list of strings, a list of token ids or a list of lists of \
+                     token ids",
+                )
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Prompt, E> {
+                Ok(Prompt::One(v.to_owned()))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Prompt, E> {
+                Ok(Prompt::One(v))
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+                fn rest<'de, A: de::SeqAccess<'de>, T: Deserialize<'de>>(
+                    first: T,
+                    seq: &mut A,
+                ) -> Result<Vec<T>, A::Error> {
+                    let mut all = vec![first];
+                    while let Some(next) = seq.next_element()? {
+                        all.push(next);
+                    }
+                    Ok(all)
+                }
+                Ok(match seq.next_element::<PromptItem>()? {
+                    None => Prompt::Many(Vec::new()),
+                    Some(PromptItem::Text(t)) => Prompt::Many(rest(t, &mut seq)?),
+                    Some(PromptItem::Id(id)) => Prompt::Ids(rest(id, &mut seq)?),
+                    Some(PromptItem::Ids(ids)) => Prompt::IdLists(rest(ids, &mut seq)?),
+                })
+            }
+        }
+        d.deserialize_any(Visit)
+    }
+}
+
+/// The first item of a prompt list.
+enum PromptItem {
+    Text(String),
+    Id(u32),
+    Ids(Vec<u32>),
+}
+
+impl<'de> Deserialize<'de> for PromptItem {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> de::Visitor<'de> for Visit {
+            type Value = PromptItem;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string, a token id or a list of token ids")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<PromptItem, E> {
+                Ok(PromptItem::Text(v.to_owned()))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<PromptItem, E> {
+                Ok(PromptItem::Text(v))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<PromptItem, E> {
+                u32::try_from(v)
+                    .map(PromptItem::Id)
+                    .map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &"a token id"))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<PromptItem, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &"a token id"))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, seq: A) -> Result<PromptItem, A::Error> {
+                Vec::<u32>::deserialize(de::value::SeqAccessDeserializer::new(seq))
+                    .map(PromptItem::Ids)
+            }
+        }
+        d.deserialize_any(Visit)
+    }
 }
 
 impl Prompt {
@@ -295,8 +397,8 @@ impl Job {
                 for m in &r.messages {
                     prompt.push_str(&m.role);
                     match &m.content {
-                        Some(Content::Text(t)) => prompt.push_str(t),
-                        Some(Content::Parts(parts)) => {
+                        Some(OneOrMany::One(t)) => prompt.push_str(t),
+                        Some(OneOrMany::Many(parts)) => {
                             for t in parts.iter().filter_map(|p| p.text.as_deref()) {
                                 prompt.push_str(t);
                             }
@@ -378,12 +480,18 @@ pub const MAX_STOP_STRINGS: usize = 64;
 /// Longest stop string, in bytes.
 pub const MAX_STOP_STRING_BYTES: usize = 1024;
 
+/// Largest body read again for a key given twice ([`last_wins`]): the tree it is read into
+/// takes up to some 16 times the body's size.
+const MAX_REREAD_BYTES: usize = 4 << 20;
+
 /// Parses `body`; a key given twice counts with its last value, as Python's `json` (vLLM's
-/// parser) reads it, where serde's derive refuses it: such a body is read again through a map
-/// that keeps the last value.
+/// parser) reads it, where serde's derive refuses it: such a body (up to [`MAX_REREAD_BYTES`];
+/// a larger one keeps serde's error) is read again through a map that keeps the last value.
 fn last_wins<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, serde_json::Error> {
     match serde_json::from_slice(body) {
-        Err(e) if e.to_string().starts_with("duplicate field") => {
+        Err(e)
+            if e.to_string().starts_with("duplicate field") && body.len() <= MAX_REREAD_BYTES =>
+        {
             serde_json::from_value(serde_json::from_slice::<serde_json::Value>(body)?)
         }
         other => other,
@@ -753,6 +861,44 @@ mod tests {
 
     fn job(api: Api, body: &str) -> Job {
         Job::parse(api, body.as_bytes(), 4).unwrap()
+    }
+
+    #[test]
+    fn prompts_stops_and_contents_read_every_form_the_api_takes_and_refuse_mixtures() {
+        let prompt = |json: &str| serde_json::from_str::<Prompt>(json);
+        assert!(matches!(prompt(r#""hi""#), Ok(Prompt::One(p)) if p == "hi"));
+        assert!(matches!(prompt(r#"["a","b"]"#), Ok(Prompt::Many(p)) if p == ["a", "b"]));
+        assert!(matches!(prompt("[1,2,3]"), Ok(Prompt::Ids(p)) if p == [1, 2, 3]));
+        assert!(
+            matches!(prompt("[[1],[2,3]]"), Ok(Prompt::IdLists(p)) if p == [vec![1], vec![2, 3]])
+        );
+        assert!(matches!(prompt("[]"), Ok(Prompt::Many(p)) if p.is_empty()));
+        for bad in [
+            r#"["a",1]"#,
+            r#"[1,"a"]"#,
+            "[[1],2]",
+            "[-1]",
+            "[4294967296]",
+            "[1.5]",
+            "{}",
+            "7",
+            "null",
+        ] {
+            assert!(prompt(bad).is_err(), "{bad} was taken");
+        }
+        let stop = |json: &str| serde_json::from_str::<Stop>(json).map(Stop::into_vec);
+        assert_eq!(stop(r#""x""#).unwrap(), ["x"]);
+        assert_eq!(stop(r#"["x","y"]"#).unwrap(), ["x", "y"]);
+        assert!(stop("[1]").is_err() && stop("1").is_err());
+        let content = |json: &str| serde_json::from_str::<Content>(json);
+        assert!(matches!(content(r#""t""#), Ok(OneOrMany::One(t)) if t == "t"));
+        assert!(
+            matches!(content(r#"[{"type":"text","text":"t"},{}]"#), Ok(OneOrMany::Many(p)) if p.len() == 2)
+        );
+        assert!(content("[1]").is_err());
+        // Whole requests: a prompt of ids is read as ids.
+        let j = job(Api::Completions, r#"{"model":"m","prompt":[1,2,3,4]}"#);
+        assert_eq!(j.prompts.len(), 1);
     }
 
     #[test]
