@@ -28,11 +28,14 @@
 //! what it promises: once a second, if the last second was not application-limited and
 //! delivered (acked) fewer bytes than `rate`, the window is stretched by a gain (up to
 //! [`MAX_GAIN`]); when it delivered more, the gain falls back towards 1. On a link faster than
-//! the target the gain stays at 1 and the rate at the target; on a link at the target rate the
-//! gain fills its bottleneck queue, which is what brutal does anyway. A second that lost more
-//! than the ack-rate floor compensates (20 %) never raises the gain, and relaxes it (square
-//! root per second): there the shortfall is loss, and stretching for it would defeat the floor's
-//! bound of 1.25 × rate.
+//! the target the gain stays at 1 and the rate at the target. A second that lost more than the
+//! ack-rate floor compensates (20 %) never raises the gain, and relaxes it (square root per
+//! second): there the shortfall is loss, and stretching for it would defeat the floor's bound
+//! of 1.25 × rate. Nor does a second in which the smoothed RTT stood above [`QUEUED_RTT`] × the
+//! path's least RTT: a queue stands at the bottleneck, so the link, not the window, is what
+//! delivers less than the rate (window ≈ rate × RTT × gain grows with the queued RTT, so a gain
+//! held above 1 on a link at the target rate grew the queue by (gain − 1) × the rate every
+//! second until the link dropped packets).
 //!
 //! The controller reads no clock: `now` comes from quinn, and [`Brutal::on_rtt`] takes the
 //! smoothed RTT, so tests drive it with simulated time.
@@ -53,6 +56,9 @@ pub const SLOTS: usize = 5;
 pub const MIN_SAMPLE_BYTES: u64 = 64 * 1024;
 /// Most the window is stretched beyond `rate · sRTT / ack_rate` (see the module docs).
 pub const MAX_GAIN: f64 = 1.5;
+/// A smoothed RTT above this many times the path's least one means a standing queue at the
+/// bottleneck: the link, not the window, holds delivery back, and the gain must not rise.
+pub const QUEUED_RTT: f64 = 1.25;
 /// RTT assumed before the first sample.
 const INITIAL_RTT: Duration = Duration::from_millis(100);
 
@@ -64,6 +70,9 @@ struct Slot {
     lost: u64,
     /// Whether any ack in this second was for a packet sent while application-limited.
     app_limited: bool,
+    /// Whether the smoothed RTT stood above [`QUEUED_RTT`] × the path's least RTT in this
+    /// second: a queue at the bottleneck.
+    queued: bool,
 }
 
 /// The brutal controller.
@@ -112,6 +121,15 @@ impl Brutal {
         self.srtt = Some(srtt);
     }
 
+    /// Feeds the path's RTTs at `now`: the window's (`rtt`, quinn's conservative one), and the
+    /// smoothed and least ones, whose ratio tells whether a queue stands at the bottleneck.
+    pub fn on_rtts(&mut self, now: Instant, rtt: Duration, smoothed: Duration, min: Duration) {
+        self.on_rtt(rtt);
+        if smoothed.as_secs_f64() > QUEUED_RTT * min.as_secs_f64() && !min.is_zero() {
+            self.slot(now).queued = true;
+        }
+    }
+
     fn slot(&mut self, now: Instant) -> &mut Slot {
         let second = now.saturating_duration_since(self.epoch).as_secs();
         let i = (second % SLOTS as u64) as usize;
@@ -136,10 +154,12 @@ impl Brutal {
         if s.second != prev || s.app_limited || s.acked + s.lost == 0 || self.rate == 0 {
             return;
         }
-        if s.lost as f64 > (1.0 - MIN_ACK_RATE) * (s.acked + s.lost) as f64 {
-            // Loss beyond what brutal compensates: the shortfall is the link's, not the
-            // window's. Stretching the window for it would push up to MAX_GAIN / MIN_ACK_RATE
-            // times the rate into a link that drops a fifth of it; the gain relaxes instead.
+        if s.lost as f64 > (1.0 - MIN_ACK_RATE) * (s.acked + s.lost) as f64 || s.queued {
+            // Loss beyond what brutal compensates, or a standing queue: the shortfall is the
+            // link's, not the window's. Stretching the window for it would push up to
+            // MAX_GAIN / MIN_ACK_RATE times the rate into a link that drops a fifth of it, or
+            // grow the queue by (gain - 1) × the rate every second until the link drops; the
+            // gain relaxes instead.
             self.gain = self.gain.sqrt().max(1.0);
             return;
         }
@@ -248,7 +268,8 @@ impl Controller for BrutalController {
         rtt: &quinn_proto::RttEstimator,
     ) {
         self.touch(now);
-        self.inner.on_rtt(rtt.conservative());
+        self.inner
+            .on_rtts(now, rtt.conservative(), rtt.get(), rtt.min());
         self.inner.on_acked_app(now, bytes, app_limited);
     }
 
@@ -431,6 +452,33 @@ mod tests {
         assert!(b.gain() < 1.01, "gain {}", b.gain());
         let w = b.window_at(t0 + Duration::from_secs(8));
         assert!(w <= 126_250, "window {w}");
+    }
+
+    #[test]
+    fn a_standing_queue_relaxes_the_gain_instead_of_raising_it() {
+        let t0 = Instant::now();
+        let mut b = Brutal::new(1_000_000, t0, MTU);
+        // A path of 100 ms at least. Seconds that deliver 80 % of the rate with no queue (RTT
+        // at its least: ACK delay the estimate leaves out): the gain rises.
+        for s in 0..3u64 {
+            for i in 0..10 {
+                let at = t0 + Duration::from_secs(s) + ms(100 * i);
+                b.on_rtts(at, ms(100), ms(100), ms(100));
+                b.on_acked_app(at, 80_000, false);
+            }
+        }
+        let earned = b.gain();
+        assert!(earned > 1.2, "gain {earned}");
+        // Then the link is the limit: delivery still falls short, and the RTT stands at 1.5 ×
+        // its least (a queue). The gain relaxes to 1 instead of growing the queue.
+        for s in 3..10u64 {
+            for i in 0..10 {
+                let at = t0 + Duration::from_secs(s) + ms(100 * i);
+                b.on_rtts(at, ms(150), ms(150), ms(100));
+                b.on_acked_app(at, 80_000, false);
+            }
+        }
+        assert!(b.gain() < 1.01, "gain {} (was {earned})", b.gain());
     }
 
     #[test]

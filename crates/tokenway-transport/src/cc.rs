@@ -207,7 +207,8 @@ impl Controller for Switchable {
             // The gain compares deliveries with the rate in force.
             self.brutal.set_rate(rate);
         }
-        self.brutal.on_rtt(rtt.conservative());
+        self.brutal
+            .on_rtts(now, rtt.conservative(), rtt.get(), rtt.min());
         self.brutal.on_acked_app(now, bytes, app_limited);
         self.base.on_ack(now, sent, bytes, app_limited, rtt);
     }
