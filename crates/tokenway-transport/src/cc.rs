@@ -33,10 +33,15 @@
 //! The repairs outside that budget (a head's extra copies, a sparse block's repairs beyond the
 //! first) are not reserved: they come with pauses and sparse packets, which a link filled to
 //! its brutal rate does not have.
-//! cubic and bbr do not account for them: repairs add at most that ratio on top of the window
-//! while FEC is active (scope `interactive` limits it to connections below `fec_bulk_above`),
-//! and a repair lost to congestion is not seen by QUIC's loss detection — only QUIC packets
-//! lost beyond what FEC restores are.
+//! Under cubic and bbr the repairs take their share of the window instead: the layer's RTT
+//! follower ([`crate::datagram::LayerSlot::follow_rtt`]) measures, every 100 ms, the repair
+//! bytes sent to the peer per source byte, and sets it on the handle
+//! ([`RateHandle::set_repair_share`]); the window QUIC gets is the base controller's divided by
+//! 1 + that share, so QUIC's bytes and their repairs together fill the base window (a cubic
+//! connection with FEC put up to 1.5 × its window, and more with a head's extra copies, on
+//! the wire, and took that much more than its share of a link from a plain one). A repair lost
+//! to congestion is still not seen by QUIC's loss detection: only QUIC packets lost beyond what
+//! FEC restores are.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -54,11 +59,18 @@ pub const RX_RATE_HEADER: &str = "tw-rx-rate";
 /// Smallest brutal rate accepted from a peer (8 kbit/s); anything lower is ignored.
 pub const MIN_PEER_RATE: u64 = 1_000;
 
-/// The brutal rate of one connection, shared by its controller and the code that negotiates.
+/// Most repair bytes per source byte the base controller's window is shared with: it gives
+/// QUIC at least half of it.
+pub const MAX_REPAIR_SHARE: f64 = 1.0;
+
+/// The brutal rate of one connection, shared by its controller and the code that negotiates,
+/// and the repair share of its window.
 #[derive(Debug)]
 pub struct RateHandle {
     /// Brutal rate in bytes per second; 0 = brutal off (base controller).
     rate: AtomicU64,
+    /// Repair bytes sent per source byte, lately, in millionths (see the module docs).
+    repair_share_ppm: AtomicU64,
     /// The local send capacity that caps a negotiated rate; `None` = this end does not switch
     /// on a peer's advertisement.
     cap: Option<u64>,
@@ -81,6 +93,23 @@ impl RateHandle {
             .map(|w| w.saturating_sub(self.settings.repair_reserve(w)).max(1))
             .unwrap_or(0);
         self.rate.store(r, Ordering::Relaxed);
+    }
+
+    /// Sets the repair bytes the datagram layer sends lately per source byte (clamped to
+    /// `0..=`[`MAX_REPAIR_SHARE`]): the base controller's window is shared with them.
+    pub fn set_repair_share(&self, share: f64) {
+        let share = if share.is_finite() {
+            share.clamp(0.0, MAX_REPAIR_SHARE)
+        } else {
+            0.0
+        };
+        self.repair_share_ppm
+            .store((share * 1e6) as u64, Ordering::Relaxed);
+    }
+
+    /// The repair share last set.
+    pub fn repair_share(&self) -> f64 {
+        self.repair_share_ppm.load(Ordering::Relaxed) as f64 / 1e6
     }
 
     /// Whether this end switches to brutal on a peer's advertisement (its `cc` is brutal).
@@ -147,6 +176,7 @@ impl ControllerFactory for SwitchableConfig {
     fn build(self: Arc<Self>, now: Instant, current_mtu: u16) -> Box<dyn Controller> {
         let handle = Arc::new(RateHandle {
             rate: AtomicU64::new(self.plan.initial.unwrap_or(0)),
+            repair_share_ppm: AtomicU64::new(0),
             cap: self.plan.cap,
             settings: self.plan.settings.clone(),
         });
@@ -155,6 +185,7 @@ impl ControllerFactory for SwitchableConfig {
             brutal: Brutal::new(self.plan.initial.unwrap_or(0), now, current_mtu),
             handle,
             last_now: now,
+            mtu: current_mtu,
         })
     }
 }
@@ -165,6 +196,7 @@ pub struct Switchable {
     brutal: Brutal,
     handle: Arc<RateHandle>,
     last_now: Instant,
+    mtu: u16,
 }
 
 impl std::fmt::Debug for Switchable {
@@ -239,14 +271,22 @@ impl Controller for Switchable {
     }
 
     fn on_mtu_update(&mut self, new_mtu: u16) {
+        self.mtu = new_mtu;
         self.brutal.set_mtu(new_mtu);
         self.base.on_mtu_update(new_mtu);
     }
 
     fn window(&self) -> u64 {
         match self.handle.rate() {
+            // Brutal's rate already has the repairs' reserve taken off.
             Some(rate) => self.brutal.window_with_rate(rate, self.last_now),
-            None => self.base.window(),
+            None => {
+                // QUIC's bytes and their repairs share the base window; QUIC keeps at least
+                // the two packets quinn's controllers never go below.
+                let base = self.base.window();
+                let shared = (base as f64 / (1.0 + self.handle.repair_share())) as u64;
+                shared.max(base.min(2 * u64::from(self.mtu)))
+            }
         }
     }
 
@@ -256,6 +296,7 @@ impl Controller for Switchable {
             brutal: self.brutal.clone(),
             handle: self.handle.clone(),
             last_now: self.last_now,
+            mtu: self.mtu,
         })
     }
 
@@ -304,6 +345,28 @@ mod tests {
             .expect("a switchable controller")
             .handle
             .clone()
+    }
+
+    #[test]
+    fn the_base_window_is_shared_with_the_repairs_and_brutals_is_not() {
+        let s = settings(false);
+        let c = controller(&s, false);
+        let base = c.window();
+        let h = handle(c.as_ref());
+        h.set_repair_share(0.5);
+        assert_eq!(c.window(), (base as f64 / 1.5) as u64);
+        // Clamped: QUIC keeps at least half, and garbage counts as none.
+        h.set_repair_share(7.0);
+        assert_eq!(c.window(), base / 2);
+        h.set_repair_share(f64::NAN);
+        assert_eq!(c.window(), base);
+        // Brutal's rate has the repair reserve taken off already: no second share.
+        let s = settings(true);
+        let c = controller(&s, true);
+        let h = handle(c.as_ref());
+        let brutal = c.window();
+        h.set_repair_share(0.5);
+        assert_eq!(c.window(), brutal);
     }
 
     #[test]

@@ -204,6 +204,7 @@ impl LayerSlot {
         runtime.spawn(async move {
             let mut tick = tokio::time::interval(RTT_FOLLOW_INTERVAL);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut share = RepairShare::default();
             loop {
                 tokio::select! {
                     _ = conn.closed() => return,
@@ -213,6 +214,14 @@ impl LayerSlot {
                 if let Some(h) = slot.handle() {
                     let peer = conn.remote_address();
                     h.set_srtt(peer, conn.rtt());
+                    // The repairs' share of the congestion window (see `cc`).
+                    if let Some(sent) = h.sender_stats(peer) {
+                        if let Some(s) = share.update(peer, &sent) {
+                            if let Some(rate) = crate::cc::rate_handle(&conn) {
+                                rate.set_repair_share(s);
+                            }
+                        }
+                    }
                     // A completed handshake (HANDSHAKE_DONE sent, or received) proves the
                     // peer's address two-way: it read what QUIC sent there.
                     let frames = conn.stats();
@@ -222,6 +231,44 @@ impl LayerSlot {
                 }
             }
         });
+    }
+}
+
+/// The repair bytes a connection's FEC sender sent per QUIC byte, over the RTT follower's
+/// ticks: what the congestion window shares with the repairs (`cc`).
+#[derive(Debug, Default)]
+struct RepairShare {
+    /// The peer and its sender's (QUIC bytes, repair bytes) at the last update.
+    last: Option<(SocketAddr, u64, u64)>,
+    /// The share, smoothed (half old, half new per interval with traffic).
+    share: Option<f64>,
+}
+
+/// Least QUIC bytes in an interval that update the share (a few packets say nothing).
+const REPAIR_SHARE_MIN_BYTES: u64 = 16 * 1024;
+
+impl RepairShare {
+    /// Takes the sender's counters; returns the share when it changed.
+    fn update(&mut self, peer: SocketAddr, s: &SenderStats) -> Option<f64> {
+        let quic = s.source_bytes + s.plain_bytes;
+        let repair = s.repair_bytes;
+        // A new peer (the connection migrated, or the layer's state was evicted) counts again
+        // from its own counters.
+        let (q0, r0) = match self.last {
+            Some((p, q, r)) if p == peer && q <= quic && r <= repair => (q, r),
+            _ => {
+                self.last = Some((peer, quic, repair));
+                return None;
+            }
+        };
+        if quic - q0 < REPAIR_SHARE_MIN_BYTES {
+            return None;
+        }
+        self.last = Some((peer, quic, repair));
+        let now = (repair - r0) as f64 / (quic - q0) as f64;
+        let share = self.share.map_or(now, |old| (old + now) / 2.0);
+        self.share = Some(share);
+        Some(share)
     }
 }
 
@@ -1093,6 +1140,14 @@ impl DatagramHandle {
             .is_some_and(|p| p.confirmed)
     }
 
+    /// The counters of the FEC sender towards `peer`, if it has state.
+    pub fn sender_stats(&self, peer: SocketAddr) -> Option<SenderStats> {
+        lock(&self.socket.state)
+            .peers
+            .get(&peer)
+            .map(|p| *p.tx.stats())
+    }
+
     /// The smoothed RTT the FEC sender towards `peer` was last told, if any.
     pub fn srtt(&self, peer: SocketAddr) -> Option<Duration> {
         lock(&self.socket.state)
@@ -1682,6 +1737,34 @@ mod tests {
         assert!(stats.sent.repair_packets > 0, "{:?}", stats.sent);
     }
 
+    #[test]
+    fn the_repair_share_follows_the_senders_counters_per_peer() {
+        let (a, b) = (
+            SocketAddr::from(([198, 18, 0, 1], 443)),
+            SocketAddr::from(([198, 18, 0, 2], 443)),
+        );
+        let sent = |source, plain, repair| SenderStats {
+            source_bytes: source,
+            plain_bytes: plain,
+            repair_bytes: repair,
+            ..SenderStats::default()
+        };
+        let mut share = RepairShare::default();
+        assert_eq!(
+            share.update(a, &sent(1_000, 0, 500)),
+            None,
+            "a baseline first"
+        );
+        // Too few bytes since: nothing yet, and they count with the next interval's.
+        assert_eq!(share.update(a, &sent(5_000, 0, 2_500)), None);
+        assert_eq!(share.update(a, &sent(41_000, 0, 20_500)), Some(0.5));
+        // Plain (bulk) bytes count as QUIC's, and the share is smoothed: (0.5 + 0) / 2.
+        assert_eq!(share.update(a, &sent(41_000, 40_000, 20_500)), Some(0.25));
+        // Another peer (the connection moved): a new baseline from its own counters.
+        assert_eq!(share.update(b, &sent(100, 0, 100)), None);
+        assert_eq!(share.update(b, &sent(40_100, 0, 100)), Some(0.125));
+    }
+
     #[tokio::test]
     async fn loss_reports_go_only_to_a_peer_whose_handshake_completed() {
         let config = LayerConfig::from_settings(&DatagramSettings::default(), "server", None)
@@ -1754,10 +1837,24 @@ mod tests {
         assert_eq!(round(&mut sender, t0 + Duration::from_secs(3)), 1);
     }
 
-    #[tokio::test]
-    async fn follow_rtt_feeds_the_connections_rtt_to_the_fec_sender_towards_its_peer() {
+    /// A client connection to a server, both on endpoints with a datagram layer of `settings`
+    /// (the client's is `settings` itself, whose slot it publishes).
+    struct LayeredPair {
+        server_addr: SocketAddr,
+        conn: quinn::Connection,
+        server_conn: quinn::Connection,
+        _endpoints: (quinn::Endpoint, quinn::Endpoint),
+    }
+
+    async fn layered_pair(settings: &QuicSettings) -> LayeredPair {
         let identity = Identity::self_signed(&["localhost"]).expect("identity");
-        let server_settings = layered();
+        let server_settings = QuicSettings {
+            datagram: settings.datagram.as_ref().map(|d| DatagramSettings {
+                layer: Default::default(),
+                ..d.clone()
+            }),
+            ..settings.clone()
+        };
         let (server, _) = crate::endpoint::server_endpoint_with_layer(
             "127.0.0.1:0".parse().expect("addr"),
             &identity,
@@ -1769,9 +1866,8 @@ mod tests {
             let conn = server.accept().await.expect("incoming").await;
             (server, conn)
         });
-        let settings = layered();
         let client =
-            crate::endpoint::client_endpoint("127.0.0.1:0".parse().expect("addr"), &settings)
+            crate::endpoint::client_endpoint("127.0.0.1:0".parse().expect("addr"), settings)
                 .expect("client endpoint");
         let tls = client_tls(
             &Trust::Pinned(vec![identity.fingerprint()]),
@@ -1779,14 +1875,67 @@ mod tests {
             false,
         )
         .expect("tls");
-        let config = crate::endpoint::client_config(tls, &settings, None).expect("config");
+        let config = crate::endpoint::client_config(tls, settings, None).expect("config");
         let conn = client
             .connect_with(config, server_addr, "localhost")
             .expect("connect")
             .await
             .expect("handshake");
-        let (_server, server_conn) = accept.await.expect("accept task");
-        let _server_conn = server_conn.expect("server side of the handshake");
+        let (server, server_conn) = accept.await.expect("accept task");
+        LayeredPair {
+            server_addr,
+            conn,
+            server_conn: server_conn.expect("server side of the handshake"),
+            _endpoints: (server, client),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_rtt_follower_gives_a_cubic_connections_window_a_share_for_its_repairs() {
+        // Blocks of two with one repair each, on every packet: repairs are about half the bytes
+        // of QUIC's.
+        let mut settings = layered();
+        if let Some(d) = settings.datagram.as_mut() {
+            d.fec = crate::settings::FecSetting(tokenway_wire::fec::FecMode::Fixed { k: 2, r: 1 });
+            d.fec_scope = crate::settings::FecScopeSetting::All;
+        }
+        let pair = layered_pair(&settings).await;
+        let slot = &settings.datagram.as_ref().expect("layer settings").layer;
+        slot.follow_rtt(&pair.conn);
+        let rate = crate::cc::rate_handle(&pair.conn).expect("a tunnel connection");
+        assert_eq!(rate.repair_share(), 0.0);
+        let reader = {
+            let server_conn = pair.server_conn.clone();
+            tokio::spawn(async move {
+                let mut recv = server_conn.accept_uni().await.expect("stream");
+                recv.read_to_end(usize::MAX).await.expect("read").len()
+            })
+        };
+        let mut send = pair.conn.open_uni().await.expect("stream");
+        // 2 MB over about a second: several of the follower's intervals.
+        for _ in 0..20 {
+            send.write_all(&[7u8; 100_000]).await.expect("write");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        send.finish().expect("finish");
+        assert_eq!(reader.await.expect("reader"), 2_000_000);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while rate.repair_share() < 0.3 {
+            assert!(
+                Instant::now() < deadline,
+                "share {} never reached the repairs' half",
+                rate.repair_share()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(rate.repair_share() <= 0.7, "share {}", rate.repair_share());
+    }
+
+    #[tokio::test]
+    async fn follow_rtt_feeds_the_connections_rtt_to_the_fec_sender_towards_its_peer() {
+        let settings = layered();
+        let pair = layered_pair(&settings).await;
+        let (server_addr, conn) = (pair.server_addr, pair.conn.clone());
 
         let slot = &settings.datagram.as_ref().expect("layer settings").layer;
         let layer = slot
@@ -1818,7 +1967,7 @@ mod tests {
 
         // The task ends with the connection and keeps nothing alive.
         conn.close(0u32.into(), b"done");
-        drop((conn, layer, client));
+        drop((conn, layer, pair));
         let deadline = Instant::now() + Duration::from_secs(5);
         while slot.handle().is_some() {
             assert!(

@@ -35,6 +35,8 @@ const MAX_CREDIT_BYTES: f64 = 64.0 * 1024.0;
 pub struct SenderStats {
     /// Datagrams sent without FEC (mode `off` or outside the scope).
     pub plain_packets: u64,
+    /// Bytes of those datagrams.
+    pub plain_bytes: u64,
     /// Source packets sent.
     pub source_packets: u64,
     /// Bytes of source packets sent.
@@ -346,6 +348,7 @@ impl FecSender {
             out.extend_from_slice(quic);
             self.seal(out);
             self.stats.plain_packets += 1;
+            self.stats.plain_bytes += out.len() as u64;
             return Ok(());
         }
         let small = self.config.mode == FecMode::Auto && quic.len() <= SMALL_PACKET_MAX_LEN;
