@@ -302,6 +302,7 @@ impl DatagramStats {
 
 fn add_sender(a: &mut SenderStats, b: &SenderStats) {
     a.plain_packets += b.plain_packets;
+    a.plain_bytes += b.plain_bytes;
     a.source_packets += b.source_packets;
     a.source_bytes += b.source_bytes;
     a.repair_packets += b.repair_packets;
