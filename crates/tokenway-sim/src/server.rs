@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode, Version};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -662,6 +662,11 @@ fn faults_response(faults: &Faults) -> Response<SimBody> {
     json_response(StatusCode::OK, Bytes::from(body))
 }
 
+/// Most of a refused body read and dropped so that its 413 reaches the client ([`drain`]).
+const DRAIN_BYTES: usize = 64 << 20;
+/// Longest the drain of a refused body takes.
+const DRAIN_TIME: Duration = Duration::from_secs(10);
+
 async fn read_body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
     let too_large = || {
         ApiError::new(
@@ -675,19 +680,49 @@ async fn read_body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
+    // A client that asked before sending gets its answer without being invited to send.
+    let asked = req
+        .headers()
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let mut body = req.into_body();
     if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        if !asked {
+            drain(&mut body).await;
+        }
         return Err(too_large());
     }
-    match Limited::new(req.into_body(), MAX_BODY_BYTES)
-        .collect()
-        .await
-    {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
-        Err(e) => Err(ApiError::invalid_request(format!(
-            "Could not read the request body: {e}"
-        ))),
+    let mut got = bytes::BytesMut::with_capacity(declared.unwrap_or(0) as usize);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            ApiError::invalid_request(format!("Could not read the request body: {e}"))
+        })?;
+        if let Ok(data) = frame.into_data() {
+            if got.len() + data.len() > MAX_BODY_BYTES {
+                drain(&mut body).await;
+                return Err(too_large());
+            }
+            got.extend_from_slice(&data);
+        }
     }
+    Ok(got.freeze())
+}
+
+/// Reads and drops the rest of a body refused as too large, up to [`DRAIN_BYTES`] within
+/// [`DRAIN_TIME`]: a client that writes its whole body before reading (the `openai` package
+/// sends no `Expect`) otherwise finds the connection reset, its 413 lost, when the server
+/// closes with its bytes unread.
+async fn drain(body: &mut Incoming) {
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        let mut seen = 0;
+        while let Some(Ok(frame)) = body.frame().await {
+            seen += frame.data_ref().map_or(0, Bytes::len);
+            if seen > DRAIN_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 async fn set_faults(shared: &Shared, req: Request<Incoming>) -> Response<SimBody> {

@@ -539,6 +539,63 @@ async fn a_request_whose_prompt_does_not_fit_the_kv_cache_waits_for_room() {
     );
 }
 
+/// A client that writes its whole oversized body before reading (as the `openai` package
+/// does: no `Expect`) gets the 413, declared or chunked, where it used to find the connection
+/// reset: the server closed with the body unread.
+#[tokio::test]
+async fn an_oversized_body_written_whole_gets_its_413() {
+    use std::io::{Read, Write};
+    let sim = start(fast_config()).await;
+    let addr = sim.addr;
+    let body = vec![b' '; 40 << 20];
+    let exchange = move |chunked: bool| {
+        let body = body.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = std::net::TcpStream::connect(addr).expect("connect");
+            conn.set_read_timeout(Some(Duration::from_secs(30)))
+                .expect("timeout");
+            let framing = if chunked {
+                "transfer-encoding: chunked".to_owned()
+            } else {
+                format!("content-length: {}", body.len())
+            };
+            write!(
+                conn,
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: sim\r\n\
+                 content-type: application/json\r\n{framing}\r\n\r\n"
+            )
+            .expect("head");
+            let written = if chunked {
+                body.chunks(1 << 20)
+                    .try_for_each(|c| {
+                        write!(conn, "{:x}\r\n", c.len())?;
+                        conn.write_all(c)?;
+                        conn.write_all(b"\r\n")
+                    })
+                    .and_then(|()| conn.write_all(b"0\r\n\r\n"))
+            } else {
+                conn.write_all(&body)
+            };
+            written.expect("the whole body is taken");
+            let mut answer = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = conn.read(&mut buf).expect("the answer, not a reset");
+                assert!(n > 0, "closed without an answer");
+                answer.extend_from_slice(&buf[..n]);
+            }
+            String::from_utf8_lossy(&answer).into_owned()
+        })
+    };
+    for chunked in [false, true] {
+        let head = exchange(chunked).await.expect("client thread");
+        assert!(
+            head.starts_with("HTTP/1.1 413"),
+            "chunked {chunked}: {head}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn bad_requests_get_openai_error_bodies() {
     let sim = start(fast_config()).await;
