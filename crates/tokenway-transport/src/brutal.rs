@@ -31,8 +31,9 @@
 //! the target the gain stays at 1 and the rate at the target. A second that lost more than the
 //! ack-rate floor compensates (20 %) never raises the gain, and relaxes it (square root per
 //! second): there the shortfall is loss, and stretching for it would defeat the floor's bound
-//! of 1.25 × rate. Nor does a second in which the smoothed RTT stood above [`QUEUED_RTT`] × the
-//! path's least RTT: a queue stands at the bottleneck, so the link, not the window, is what
+//! of 1.25 × rate. Nor does a second most of whose RTT samples stood above [`QUEUED_RTT`] × the
+//! path's base RTT (and [`MIN_QUEUE_DELAY`] above it; the base is the least smoothed RTT over
+//! [`BASE_RTT_WINDOW`]): a queue stands at the bottleneck, so the link, not the window, is what
 //! delivers less than the rate (window ≈ rate × RTT × gain grows with the queued RTT, so a gain
 //! held above 1 on a link at the target rate grew the queue by (gain − 1) × the rate every
 //! second until the link dropped packets).
@@ -56,9 +57,15 @@ pub const SLOTS: usize = 5;
 pub const MIN_SAMPLE_BYTES: u64 = 64 * 1024;
 /// Most the window is stretched beyond `rate · sRTT / ack_rate` (see the module docs).
 pub const MAX_GAIN: f64 = 1.5;
-/// A smoothed RTT above this many times the path's least one means a standing queue at the
-/// bottleneck: the link, not the window, holds delivery back, and the gain must not rise.
+/// A smoothed RTT above this many times the path's base RTT (and [`MIN_QUEUE_DELAY`] above
+/// it) means a standing queue at the bottleneck: the link, not the window, holds delivery
+/// back, and the gain must not rise.
 pub const QUEUED_RTT: f64 = 1.25;
+/// Least queueing delay taken for a queue: jitter on short paths is not one.
+pub const MIN_QUEUE_DELAY: Duration = Duration::from_millis(5);
+/// How long the base RTT (the least smoothed RTT seen) holds before a new one replaces it: a
+/// route that got longer is followed, as bbr's min-RTT filter does.
+pub const BASE_RTT_WINDOW: Duration = Duration::from_secs(10);
 /// RTT assumed before the first sample.
 const INITIAL_RTT: Duration = Duration::from_millis(100);
 
@@ -70,9 +77,10 @@ struct Slot {
     lost: u64,
     /// Whether any ack in this second was for a packet sent while application-limited.
     app_limited: bool,
-    /// Whether the smoothed RTT stood above [`QUEUED_RTT`] × the path's least RTT in this
-    /// second: a queue at the bottleneck.
-    queued: bool,
+    /// RTT samples in this second, and those that found a queue at the bottleneck (see
+    /// [`Brutal::on_rtts`]).
+    rtt_samples: u32,
+    queued_samples: u32,
 }
 
 /// The brutal controller.
@@ -86,6 +94,8 @@ pub struct Brutal {
     slots: [Slot; SLOTS],
     /// Window stretch for delays the RTT estimate leaves out, in `1..=MAX_GAIN`.
     gain: f64,
+    /// The least smoothed RTT seen, and when (it expires after [`BASE_RTT_WINDOW`]).
+    base_rtt: Option<(Duration, Instant)>,
 }
 
 impl Brutal {
@@ -98,6 +108,7 @@ impl Brutal {
             epoch: now,
             slots: [Slot::default(); SLOTS],
             gain: 1.0,
+            base_rtt: None,
         }
     }
 
@@ -121,13 +132,29 @@ impl Brutal {
         self.srtt = Some(srtt);
     }
 
-    /// Feeds the path's RTTs at `now`: the window's (`rtt`, quinn's conservative one), and the
-    /// smoothed and least ones, whose ratio tells whether a queue stands at the bottleneck.
-    pub fn on_rtts(&mut self, now: Instant, rtt: Duration, smoothed: Duration, min: Duration) {
+    /// Feeds the path's RTTs at `now`: the window's (`rtt`, quinn's conservative one) and the
+    /// smoothed one, which against the base RTT (its least over [`BASE_RTT_WINDOW`]) tells
+    /// whether a queue stands at the bottleneck. A second most of whose samples found one does
+    /// not raise the gain.
+    pub fn on_rtts(&mut self, now: Instant, rtt: Duration, smoothed: Duration) {
         self.on_rtt(rtt);
-        if smoothed.as_secs_f64() > QUEUED_RTT * min.as_secs_f64() && !min.is_zero() {
-            self.slot(now).queued = true;
-        }
+        let base = match self.base_rtt {
+            Some((b, at))
+                if smoothed > b && now.saturating_duration_since(at) < BASE_RTT_WINDOW =>
+            {
+                b
+            }
+            _ => {
+                self.base_rtt = Some((smoothed, now));
+                smoothed
+            }
+        };
+        let excess = smoothed.saturating_sub(base);
+        let queued = excess > MIN_QUEUE_DELAY
+            && excess.as_secs_f64() > (QUEUED_RTT - 1.0) * base.as_secs_f64();
+        let s = self.slot(now);
+        s.rtt_samples += 1;
+        s.queued_samples += u32::from(queued);
     }
 
     fn slot(&mut self, now: Instant) -> &mut Slot {
@@ -154,7 +181,8 @@ impl Brutal {
         if s.second != prev || s.app_limited || s.acked + s.lost == 0 || self.rate == 0 {
             return;
         }
-        if s.lost as f64 > (1.0 - MIN_ACK_RATE) * (s.acked + s.lost) as f64 || s.queued {
+        let queued = 2 * s.queued_samples > s.rtt_samples;
+        if s.lost as f64 > (1.0 - MIN_ACK_RATE) * (s.acked + s.lost) as f64 || queued {
             // Loss beyond what brutal compensates, or a standing queue: the shortfall is the
             // link's, not the window's. Stretching the window for it would push up to
             // MAX_GAIN / MIN_ACK_RATE times the rate into a link that drops a fifth of it, or
@@ -268,8 +296,7 @@ impl Controller for BrutalController {
         rtt: &quinn_proto::RttEstimator,
     ) {
         self.touch(now);
-        self.inner
-            .on_rtts(now, rtt.conservative(), rtt.get(), rtt.min());
+        self.inner.on_rtts(now, rtt.conservative(), rtt.get());
         self.inner.on_acked_app(now, bytes, app_limited);
     }
 
@@ -459,11 +486,13 @@ mod tests {
         let t0 = Instant::now();
         let mut b = Brutal::new(1_000_000, t0, MTU);
         // A path of 100 ms at least. Seconds that deliver 80 % of the rate with no queue (RTT
-        // at its least: ACK delay the estimate leaves out): the gain rises.
+        // at its least, or jitter of a few ms: ACK delay the estimate leaves out): the gain
+        // rises.
         for s in 0..3u64 {
             for i in 0..10 {
                 let at = t0 + Duration::from_secs(s) + ms(100 * i);
-                b.on_rtts(at, ms(100), ms(100), ms(100));
+                let jitter = ms(if i % 2 == 0 { 0 } else { 40 });
+                b.on_rtts(at, ms(100) + jitter, ms(100) + jitter / 10);
                 b.on_acked_app(at, 80_000, false);
             }
         }
@@ -474,11 +503,21 @@ mod tests {
         for s in 3..10u64 {
             for i in 0..10 {
                 let at = t0 + Duration::from_secs(s) + ms(100 * i);
-                b.on_rtts(at, ms(150), ms(150), ms(100));
+                b.on_rtts(at, ms(150), ms(150));
                 b.on_acked_app(at, 80_000, false);
             }
         }
         assert!(b.gain() < 1.01, "gain {} (was {earned})", b.gain());
+        // The route got longer for good: after BASE_RTT_WINDOW the base follows it, and the
+        // shortfall raises the gain again.
+        for s in 10..20u64 {
+            for i in 0..10 {
+                let at = t0 + Duration::from_secs(s) + ms(100 * i);
+                b.on_rtts(at, ms(150), ms(150));
+                b.on_acked_app(at, 80_000, false);
+            }
+        }
+        assert!(b.gain() > 1.2, "gain {}", b.gain());
     }
 
     #[test]

@@ -33,7 +33,7 @@
 //! The repairs outside that budget (a head's extra copies, a sparse block's repairs beyond the
 //! first) are not reserved: they come with pauses and sparse packets, which a link filled to
 //! its brutal rate does not have.
-//! Under cubic and bbr the repairs take their share of the window instead: the layer's RTT
+//! Under cubic (and new_reno) the repairs take their share of the window instead: the layer's RTT
 //! follower ([`crate::datagram::LayerSlot::follow_rtt`]) measures, every 100 ms, the repair
 //! bytes sent to the peer per source byte, and sets it on the handle
 //! ([`RateHandle::set_repair_share`]); the window QUIC gets is the base controller's divided by
@@ -41,7 +41,9 @@
 //! connection with FEC put up to 1.5 × its window, and more with a head's extra copies, on
 //! the wire, and took that much more than its share of a link from a plain one). A repair lost
 //! to congestion is still not seen by QUIC's loss detection: only QUIC packets lost beyond what
-//! FEC restores are.
+//! FEC restores are. bbr is left alone: it sizes its window from the delivery rate of QUIC's
+//! bytes, which already leaves out what the repairs took of the link, so a share would count
+//! them twice and take away the headroom bbr probes with.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -182,6 +184,9 @@ impl ControllerFactory for SwitchableConfig {
         });
         Box::new(Switchable {
             base: base_factory(self.base).build(now, current_mtu),
+            // bbr's window comes from the delivery rate of QUIC's own bytes, which the repairs
+            // already hold down: sharing it again would count them twice.
+            shares_window: self.base != CongestionControl::Bbr,
             brutal: Brutal::new(self.plan.initial.unwrap_or(0), now, current_mtu),
             handle,
             last_now: now,
@@ -197,6 +202,8 @@ pub struct Switchable {
     handle: Arc<RateHandle>,
     last_now: Instant,
     mtu: u16,
+    /// Whether the base window is shared with the repairs (loss-based controllers).
+    shares_window: bool,
 }
 
 impl std::fmt::Debug for Switchable {
@@ -239,8 +246,7 @@ impl Controller for Switchable {
             // The gain compares deliveries with the rate in force.
             self.brutal.set_rate(rate);
         }
-        self.brutal
-            .on_rtts(now, rtt.conservative(), rtt.get(), rtt.min());
+        self.brutal.on_rtts(now, rtt.conservative(), rtt.get());
         self.brutal.on_acked_app(now, bytes, app_limited);
         self.base.on_ack(now, sent, bytes, app_limited, rtt);
     }
@@ -280,6 +286,7 @@ impl Controller for Switchable {
         match self.handle.rate() {
             // Brutal's rate already has the repairs' reserve taken off.
             Some(rate) => self.brutal.window_with_rate(rate, self.last_now),
+            None if !self.shares_window => self.base.window(),
             None => {
                 // QUIC's bytes and their repairs share the base window; QUIC keeps at least
                 // the two packets quinn's controllers never go below.
@@ -297,6 +304,7 @@ impl Controller for Switchable {
             handle: self.handle.clone(),
             last_now: self.last_now,
             mtu: self.mtu,
+            shares_window: self.shares_window,
         })
     }
 
@@ -348,7 +356,7 @@ mod tests {
     }
 
     #[test]
-    fn the_base_window_is_shared_with_the_repairs_and_brutals_is_not() {
+    fn cubics_window_is_shared_with_the_repairs_and_bbrs_and_brutals_are_not() {
         let s = settings(false);
         let c = controller(&s, false);
         let base = c.window();
@@ -360,6 +368,15 @@ mod tests {
         assert_eq!(c.window(), base / 2);
         h.set_repair_share(f64::NAN);
         assert_eq!(c.window(), base);
+        // bbr's window already reflects the repairs (its delivery rate): no share.
+        let c = Arc::new(SwitchableConfig::new(
+            CongestionControl::Bbr,
+            settings(false).brutal_plan(false),
+        ))
+        .build(Instant::now(), 1200);
+        let bbr = c.window();
+        handle(c.as_ref()).set_repair_share(0.5);
+        assert_eq!(c.window(), bbr);
         // Brutal's rate has the repair reserve taken off already: no second share.
         let s = settings(true);
         let c = controller(&s, true);

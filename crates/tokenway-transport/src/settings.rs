@@ -275,11 +275,8 @@ impl std::str::FromStr for Bandwidth {
             .parse()
             .map_err(|_| format!("bandwidth {s:?}: {num:?} is not a number"))?;
         let bytes = n * scale / 8.0;
-        // The floor is the least rate a peer's advertisement may set (`cc::MIN_PEER_RATE`):
-        // below it an edge's `down` would be ignored without a word.
-        let least = crate::cc::MIN_PEER_RATE as f64;
-        if !(bytes.is_finite() && (least..=1e12).contains(&bytes)) {
-            return Err(format!("bandwidth {s:?} must be between 8 kbps and 8 tbps"));
+        if !(bytes.is_finite() && (1.0..=1e12).contains(&bytes)) {
+            return Err(format!("bandwidth {s:?} must be between 8 bps and 8 tbps"));
         }
         Ok(Self(bytes as u64))
     }
@@ -433,6 +430,16 @@ impl DatagramSettings {
                 return bad("obfs.psk", "at least 16 characters");
             }
         }
+        // A link's rates no lower than a peer's advertisement may set (`cc::MIN_PEER_RATE`):
+        // below it an edge's `down` would be ignored without a word.
+        for (key, rate) in [
+            ("bandwidth.up", self.bandwidth.up),
+            ("bandwidth.down", self.bandwidth.down),
+        ] {
+            if rate.is_some_and(|r| r.bytes_per_sec() < crate::cc::MIN_PEER_RATE) {
+                return bad(key, "at least \"8 kbps\"");
+            }
+        }
         if self.cc == Some(CongestionControl::Brutal) && self.bandwidth.up.is_none() {
             return bad(
                 "bandwidth.up",
@@ -514,13 +521,23 @@ mod tests {
         let e = s.validate("quic").unwrap_err().to_string();
         assert!(e.contains("quic.keep_alive_ms"), "{e}");
         assert!("vegas".parse::<CongestionControl>().is_err());
-        // Bandwidths: SI bit rates in bytes per second, no lower than a peer's advertisement
-        // may set.
+        // Bandwidths: SI bit rates in bytes per second; a link's no lower than a peer's
+        // advertisement may set (`fec_bulk_above` may be lower).
         assert_eq!("20 mbps".parse::<Bandwidth>(), Ok(Bandwidth(2_500_000)));
         assert_eq!("8kbps".parse::<Bandwidth>(), Ok(Bandwidth(1_000)));
-        for bad in ["4 kbps", "0 mbps", "9 tbps", "20", "20 mibps"] {
+        for bad in ["0 mbps", "4 bps", "9 tbps", "20", "20 mibps"] {
             assert!(bad.parse::<Bandwidth>().is_err(), "{bad} was taken");
         }
+        let slow = DatagramSettings {
+            bandwidth: BandwidthSettings {
+                up: None,
+                down: Some("4 kbps".parse().expect("a bandwidth")),
+            },
+            fec_bulk_above: "1 kbps".parse().expect("a bandwidth"),
+            ..DatagramSettings::default()
+        };
+        let e = slow.validate("tunnel.datagram").unwrap_err().to_string();
+        assert!(e.contains("tunnel.datagram.bandwidth.down"), "{e}");
         assert_eq!(
             "bbr".parse::<CongestionControl>().ok(),
             Some(CongestionControl::Bbr)

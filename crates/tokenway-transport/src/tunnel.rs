@@ -660,11 +660,14 @@ impl Tunnel {
         })
     }
 
-    /// The connection and the tunnel token for a CONNECT (port forwarding).
-    pub async fn connection(&self) -> Option<(Conn, HeaderValue)> {
-        self.acquire(&[])
-            .await
-            .map(|(_, c)| (c, self.token.clone()))
+    /// A connection and the tunnel headers for a CONNECT (port forwarding): the token, a fresh
+    /// idempotency key and this end's rate advertisement, as every tunnel request carries (a
+    /// connection used only for forwarding switches to brutal too).
+    pub async fn connection(&self) -> Option<(Conn, HeaderMap)> {
+        self.acquire(&[]).await.map(|(_, c)| {
+            let headers = tunnel_headers(&HeaderMap::new(), &self.token, self.rx_rate.as_ref());
+            (c, headers)
+        })
     }
 }
 

@@ -218,7 +218,8 @@ pub struct ReceiverStats {
     pub recovered_dropped: u64,
     /// Loss reports received from the peer.
     pub reports_received: u64,
-    /// Loss reports sent.
+    /// Loss reports made (handed out by [`FecReceiver::poll_transmit`]). The transport's
+    /// socket withholds those due before the peer proved two-way (its handshake completed).
     pub reports_sent: u64,
     /// Times the receiver followed a peer that restarted its block numbering.
     pub resyncs: u64,
