@@ -295,19 +295,29 @@ pub fn chat_body(max_tokens: u32) -> Bytes {
 }
 
 /// Whether an error event (`tokenway_wire::sse::find_error_event`) starts in `chunk`, or
-/// across the seam with the previous chunk, whose last bytes are `tail`.
+/// across the seam with the previous chunk, whose last bytes are `tail`. An error event starts
+/// a line, and a chunk that goes on with a line the tail began does not start one: token text
+/// that reads `error: {` there is no event.
 fn error_event(tail: &[u8], chunk: &[u8]) -> bool {
-    if find_error_event(chunk).is_some() {
-        return true;
-    }
-    // Frames usually end an event; one that does not may have split an error line.
     if tail.is_empty() || tail.ends_with(b"\n") {
-        return false;
+        return find_error_event(chunk).is_some();
     }
+    let first_break = chunk.iter().position(|&b| b == b'\n');
+    if let Some(i) = first_break {
+        if find_error_event(&chunk[i + 1..]).is_some() {
+            return true;
+        }
+    }
+    // The line the chunk goes on with, from its start in the tail (if that is near enough to
+    // the seam for an error line's start to straddle it; one further back was seen whole).
     const SIDE: usize = 24;
+    let recent = &tail[tail.len().saturating_sub(SIDE)..];
+    let Some(start) = recent.iter().rposition(|&b| b == b'\n') else {
+        return false;
+    };
+    let before = &recent[start + 1..];
+    let after = &chunk[..first_break.unwrap_or(chunk.len()).min(SIDE)];
     let mut seam = [0u8; 2 * SIDE];
-    let before = &tail[tail.len().saturating_sub(SIDE)..];
-    let after = &chunk[..chunk.len().min(SIDE)];
     seam[..before.len()].copy_from_slice(before);
     seam[before.len()..before.len() + after.len()].copy_from_slice(after);
     find_error_event(&seam[..before.len() + after.len()]).is_some()
@@ -436,6 +446,13 @@ mod tests {
         let (a, b): (&'static [u8], &'static [u8]) =
             (b"data: {\"err", b"or\":{\"message\":\"x\"}}\n\n");
         assert!(read(vec![token, a, b, done]).await.is_some());
+        // A frame that starts inside a line whose token text reads like an error field is no
+        // error.
+        let (a, b): (&'static [u8], &'static [u8]) = (
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"",
+            b"error: {x}\"}}]}\n\n",
+        );
+        assert_eq!(read(vec![token, a, b, done]).await, None);
         // llama.cpp's SSE `error` field.
         let field: &'static [u8] = b"error: {\"code\":500,\"message\":\"x\"}\n\n";
         assert!(read(vec![token, field, done]).await.is_some());

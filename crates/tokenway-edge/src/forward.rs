@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, Request};
+use http::Request;
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use hyper_util::rt::TokioIo;
@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 
 use crate::config::ForwardEntry;
 use crate::error::EdgeError;
-use tokenway_transport::tunnel::{idempotency_key, Tunnel, AUTH_HEADER, IDEMPOTENCY_HEADER};
+use tokenway_transport::tunnel::Tunnel;
 
 /// One forward listener.
 pub struct Forward {
@@ -84,13 +84,10 @@ impl Forward {
 }
 
 async fn carry(mut local: TcpStream, tunnel: &Tunnel, target: &str) -> Result<(), String> {
-    let (conn, token) = tunnel.connection().await.ok_or_else(|| {
+    let (conn, headers) = tunnel.connection().await.ok_or_else(|| {
         abort(&local);
         "no gateway is reachable".to_string()
     })?;
-    let mut headers = HeaderMap::new();
-    headers.insert(AUTH_HEADER, token);
-    headers.insert(IDEMPOTENCY_HEADER, idempotency_key());
     match conn {
         Conn::Quic(q) => {
             let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(16);

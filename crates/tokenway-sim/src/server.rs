@@ -29,11 +29,11 @@ use tokenway_telemetry::{
     RequestMetrics, StreamLabels, CONTENT_TYPE,
 };
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::{sleep_until, Instant};
 
-use crate::body::{SimBody, STREAM_CHANNEL_EVENTS};
+use crate::body::{stream_channel, SimBody, StreamTx};
 use crate::choice::{Choice, Ending, Finish};
 use crate::cost::{self, PrefixCache};
 use crate::embeddings::EmbedJob;
@@ -304,10 +304,14 @@ impl Shared {
 
     /// A free slot now, a place in the queue, or `None` when the queue is full.
     fn admit(self: &Arc<Self>) -> Option<Admission> {
-        // tokio's semaphore hands released permits to queued waiters first, so this cannot
-        // overtake requests already waiting: admission stays FIFO.
-        if let Ok(permit) = self.slots.clone().try_acquire_owned() {
-            return Some(Admission::Ready(permit));
+        // tokio's semaphore hands released permits to queued waiters first, but a queued
+        // stream joins its wait list only once its task first polls; a slot freed before
+        // that went to whoever asked next. So a slot is taken at once only while nobody is
+        // queued: admission stays FIFO.
+        if self.waiting.load(Ordering::Relaxed) == 0 {
+            if let Ok(permit) = self.slots.clone().try_acquire_owned() {
+                return Some(Admission::Ready(permit));
+            }
         }
         if self.waiting.fetch_add(1, Ordering::Relaxed) >= self.config.max_queue {
             self.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -533,28 +537,6 @@ fn text_response(
 /// A deadline already past still spends one unit of the task's cooperative budget: a zero-cost
 /// decode of two million tokens has no other await, and without it held its worker thread for
 /// about a second while every other connection on that thread waited.
-/// Longest a stream waits for its reader to take one event: a client that reads nothing for
-/// this long is taken for gone, and its slot and KV cache are freed (a stalled reader held
-/// them for good, and a few such clients wedged every slot).
-const STUCK_READER: Duration = Duration::from_secs(60);
-
-/// Sends one event of a stream; `false` if the reader is gone, or stuck past [`STUCK_READER`].
-async fn send(tx: &mpsc::Sender<Bytes>, event: Bytes) -> bool {
-    match tx.try_send(event) {
-        Ok(()) => true,
-        Err(mpsc::error::TrySendError::Closed(_)) => false,
-        Err(mpsc::error::TrySendError::Full(event)) => {
-            match tokio::time::timeout(STUCK_READER, tx.send(event)).await {
-                Ok(sent) => sent.is_ok(),
-                Err(_) => {
-                    tracing::info!("a stream's reader took nothing for {STUCK_READER:?}; dropped");
-                    false
-                }
-            }
-        }
-    }
-}
-
 async fn wait_until(deadline: Instant) {
     if deadline > Instant::now() {
         sleep_until(deadline).await;
@@ -692,7 +674,9 @@ async fn read_body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
         }
         return Err(too_large());
     }
-    let mut got = bytes::BytesMut::with_capacity(declared.unwrap_or(0) as usize);
+    // Room for a declared length up to 1 MiB at once; past that it grows with what arrives (a
+    // head alone reserves no more).
+    let mut got = bytes::BytesMut::with_capacity(declared.unwrap_or(0).min(1 << 20) as usize);
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| {
             ApiError::invalid_request(format!("Could not read the request body: {e}"))
@@ -802,9 +786,9 @@ async fn completion(shared: &Arc<Shared>, api: Api, req: Request<Incoming>) -> R
         },
     };
     if gen.job.stream {
-        let (tx, rx) = mpsc::channel(STREAM_CHANNEL_EVENTS);
+        let (tx, body) = stream_channel();
         tokio::spawn(gen.stream(admission, tx));
-        let mut resp = Response::new(SimBody::Channel(rx));
+        let mut resp = Response::new(body);
         let h = resp.headers_mut();
         h.insert(
             header::CONTENT_TYPE,
@@ -1126,7 +1110,7 @@ impl Generator {
         );
     }
 
-    async fn stream(mut self, admission: Admission, tx: mpsc::Sender<Bytes>) {
+    async fn stream(mut self, admission: Admission, tx: StreamTx) {
         let permit = tokio::select! {
             p = admission.slot() => p,
             () = tx.closed() => None,
@@ -1165,7 +1149,7 @@ impl Generator {
                 // vLLM's in-stream error: an error event, then the stream's usual end.
                 let event = openai::error_event(&engine_failure());
                 for e in [event, Bytes::from_static(openai::DONE)] {
-                    if !send(&tx, e).await {
+                    if !tx.send(e).await {
                         return;
                     }
                 }
@@ -1175,7 +1159,7 @@ impl Generator {
             for (index, choice) in (0..).zip(plan.choices.iter_mut()) {
                 if i == 0 {
                     if let Some(role) = self.encoder.role(index) {
-                        if !send(&tx, role).await {
+                        if !tx.send(role).await {
                             return;
                         }
                     }
@@ -1185,12 +1169,12 @@ impl Generator {
                 };
                 produced += 1;
                 kv.grow();
-                if !text.is_empty() && !send(&tx, self.encoder.token(index, text)).await {
+                if !text.is_empty() && !tx.send(self.encoder.token(index, text)).await {
                     return;
                 }
                 // A choice's end goes out as it ends (each choice of `n` has its own).
                 if let Some(finish) = choice.finish() {
-                    if !send(&tx, self.encoder.finish(index, finish)).await {
+                    if !tx.send(self.encoder.finish(index, finish)).await {
                         return;
                     }
                 }
@@ -1210,7 +1194,7 @@ impl Generator {
         }
         tail.push(Bytes::from_static(openai::DONE));
         for event in tail {
-            if !send(&tx, event).await {
+            if !tx.send(event).await {
                 return;
             }
         }
