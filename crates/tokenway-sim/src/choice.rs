@@ -5,6 +5,7 @@
 //! The drawn length is a pure function of (seed, prompt, choice), geometric with mean
 //! `eos_mean_tokens`, at least the request's `min_tokens`; `ignore_eos` turns it off, as on vLLM.
 
+use std::borrow::Cow;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use crate::text::TokenSource;
@@ -27,11 +28,10 @@ pub(crate) struct Choice {
     /// `finish_reason` once `length` tokens are out.
     at_length: &'static str,
     generated: u32,
-    /// The end of the text so far, long enough to find a stop string that spans tokens.
-    tail: String,
+    /// Text generated but not handed out yet, while the request has stop strings: the last
+    /// bytes, which a stop string could begin with (see [`Choice::next`]).
+    held: String,
     finish: Option<Finish>,
-    /// Bytes of text already handed out that a stop string began in.
-    retracted: usize,
 }
 
 /// The rules every choice of a request follows (its `stop` strings are passed to
@@ -67,57 +67,60 @@ impl Choice {
             min_tokens: ending.min_tokens,
             at_length,
             generated: 0,
-            tail: String::new(),
+            held: String::new(),
             finish: None,
-            retracted: 0,
         }
     }
 
-    /// The next token's text (what of it comes before a stop string), or `None` once the choice
-    /// has ended. A stop string that began in text already handed out leaves [`Self::retracted`]
-    /// bytes of it: a whole answer drops them; a stream has sent them (vLLM holds back text
-    /// that may begin a stop string; the sim does not).
-    pub(crate) fn next(&mut self, stop: &[String]) -> Option<&'static str> {
+    /// The next token's text to hand out, or `None` once the choice has ended. With stop
+    /// strings, as vLLM does, the text a stop string could begin with (the longest one's length
+    /// less one byte) is held back until the next token shows it is not one, and the text of
+    /// a matched stop string is never handed out: a stream and a whole answer read the same,
+    /// ending exactly before it. So a token may hand out less than its text, or nothing, and
+    /// the last one what was held.
+    pub(crate) fn next(&mut self, stop: &[String]) -> Option<Cow<'static, str>> {
         if self.finish.is_some() || self.generated >= self.length {
             return None;
         }
         let token = self.source.token(self.generated);
         self.generated += 1;
+        let ends = |c: &mut Self| {
+            if c.generated >= c.length {
+                c.finish = Some(Finish {
+                    reason: c.at_length,
+                    stop: None,
+                });
+            }
+        };
+        let longest = stop.iter().map(String::len).max().unwrap_or(0);
+        if longest == 0 {
+            ends(self);
+            return Some(Cow::Borrowed(token));
+        }
+        self.held.push_str(token);
         // As vLLM: no stop string ends a choice before `min_tokens`, and of several that
         // appear the first listed wins.
-        if !stop.is_empty() && self.generated > self.min_tokens {
-            let before = self.tail.len();
-            self.tail.push_str(token);
+        if self.generated > self.min_tokens {
             let found = stop
                 .iter()
                 .filter(|s| !s.is_empty())
-                .find_map(|s| self.tail.find(s.as_str()).map(|at| (at, s)));
+                .find_map(|s| self.held.find(s.as_str()).map(|at| (at, s)));
             if let Some((at, s)) = found {
                 self.finish = Some(Finish {
                     reason: "stop",
                     stop: Some(s.clone()),
                 });
-                self.retracted = before.saturating_sub(at);
-                return Some(&token[..at.saturating_sub(before).min(token.len())]);
-            }
-            // Keep what a match spanning the next token could start with (tokens are ASCII).
-            let keep = stop.iter().map(String::len).max().unwrap_or(0);
-            if self.tail.len() > keep {
-                self.tail.drain(..self.tail.len() - keep);
+                self.held.truncate(at);
+                return Some(Cow::Owned(std::mem::take(&mut self.held)));
             }
         }
-        if self.generated >= self.length {
-            self.finish = Some(Finish {
-                reason: self.at_length,
-                stop: None,
-            });
+        ends(self);
+        if self.finish.is_some() {
+            return Some(Cow::Owned(std::mem::take(&mut self.held)));
         }
-        Some(token)
-    }
-
-    /// Bytes of text handed out before the last token that the matched stop string began in.
-    pub(crate) fn retracted(&self) -> usize {
-        self.retracted
+        // Tokens are ASCII, so any byte is a boundary.
+        let release = self.held.len().saturating_sub(longest - 1);
+        Some(Cow::Owned(self.held.drain(..release).collect()))
     }
 
     /// How it ended, once it has.
@@ -170,7 +173,7 @@ mod tests {
     fn run(c: &mut Choice, stop: &[String]) -> String {
         let mut out = String::new();
         while let Some(t) = c.next(stop) {
-            out.push_str(t);
+            out.push_str(&t);
         }
         out
     }
@@ -232,7 +235,7 @@ mod tests {
     #[test]
     fn no_stop_string_counts_before_min_tokens_and_the_first_listed_wins() {
         let mut plain = Choice::new(&ending(), b"p", 0);
-        let words: Vec<&str> = std::iter::from_fn(|| plain.next(&[])).collect();
+        let words: Vec<String> = std::iter::from_fn(|| plain.next(&[]).map(String::from)).collect();
         let stop = vec![words[0].to_owned()];
         let late = Ending {
             min_tokens: 5,
@@ -249,9 +252,19 @@ mod tests {
     }
 
     #[test]
+    fn with_stop_strings_that_never_match_all_the_text_goes_out_by_the_end() {
+        let mut plain = Choice::new(&ending(), b"p", 0);
+        let whole = run(&mut plain, &[]);
+        let stop = vec!["no such text in the output".to_owned()];
+        let mut c = Choice::new(&ending(), b"p", 0);
+        assert_eq!(run(&mut c, &stop), whole);
+        assert_eq!(c.finish().unwrap().reason, "length");
+    }
+
+    #[test]
     fn a_stop_string_ends_the_text_before_it_even_across_tokens() {
         let mut plain = Choice::new(&ending(), b"p", 0);
-        let words: Vec<&str> = std::iter::from_fn(|| plain.next(&[])).collect();
+        let words: Vec<String> = std::iter::from_fn(|| plain.next(&[]).map(String::from)).collect();
         let whole: String = words.concat();
         // Across a token boundary, inside a token, and a whole word.
         let stops = [
@@ -262,10 +275,20 @@ mod tests {
         for stop in stops {
             let stop = vec![stop];
             let mut c = Choice::new(&ending(), b"p", 0);
-            let mut text = run(&mut c, &stop);
-            text.truncate(text.len() - c.retracted());
+            let text = run(&mut c, &stop);
             let at = whole.find(&stop[0]).expect("the stop is in the text");
             assert_eq!(text, whole[..at], "{stop:?}");
+            // Handed out token by token, no part of the stop string ever goes out.
+            let mut c = Choice::new(&ending(), b"p", 0);
+            let mut sent = String::new();
+            while let Some(t) = c.next(&stop) {
+                sent.push_str(&t);
+                assert!(
+                    whole[..at].starts_with(&sent),
+                    "{sent:?} went past {stop:?}"
+                );
+            }
+            assert_eq!(sent, whole[..at]);
             assert_eq!(
                 c.finish().unwrap(),
                 &Finish {

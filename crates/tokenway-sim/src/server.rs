@@ -1169,7 +1169,7 @@ impl Generator {
                 };
                 produced += 1;
                 kv.grow();
-                if !text.is_empty() && !tx.send(self.encoder.token(index, text)).await {
+                if !text.is_empty() && !tx.send(self.encoder.token(index, &text)).await {
                     return;
                 }
                 // A choice's end goes out as it ends (each choice of `n` has its own).
@@ -1239,9 +1239,7 @@ impl Generator {
                 };
                 produced += 1;
                 kv.grow();
-                text.push_str(token);
-                // A stop string that began in earlier tokens: the text ends before it.
-                text.truncate(text.len() - choice.retracted().min(text.len()));
+                text.push_str(&token);
             }
             let now = Instant::now();
             self.observe_token(i, now, last, produced);
