@@ -809,21 +809,29 @@ async fn hang_never_answers_while_health_stays_up() {
     assert_eq!(sim.get("/health").await.0, StatusCode::OK);
 }
 
-#[tokio::test]
-async fn full_queue_answers_429() {
-    let sim = start(SimConfig {
+/// A sim of one slot, a queue of `max_queue`, and `tpot_ms` between tokens.
+fn one_slot(max_queue: usize, tpot_ms: f64) -> SimConfig {
+    SimConfig {
         max_concurrency: 1,
-        max_queue: 0,
-        time_per_output_token_ms: 100.0,
+        max_queue,
+        time_per_output_token_ms: tpot_ms,
         ..fast_config()
-    })
-    .await;
-    let slow = sim.request(
+    }
+}
+
+/// A streamed chat request of five tokens.
+fn slow_stream(sim: &Sim) -> Request<Full<Bytes>> {
+    sim.request(
         Method::POST,
         "/v1/chat/completions",
         chat("slow", json!({"stream": true, "max_tokens": 5})).to_string(),
-    );
-    let held = sim.client.request(slow).await.unwrap();
+    )
+}
+
+#[tokio::test]
+async fn full_queue_answers_429() {
+    let sim = start(one_slot(0, 100.0)).await;
+    let held = sim.client.request(slow_stream(&sim)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(20)).await;
     let (status, v) = sim
         .post_json(
@@ -839,19 +847,13 @@ async fn full_queue_answers_429() {
 #[tokio::test]
 async fn a_client_that_leaves_between_tokens_frees_its_slot_at_once() {
     // One slot, and ten minutes between tokens.
-    let sim = start(SimConfig {
-        max_concurrency: 1,
-        max_queue: 1,
-        time_per_output_token_ms: 600_000.0,
-        ..fast_config()
-    })
-    .await;
-    let slow = sim.request(
-        Method::POST,
-        "/v1/chat/completions",
-        chat("slow", json!({"stream": true, "max_tokens": 5})).to_string(),
-    );
-    let mut body = sim.client.request(slow).await.unwrap().into_body();
+    let sim = start(one_slot(1, 600_000.0)).await;
+    let mut body = sim
+        .client
+        .request(slow_stream(&sim))
+        .await
+        .unwrap()
+        .into_body();
     // The role chunk and the first token, then the client leaves while the next is decoded.
     let mut events = 0;
     while events < 2 {

@@ -797,8 +797,8 @@ async fn a_peer_with_the_wrong_psk_cannot_connect_and_is_counted() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_gateway_side_switches_to_brutal_at_the_advertised_rate() {
+/// Layered settings whose server side runs brutal with `bandwidth.up` of 2 MB/s, FEC off.
+fn brutal_settings() -> QuicSettings {
     let mut settings = layered("off", PSK);
     if let Some(d) = settings.datagram.as_mut() {
         d.cc = Some(CongestionControl::Brutal);
@@ -807,6 +807,35 @@ async fn the_gateway_side_switches_to_brutal_at_the_advertised_rate() {
             down: None,
         };
     }
+    settings
+}
+
+/// Sends a request advertising a receive rate of `rx` bytes/s, as an edge does, and reads its
+/// answer.
+async fn advertise(client: &RawClient, rx: &'static str) {
+    let mut sender = client.sender.clone();
+    let mut req = request(Method::POST, "/ping", ());
+    req.headers_mut().insert(
+        tokenway_transport::cc::RX_RATE_HEADER,
+        http::HeaderValue::from_static(rx),
+    );
+    let mut stream = sender.send_request(req).await.expect("request");
+    stream.finish().await.expect("request end");
+    stream.recv_response().await.expect("response");
+    while stream.recv_data().await.expect("body").is_some() {}
+}
+
+/// The server's connection and the rate handle of its current controller.
+fn server_rate(server: &Server) -> (quinn::Connection, Arc<tokenway_transport::cc::RateHandle>) {
+    let conn = server.state.conn.lock().expect("not poisoned").clone();
+    let conn = conn.expect("a connection");
+    let rate = tokenway_transport::cc::rate_handle(&conn).expect("a tunnel connection");
+    (conn, rate)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_side_switches_to_brutal_at_the_advertised_rate() {
+    let settings = brutal_settings();
     let s = start_layered_server(&settings);
     let (client, _layer, conn) = layered_client(&s.server, s.server.addr, &settings, DEADLINE)
         .await
@@ -817,25 +846,8 @@ async fn the_gateway_side_switches_to_brutal_at_the_advertised_rate() {
         Some(2_000_000),
         "the edge starts at its up"
     );
-    let mut sender = client.sender.clone();
-    let mut req = request(Method::POST, "/ping", ());
-    req.headers_mut().insert(
-        tokenway_transport::cc::RX_RATE_HEADER,
-        http::HeaderValue::from_static("500000"),
-    );
-    let mut stream = sender.send_request(req).await.expect("request");
-    stream.finish().await.expect("request end");
-    stream.recv_response().await.expect("response");
-    while stream.recv_data().await.expect("body").is_some() {}
-    let server_conn = s
-        .server
-        .state
-        .conn
-        .lock()
-        .expect("not poisoned")
-        .clone()
-        .expect("a connection");
-    let rate = tokenway_transport::cc::rate_handle(&server_conn).expect("a tunnel connection");
+    advertise(&client, "500000").await;
+    let (server_conn, rate) = server_rate(&s.server);
     assert_eq!(rate.rate(), Some(500_000), "min(edge rx, gateway up)");
     assert!(server_conn.congestion_state().window() >= 4 * 1200);
 }
@@ -846,14 +858,7 @@ async fn the_gateway_side_switches_to_brutal_at_the_advertised_rate() {
 /// gateway kept the first connection's handle and the connection stayed on cubic for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_negotiated_brutal_rate_reaches_the_new_controller_after_a_path_reset() {
-    let mut settings = layered("off", PSK);
-    if let Some(d) = settings.datagram.as_mut() {
-        d.cc = Some(CongestionControl::Brutal);
-        d.bandwidth = BandwidthSettings {
-            up: Some(Bandwidth(2_000_000)),
-            down: None,
-        };
-    }
+    let settings = brutal_settings();
     let Ok(probe) = std::net::UdpSocket::bind("[::1]:0") else {
         eprintln!("SKIP: no IPv6 loopback on this machine");
         return;
@@ -863,26 +868,8 @@ async fn a_negotiated_brutal_rate_reaches_the_new_controller_after_a_path_reset(
     let (client, _layer, _conn) = layered_client(&s.server, s.server.addr, &settings, DEADLINE)
         .await
         .expect("connected");
-    let advertise = |client: &RawClient, rx: &'static str| {
-        let mut sender = client.sender.clone();
-        async move {
-            let mut req = request(Method::POST, "/ping", ());
-            req.headers_mut().insert(
-                tokenway_transport::cc::RX_RATE_HEADER,
-                http::HeaderValue::from_static(rx),
-            );
-            let mut stream = sender.send_request(req).await.expect("request");
-            stream.finish().await.expect("request end");
-            stream.recv_response().await.expect("response");
-            while stream.recv_data().await.expect("body").is_some() {}
-        }
-    };
-    let server_rate = || {
-        let conn = s.server.state.conn.lock().expect("not poisoned").clone();
-        tokenway_transport::cc::rate_handle(&conn.expect("a connection")).expect("tunnel")
-    };
     advertise(&client, "500000").await;
-    let before = server_rate();
+    let (_, before) = server_rate(&s.server);
     assert_eq!(before.rate(), Some(500_000));
 
     // The client moves to a new port; a request on the new path makes the server follow it.
@@ -892,7 +879,7 @@ async fn a_negotiated_brutal_rate_reaches_the_new_controller_after_a_path_reset(
         .expect("layered socket");
     client._endpoint.rebind_abstract(socket).expect("rebind");
     advertise(&client, "400000").await;
-    let after = server_rate();
+    let (_, after) = server_rate(&s.server);
     assert!(
         !Arc::ptr_eq(&before, &after),
         "quinn kept the controller: this test no longer covers a path reset"
