@@ -33,6 +33,10 @@ pub struct TcpClient {
     addr: SocketAddr,
     driver: tokio::task::AbortHandle,
     tasks: ConnTasks,
+    /// [`TcpClient::close`] was called: a request that fails from now on failed for that
+    /// (hyper's "dispatch task is gone", when the aborted connection task dropped the request
+    /// before its sender could see the connection closed), and is retryable.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 /// hyper's executor for one connection, keeping a handle to every task it spawns. hyper runs
@@ -127,6 +131,7 @@ impl TcpClient {
                 addr,
                 driver: driver.abort_handle(),
                 tasks,
+                closed: std::sync::atomic::AtomicBool::new(false),
             })
         };
         let client = tokio::time::timeout(timeout, connect)
@@ -145,7 +150,12 @@ impl TcpClient {
 
     /// Whether the connection has closed.
     pub fn is_closed(&self) -> bool {
-        self.sender.is_closed()
+        self.sender.is_closed() || self.closed_here()
+    }
+
+    /// Whether [`Self::close`] was called.
+    fn closed_here(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// The gateway's address.
@@ -156,6 +166,8 @@ impl TcpClient {
     /// Closes the connection at once: the socket is dropped and requests waiting on it fail
     /// (as retryable) now, not when the keep-alive notices.
     pub fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
         self.driver.abort();
         self.tasks.abort_all();
     }
@@ -180,7 +192,8 @@ impl TcpClient {
         match sender.send_request(req).await {
             Ok(resp) => Ok(resp.map(|b| b.map_err(BoxError::from).boxed_unsync())),
             Err(e) => {
-                let retryable = e.is_closed() || e.is_canceled() || sender.is_closed();
+                let retryable =
+                    e.is_closed() || e.is_canceled() || sender.is_closed() || self.closed_here();
                 Err(RequestError::new(
                     format!("HTTP/2 request failed: {e}"),
                     retryable,
@@ -211,7 +224,7 @@ impl TcpClient {
             return Err(RequestError::new("the HTTP/2 connection is closed", true));
         }
         let resp = sender.send_request(req).await.map_err(|e| {
-            let retryable = e.is_closed() || e.is_canceled();
+            let retryable = e.is_closed() || e.is_canceled() || self.closed_here();
             RequestError::new(format!("HTTP/2 CONNECT failed: {e}"), retryable)
         })?;
         if !resp.status().is_success() {
