@@ -333,10 +333,14 @@ async fn request(
     let req = Request::from_parts(parts, H3Body { recv });
     let stopped = prio.stopped();
     let stall = shared.config.timeouts.client_write();
+    let rx_rate = (transport == Transport::Tunnel).then(|| own_rx_rate(&shared));
     let serve = async {
         // Boxed, like the other large futures here: the task spawned per request stays small, so
         // tokio does not copy kilobytes of future state into the task and out again.
-        let resp = Box::pin(service::handle_request(shared, req, transport, remote)).await;
+        let mut resp = Box::pin(service::handle_request(shared, req, transport, remote)).await;
+        if let Some(rx_rate) = rx_rate {
+            advertise_rx_rate(resp.headers_mut(), rx_rate);
+        }
         prio.set(class.unwrap_or_else(|| response_priority(&resp)));
         write_response(&mut send, resp, head, stall).await
     };
@@ -367,6 +371,31 @@ async fn request(
             serve.await;
         }
     }
+}
+
+/// Puts this gateway's receive rate (`[tunnel.datagram] bandwidth.down`, when set) on an
+/// authenticated tunnel answer, for the edge's brutal rate (`tokenway_transport::cc`,
+/// "Negotiation"), in place of any header of that name a backend's answer carried: a backend
+/// must not set how fast the edge sends.
+fn advertise_rx_rate(headers: &mut HeaderMap, rx_rate: Option<u64>) {
+    headers.remove(tokenway_transport::cc::RX_RATE_HEADER);
+    if let Some(rate) = rx_rate {
+        headers.insert(
+            tokenway_transport::cc::RX_RATE_HEADER,
+            http::HeaderValue::from(rate),
+        );
+    }
+}
+
+/// This gateway's receive rate, bytes per second (`[tunnel.datagram] bandwidth.down`).
+fn own_rx_rate(shared: &Shared) -> Option<u64> {
+    shared
+        .config
+        .tunnel
+        .as_ref()
+        .and_then(|t| t.datagram.as_ref())
+        .and_then(|d| d.bandwidth.down)
+        .map(|b| b.bytes_per_sec())
 }
 
 /// Sends one of the gateway's own error answers.
@@ -467,7 +496,11 @@ async fn forward(
         }
     };
     let _ = tcp.set_nodelay(true);
-    if send.send_response(Response::new(())).await.is_err() {
+    let mut ok = Response::new(());
+    if front == Front::Tunnel {
+        advertise_rx_rate(ok.headers_mut(), own_rx_rate(shared));
+    }
+    if send.send_response(ok).await.is_err() {
         return;
     }
     let write_deadline = shared.config.timeouts.client_write();

@@ -30,7 +30,6 @@ use crate::h2_idle::{Activity, IdleClose};
 use crate::h3_front::{self, Front};
 use crate::service::TcpFront;
 use crate::state::Shared;
-use crate::tunnel::AUTH_HEADER;
 use crate::{cpu_affinity, discovery, probe, service};
 use tokenway_transport::certs::Identity;
 use tokenway_transport::stall_io::StallGuard;
@@ -587,7 +586,13 @@ async fn serve_h2<S>(
     let activity = Arc::new(Activity::default());
     let requests = Arc::clone(&activity);
     let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
-        let edge = front == TcpFront::Tunnel || req.headers().contains_key(AUTH_HEADER);
+        // An edge's fallback connection (a request with a valid tunnel token): kept open. A
+        // header alone is not enough, nor the tunnel port: a prober shown the masquerade site
+        // would hold its connection (and a `max_connections` slot) for good.
+        let edge = shared
+            .tunnel
+            .as_ref()
+            .is_some_and(|t| t.is_authenticated(req.headers()));
         let in_flight = requests.start(edge);
         let answer = service::handle(shared.clone(), req, peer, front);
         async move {

@@ -58,6 +58,10 @@ pub struct QuicMetrics {
     pub path_mtu: Family<PeerLabels, Gauge>,
     /// `tokenway_quic_cwnd_bytes{peer}`: congestion window.
     pub cwnd: Family<PeerLabels, Gauge>,
+    /// `tokenway_quic_brutal_rate_bytes_per_second{peer}`: the rate brutal gives QUIC on a
+    /// tunnel connection (after the repair reserve, and after the peer's advertised receive
+    /// rate capped it); 0 while the base controller (cubic, bbr, new_reno) drives it.
+    pub brutal_rate: Family<PeerLabels, Gauge>,
     /// `tokenway_quic_sent_packets_total{peer}`: with the lost packets, QUIC's loss rate.
     pub sent_packets: Family<PeerLabels, Counter>,
     /// `tokenway_quic_lost_packets_total{peer}`.
@@ -91,6 +95,7 @@ impl QuicMetrics {
             rtt_samples: Family::new_with_constructor(LatencyHistogram),
             path_mtu: Family::default(),
             cwnd: Family::default(),
+            brutal_rate: Family::default(),
             sent_packets: Family::default(),
             lost_packets: Family::default(),
             congestion_events: Family::default(),
@@ -122,6 +127,11 @@ impl QuicMetrics {
             m.path_mtu.clone(),
         );
         registry.register("quic_cwnd_bytes", "QUIC congestion window", m.cwnd.clone());
+        registry.register(
+            "quic_brutal_rate_bytes_per_second",
+            "Rate brutal gives QUIC on a tunnel connection (0: the base controller drives it)",
+            m.brutal_rate.clone(),
+        );
         registry.register(
             "quic_sent_packets",
             "QUIC packets sent",

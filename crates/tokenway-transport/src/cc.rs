@@ -23,8 +23,14 @@
 //! [`RateHandle::apply_peer_rx_rate`] with it: if the gateway's tunnel `cc` is `brutal`, the
 //! connection switches to brutal at `min(edge rx, gateway bandwidth.up)`, less the FEC repair
 //! reserve. Without the header (or with another `cc`) the gateway stays on the base controller.
-//! The edge's own direction needs no negotiation: with `cc = "brutal"` it starts at its
-//! `bandwidth.up` (less the reserve).
+//! The other direction is settled the same way round: the gateway's tunnel port answers every
+//! authenticated request with its own receive rate in the same header (from its
+//! `bandwidth.down`, when set), and the edge's QUIC client applies it as it reads the answer's
+//! head. An edge with `cc = "brutal"` starts at its `bandwidth.up` (less the reserve) and from
+//! its first answer on sends at `min(edge bandwidth.up, gateway rx)`: an edge configured for
+//! more than the gateway's link takes does not flood it. The header is consumed on both ends
+//! (the gateway replaces whatever a backend's answer carried under that name; the edge never
+//! hands it to its client).
 //!
 //! **Repair bytes.** quinn never sees the datagram layer's repair packets, so its window counts
 //! only QUIC bytes. Brutal accounts for them by reservation: the rate given to QUIC is the
@@ -130,7 +136,8 @@ impl RateHandle {
         self.rate()
     }
 
-    /// Reads [`RX_RATE_HEADER`] from a request's headers and removes it, applying it with
+    /// Reads [`RX_RATE_HEADER`] from a request's (gateway) or an answer's (edge) headers and
+    /// removes it, applying it with
     /// [`Self::apply_peer_rx`]. A missing or unreadable value changes nothing.
     pub fn apply_peer_rx_rate(&self, headers: &mut http::HeaderMap) -> Option<u64> {
         let v = headers.remove(RX_RATE_HEADER)?;
@@ -154,7 +161,7 @@ pub fn rate_handle(conn: &quinn::Connection) -> Option<Arc<RateHandle>> {
 pub struct BrutalPlan {
     /// Brutal rate for QUIC from the start (bytes/s), if any (the edge with `cc = "brutal"`).
     pub initial: Option<u64>,
-    /// Cap on a peer-negotiated rate (the gateway with `cc = "brutal"`: its `bandwidth.up`).
+    /// Cap on a peer-negotiated rate (either end with `cc = "brutal"`: its `bandwidth.up`).
     pub cap: Option<u64>,
     /// The layer's settings (for the repair reserve).
     pub settings: Arc<DatagramSettings>,

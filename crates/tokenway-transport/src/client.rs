@@ -511,7 +511,17 @@ impl QuicClient {
         };
         match outcome {
             Ok((head, recv)) => {
-                let (parts, ()) = head.into_parts();
+                let (mut parts, ()) = head.into_parts();
+                // The gateway's receive rate caps this end's brutal rate (`cc`, "Negotiation");
+                // the header is consumed either way, never handed to the caller.
+                match crate::cc::rate_handle(&self.inner.conn) {
+                    Some(rate) => {
+                        rate.apply_peer_rx_rate(&mut parts.headers);
+                    }
+                    None => {
+                        parts.headers.remove(crate::cc::RX_RATE_HEADER);
+                    }
+                }
                 let body = H3Body {
                     recv,
                     _client: self.inner.clone(),

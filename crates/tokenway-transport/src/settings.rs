@@ -344,9 +344,10 @@ impl std::fmt::Debug for ObfsSettings {
 #[derive(Clone, Copy, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BandwidthSettings {
-    /// What this end may send: the brutal rate (the gateway's cap on the negotiated rate).
+    /// What this end may send: the brutal rate, and the cap on the rate the peer advertises.
     pub up: Option<Bandwidth>,
-    /// What this end can receive: the edge advertises it to the gateway (`tw-rx-rate`).
+    /// What this end can receive, advertised to the peer (`tw-rx-rate`): the edge's on every
+    /// tunnel request, the gateway's on every answer to one.
     pub down: Option<Bandwidth>,
 }
 
@@ -499,7 +500,9 @@ impl DatagramSettings {
             } else {
                 None
             },
-            cap: if brutal && !client { up } else { None },
+            // Both ends cap a rate the peer advertises by their own `up`: the gateway switches
+            // to brutal on the edge's, the edge lowers its own rate to the gateway's.
+            cap: if brutal { up } else { None },
             settings: Arc::new(self.clone()),
         }
     }

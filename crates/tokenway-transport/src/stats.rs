@@ -95,6 +95,12 @@ pub async fn sample_connection(
                     .cwnd
                     .get_or_create(&labels)
                     .set(i64::try_from(s.path.cwnd).unwrap_or(i64::MAX));
+                if let Some(rate) = crate::cc::rate_handle(&conn) {
+                    metrics
+                        .brutal_rate
+                        .get_or_create(&labels)
+                        .set(i64::try_from(rate.rate().unwrap_or(0)).unwrap_or(i64::MAX));
+                }
             }
         }
         metrics

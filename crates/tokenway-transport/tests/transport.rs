@@ -114,7 +114,8 @@ struct Server {
 /// - `GET /dropped`: 64 bytes, then the response is dropped unfinished (a task that died).
 ///
 /// A request carrying `tw-rx-rate` is applied to the connection's rate handle, as the gateway's
-/// tunnel code does.
+/// tunnel code does; one carrying `x-answer-rx` is answered with its value as `tw-rx-rate`, as
+/// the gateway advertises its receive rate.
 fn start_server(fair: bool) -> Server {
     let identity = Identity::self_signed(&["localhost"]).expect("self-signed identity");
     let tls = identity.quic_server_config(false).expect("TLS config");
@@ -182,7 +183,12 @@ async fn serve_connection(incoming: quinn::Incoming, state: Arc<ServerState>) {
                 stream.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
                 return;
             }
-            if stream.send_response(Response::new(())).await.is_err() {
+            let mut head = Response::new(());
+            if let Some(rx) = req.headers().get("x-answer-rx") {
+                head.headers_mut()
+                    .insert(tokenway_transport::cc::RX_RATE_HEADER, rx.clone());
+            }
+            if stream.send_response(head).await.is_err() {
                 return;
             }
             if path == "/dropped" {
@@ -850,6 +856,73 @@ async fn the_gateway_side_switches_to_brutal_at_the_advertised_rate() {
     let (server_conn, rate) = server_rate(&s.server);
     assert_eq!(rate.rate(), Some(500_000), "min(edge rx, gateway up)");
     assert!(server_conn.congestion_state().window() >= 4 * 1200);
+}
+
+/// The edge's side of the negotiation: the gateway answers with its receive rate, and the
+/// edge's QUIC client lowers its brutal rate to it (never above its own `up`, never for an
+/// unreadable or tiny value) and hands the header to no caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_edge_sends_at_no_more_than_the_gateways_advertised_receive_rate() {
+    let settings = brutal_settings();
+    let s = start_layered_server(&settings);
+    let (ep, _layer) =
+        endpoint::client_endpoint_with_layer("127.0.0.1:0".parse().expect("addr"), &settings)
+            .expect("client endpoint");
+    let client = QuicClient::connect(QuicConnect {
+        endpoint: &ep,
+        addr: s.server.addr,
+        server_name: "localhost",
+        tls: pinned_tls(&s.server),
+        settings: &settings,
+        initial_rtt: None,
+        peer: "test",
+        metrics: None,
+        timeout: DEADLINE,
+    })
+    .await
+    .expect("connected");
+    let rate =
+        tokenway_transport::cc::rate_handle(client.connection()).expect("a tunnel connection");
+    assert_eq!(rate.rate(), Some(2_000_000), "the edge starts at its up");
+    let answered_with = |rx: &'static str| {
+        let mut req = request(Method::POST, "/ping", Full::new(Bytes::new()));
+        req.headers_mut()
+            .insert("x-answer-rx", http::HeaderValue::from_static(rx));
+        let client = &client;
+        async move {
+            let resp = tokio::time::timeout(DEADLINE, client.send_request(req))
+                .await
+                .expect("answered in time")
+                .expect("response");
+            assert!(
+                resp.headers()
+                    .get(tokenway_transport::cc::RX_RATE_HEADER)
+                    .is_none(),
+                "the advertisement is consumed, never handed on"
+            );
+            resp.into_body().collect().await.expect("body");
+        }
+    };
+    answered_with("500000").await;
+    assert_eq!(rate.rate(), Some(500_000), "min(edge up, gateway rx)");
+    answered_with("fast").await;
+    assert_eq!(
+        rate.rate(),
+        Some(500_000),
+        "an unreadable value changes nothing"
+    );
+    answered_with("10").await;
+    assert_eq!(
+        rate.rate(),
+        Some(500_000),
+        "a rate below the floor is ignored"
+    );
+    answered_with("9000000").await;
+    assert_eq!(
+        rate.rate(),
+        Some(2_000_000),
+        "never above the edge's own up"
+    );
 }
 
 /// quinn resets the path (a new controller, so a new rate handle at the configured plan) when

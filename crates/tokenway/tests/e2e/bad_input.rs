@@ -311,32 +311,41 @@ async fn a_client_that_sends_its_request_too_slowly_is_timed_out() {
     );
     assert!(String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 200"));
     // An HTTP/2 connection left idle after a request is closed too (GOAWAY), although it
-    // answers the gateway's PINGs.
-    let tcp = TcpStream::connect(gw.addr).await.expect("connect");
-    let (mut send, conn) =
-        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .timer(hyper_util::rt::TokioTimer::new())
-            .keep_alive_interval(Duration::from_millis(200))
-            .keep_alive_while_idle(true)
-            .handshake::<_, http_body_util::Full<bytes::Bytes>>(hyper_util::rt::TokioIo::new(tcp))
+    // answers the gateway's PINGs; and so is one whose request carried the tunnel's header
+    // with no valid token (only an edge's fallback connection is kept: before, any `tw-auth`
+    // header kept a connection open for good).
+    for tunnel_header in [None, Some("not-a-token")] {
+        let tcp = TcpStream::connect(gw.addr).await.expect("connect");
+        let (mut send, conn) =
+            hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                .timer(hyper_util::rt::TokioTimer::new())
+                .keep_alive_interval(Duration::from_millis(200))
+                .keep_alive_while_idle(true)
+                .handshake::<_, http_body_util::Full<bytes::Bytes>>(hyper_util::rt::TokioIo::new(
+                    tcp,
+                ))
+                .await
+                .expect("h2 handshake");
+        let conn = tokio::spawn(conn);
+        let mut req = http::Request::get(format!("{}/health", gw.url()));
+        if let Some(token) = tunnel_header {
+            req = req.header(tokenway_transport::tunnel::AUTH_HEADER, token);
+        }
+        let health = send
+            .send_request(
+                req.body(http_body_util::Full::new(bytes::Bytes::new()))
+                    .expect("request"),
+            )
             .await
-            .expect("h2 handshake");
-    let conn = tokio::spawn(conn);
-    let health = send
-        .send_request(
-            http::Request::get(format!("{}/health", gw.url()))
-                .body(http_body_util::Full::new(bytes::Bytes::new()))
-                .expect("request"),
-        )
-        .await
-        .expect("answer");
-    assert_eq!(health.status(), 200);
-    drop(health);
-    let closed = tokio::time::timeout(Duration::from_secs(5), conn).await;
-    assert!(
-        closed.is_ok(),
-        "the gateway kept an idle HTTP/2 connection open"
-    );
+            .expect("answer");
+        assert_eq!(health.status(), 200);
+        drop(health);
+        let closed = tokio::time::timeout(Duration::from_secs(5), conn).await;
+        assert!(
+            closed.is_ok(),
+            "the gateway kept an idle HTTP/2 connection open (tunnel header {tunnel_header:?})"
+        );
+    }
 
     // A body that never completes gets 408.
     let mut s = TcpStream::connect(gw.addr).await.expect("connect");

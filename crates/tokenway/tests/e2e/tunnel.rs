@@ -126,6 +126,60 @@ async fn streamed_chat_through_the_edge_over_quic_equals_the_backends_own() {
     );
 }
 
+/// Brutal's rate is settled both ways, as Hysteria 2 does: the gateway sends at min(edge
+/// `bandwidth.down`, gateway `bandwidth.up`), the edge at min(edge `bandwidth.up`, gateway
+/// `bandwidth.down`), each end's receive rate advertised in `tw-rx-rate` (the edge's on its
+/// requests, the gateway's on its answers). Before, the edge sent at its own `up` whatever the
+/// gateway could take. FEC off, so no repair reserve comes off the rates.
+#[tokio::test]
+async fn brutal_rates_are_settled_both_ways_between_edge_and_gateway() {
+    let backend = sim(FAST_SIM);
+    let gw = tunnel_gateway(
+        &backend,
+        "",
+        "[tunnel.datagram]\nfec = \"off\"\ncc = \"brutal\"\n\
+         bandwidth.up = \"8 mbps\"\nbandwidth.down = \"4 mbps\"",
+    );
+    let edge = edge_for(
+        &gw,
+        "",
+        "[datagram]\nfec = \"off\"\ncc = \"brutal\"\n\
+         bandwidth.up = \"100 mbps\"\nbandwidth.down = \"2 mbps\"",
+    );
+    let series = "tokenway_quic_brutal_rate_bytes_per_second{peer=\"gw\"}";
+    let r = post(
+        &format!("{}/v1/chat/completions", edge.url()),
+        &chat("settle the rates", true, 4),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        r.headers.get("tw-rx-rate").is_none(),
+        "the gateway's advertisement stays in the tunnel: {:?}",
+        r.headers
+    );
+    // The edge samples its connection every second: 4 Mbit/s is 500,000 bytes/s.
+    let settled = eventually(Duration::from_secs(5), || async {
+        metric_sum(&metrics(&edge).await, series) == 500_000.0
+    })
+    .await;
+    let text = metrics(&edge).await;
+    assert!(settled, "the edge sends at the gateway's rx: {text}");
+    // The gateway's side (min(2 Mbit/s, 8 Mbit/s)) is the transport tests'; its connection
+    // gauges are not per peer. A second request keeps both where they are.
+    let again = post(
+        &format!("{}/v1/chat/completions", edge.url()),
+        &chat("settled", false, 4),
+        None,
+    )
+    .await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let text = metrics(&edge).await;
+    assert_eq!(metric_sum(&text, series), 500_000.0, "{text}");
+}
+
 #[tokio::test]
 async fn official_openai_python_client_streams_through_the_edge() {
     if !python_has("openai") {
