@@ -149,7 +149,8 @@ async fn try_backend(
         }
         return fail(attempt, Failure::Status(status));
     }
-    let first = match tokio::time::timeout_at(deadline, first_frame(&mut body)).await {
+    let opening = first_frame_with_error_line(&mut body, status.is_success() && head.event_stream);
+    let first = match tokio::time::timeout_at(deadline, opening).await {
         Err(_) => return fail(attempt, timed_out(shared, id)),
         Ok(Err(e)) => return fail(attempt, Failure::Reset(e.to_string())),
         Ok(Ok(f)) => f,
@@ -157,14 +158,17 @@ async fn try_backend(
     let ttfb = sent_at.elapsed();
     // A stream that opens with the backend's own error event (vLLM and SGLang fail a request
     // in prefill so, after their 200) has given the client nothing yet: it is retried like a
-    // 500 when another candidate has room.
-    let opens_with_error = status.is_success()
-        && head.event_stream
-        && first
+    // 500 when another candidate has room. One that opens with an error the backend blames on
+    // the request goes to the client as it is.
+    let opening_error = if status.is_success() && head.event_stream {
+        first
             .as_ref()
             .and_then(Frame::data_ref)
             .and_then(|d| tokenway_wire::sse::find_error_event(d))
-            == Some(StreamErrorCause::Server);
+    } else {
+        None
+    };
+    let opens_with_error = opening_error == Some(StreamErrorCause::Server);
     if opens_with_error && {
         let router = shared.router();
         later.iter().any(|&c| router.has_room(c))
@@ -173,8 +177,9 @@ async fn try_backend(
     }
     // An error answer's first bytes are not a first token: they must neither feed the TTFT
     // estimates (a failing backend would look the fastest) nor pass a trial (the last
-    // candidate's 5xx below fails it; an error event, at the end of its relay).
-    if status.is_success() && !opens_with_error {
+    // candidate's 5xx below fails it; an error event, whoever's fault, is settled at the end
+    // of its relay: a client's is no verdict on a trial).
+    if status.is_success() && opening_error.is_none() {
         attempt.first_byte(ttfb);
     }
     if status.is_server_error() {
@@ -686,6 +691,41 @@ async fn first_frame(body: &mut H1Body) -> Result<Option<Frame<Bytes>>, H1Error>
             }
         }
     }
+}
+
+/// Most bytes read past a stream's first frame to finish the line of an error event it opens
+/// with (see [`first_frame_with_error_line`]).
+const MAX_OPENING_ERROR_LINE: usize = 64 << 10;
+
+/// The first frame of a body; of an event stream (`event_stream`) that opens with an error
+/// event whose line is still arriving (a long message split across reads), joined with the
+/// frames that finish that line, up to [`MAX_OPENING_ERROR_LINE`]: whose fault it is (`code`,
+/// `type`) may come after the message, and whether another backend is asked depends on it.
+async fn first_frame_with_error_line(
+    body: &mut H1Body,
+    event_stream: bool,
+) -> Result<Option<Frame<Bytes>>, H1Error> {
+    let Some(first) = first_frame(body).await? else {
+        return Ok(None);
+    };
+    let unfinished = |d: &[u8]| tokenway_wire::sse::error_event_unfinished(d);
+    let Some(data) = first.data_ref().filter(|d| event_stream && unfinished(d)) else {
+        return Ok(Some(first));
+    };
+    let mut joined = bytes::BytesMut::from(&data[..]);
+    while joined.len() < MAX_OPENING_ERROR_LINE && unfinished(&joined) {
+        match body.frame().await {
+            None => break,
+            Some(Err(e)) => return Err(e),
+            // An H1 body yields data frames only (trailers are consumed with the last chunk).
+            Some(Ok(f)) => {
+                if let Some(d) = f.data_ref() {
+                    joined.extend_from_slice(d);
+                }
+            }
+        }
+    }
+    Ok(Some(Frame::data(joined.freeze())))
 }
 
 /// Whether a response is a Server-Sent-Events stream.

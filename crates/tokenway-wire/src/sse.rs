@@ -370,6 +370,19 @@ pub enum StreamErrorCause {
 /// ignore that field, so the gateway's health accounting is what sees it). Token text cannot
 /// look like either: inside a JSON string quotes are escaped and line breaks are `\n`.
 pub fn find_error_event(data: &[u8]) -> Option<StreamErrorCause> {
+    error_event_line(data).map(|(cause, _)| cause)
+}
+
+/// Whether `data` (the start of a stream) holds the beginning of an error event whose line has
+/// not ended yet: the member that says whose fault it is (`code`, `type`) may be in the bytes
+/// still to come, so [`find_error_event`] on `data` alone may call the client's error the
+/// server's.
+pub fn error_event_unfinished(data: &[u8]) -> bool {
+    error_event_line(data).is_some_and(|(_, whole)| !whole)
+}
+
+/// The first error event's cause, and whether its line is whole in `data`.
+fn error_event_line(data: &[u8]) -> Option<(StreamErrorCause, bool)> {
     static DATA_ERROR: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"{\"error\""));
     static ERROR_FIELD: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
@@ -391,7 +404,8 @@ pub fn find_error_event(data: &[u8]) -> Option<StreamErrorCause> {
         (a, b) => a.or(b)?,
     };
     let rest = &data[at..];
-    let line = &rest[..memchr::memchr2(b'\n', b'\r', rest).unwrap_or(rest.len())];
+    let end = memchr::memchr2(b'\n', b'\r', rest);
+    let line = &rest[..end.unwrap_or(rest.len())];
     // Whole JSON members only: inside a string (a message quoting `FileNotFoundError`) the
     // quotes are escaped, so a server's own failure cannot pass for the client's.
     let client = [
@@ -406,11 +420,12 @@ pub fn find_error_event(data: &[u8]) -> Option<StreamErrorCause> {
     ]
     .iter()
     .any(|marker| memchr::memmem::find(line, marker).is_some());
-    Some(if client {
+    let cause = if client {
         StreamErrorCause::Client
     } else {
         StreamErrorCause::Server
-    })
+    };
+    Some((cause, end.is_some()))
 }
 
 /// How many leading bytes of `data` (a piece of an event stream that starts at an event
@@ -581,6 +596,19 @@ mod tests {
         assert_eq!(error_event(b"event: error: {x}\n\n"), None);
         assert_eq!(error_event(b"error: oops\n\n"), None);
         assert_eq!(error_event(b"data: [DONE]\n\n"), None);
+    }
+
+    #[test]
+    fn an_error_event_still_arriving_is_told_from_a_whole_one() {
+        use super::error_event_unfinished as unfinished;
+        assert!(unfinished(b"data: {\"error\": {\"message\": \"xxxx"));
+        assert!(unfinished(b"data: {\"a\":1}\n\nerror: {\"message\":\""));
+        assert!(!unfinished(
+            b"data: {\"error\": {\"type\": \"BadRequestError\", \"code\": 400}}\n"
+        ));
+        assert!(!unfinished(b"data: {\"error\": {}}\r"));
+        assert!(!unfinished(b"data: {\"choices\":[]}"));
+        assert!(!unfinished(b""));
     }
 
     #[test]

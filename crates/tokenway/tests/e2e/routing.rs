@@ -540,3 +540,156 @@ async fn a_request_without_a_model_goes_to_the_only_model_served() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("missing_model"), "{}", r.body);
 }
+
+/// A backend that answers its first `fail_first` chat requests with a 500 and every later one
+/// with a 200 event stream opening with an error event the backend blames on the request
+/// (vLLM-style `BadRequestError`, code 400), its message long and the event split across two
+/// writes 50 ms apart. `/health` answers 200. Returns its address and its count of chat
+/// requests.
+async fn client_error_stream_backend(
+    fail_first: usize,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let chats = std::sync::Arc::new(AtomicUsize::new(0));
+    let counter = chats.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    // One request: its head, then its content-length of body.
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(0);
+                    while buf.len() < head_end + len {
+                        let mut chunk = [0u8; 4096];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.drain(..head_end + len);
+                    if !head.starts_with("post") {
+                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if s.write_all(ok).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    if counter.fetch_add(1, Ordering::SeqCst) < fail_first {
+                        let body = r#"{"error":{"message":"down","type":"server_error"}}"#;
+                        let answer = format!(
+                            "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n\
+                             content-length: {}\r\n\r\n{body}",
+                            body.len()
+                        );
+                        if s.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    let first = format!(r#"data: {{"error":{{"message":"{}"#, "x".repeat(3000));
+                    let rest = "\",\"type\":\"BadRequestError\",\"code\":400}}\n\ndata: [DONE]\n\n";
+                    let chunk = |piece: &str| format!("{:x}\r\n{piece}\r\n", piece.len());
+                    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                                transfer-encoding: chunked\r\n\r\n";
+                    if s.write_all(format!("{head}{}", chunk(&first)).as_bytes())
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let end = format!("{}0\r\n\r\n", chunk(rest));
+                    if s.write_all(end.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, chats)
+}
+
+/// A stream that opens with an error event the backend blames on the request goes to the
+/// client as it is, even when the event arrives in pieces (its `code` after a long message),
+/// and it is no verdict on a trial. Before, the first piece alone read as the server's failure
+/// (the request was retried on the next backend, and the backend charged), and a whole one
+/// counted as a first token that re-admitted a backend on trial.
+#[tokio::test]
+async fn a_stream_opening_with_the_requests_own_error_is_passed_on_and_passes_no_trial() {
+    use std::sync::atomic::Ordering;
+    let (fake, chats) = client_error_stream_backend(3).await;
+    let ok = sim(FAST_SIM);
+    let gw = start_args_with_config(
+        "gateway",
+        &format!(
+            "listen = \"127.0.0.1:0\"\npolicy = \"round_robin\"\n\
+             [health]\nprobe_interval_ms = 3600000\n\
+             [[backends]]\nname = \"b0\"\nurl = \"http://{fake}\"\nmodels = [\"sim-model\"]\n\
+             [[backends]]\nname = \"b1\"\nurl = \"{}\"\nmodels = [\"sim-model\"]\n",
+            ok.url()
+        ),
+    );
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let admin_url = format!("{}/admin/backends", gw.url());
+    let state = || async {
+        let v: serde_json::Value = serde_json::from_str(&get(&admin_url).await.body).expect("JSON");
+        v["backends"][0].clone()
+    };
+    // Three 500s eject it (each retried on the sim).
+    for i in 0..8 {
+        let r = post(&url, &chat(&format!("e{i}"), true, 2), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        if state().await["state"] != "healthy" {
+            break;
+        }
+    }
+    let b = state().await;
+    assert_eq!(b["eject_reason"], "passive_failures", "{b}");
+    assert_eq!(chats.load(Ordering::SeqCst), 3);
+    // After the hold its next request is a trial: answered with the request's own error, which
+    // the client gets whole, not a retry elsewhere; and the backend stays ejected.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let r = post(&url, &chat("trial", true, 2), None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        chats.load(Ordering::SeqCst),
+        4,
+        "the trial went to the fake"
+    );
+    assert_eq!(backend_of(&r), "b0", "{}", r.body);
+    assert!(
+        r.body.contains("BadRequestError") && r.body.contains(&"x".repeat(3000)),
+        "{}",
+        r.body
+    );
+    let b = state().await;
+    assert_ne!(
+        b["state"], "healthy",
+        "an error event passed the trial: {b}"
+    );
+    assert_eq!(b["eject_reason"], "passive_failures", "{b}");
+}
