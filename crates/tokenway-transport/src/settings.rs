@@ -207,8 +207,13 @@ impl QuicSettings {
                 // (and sent again) as soon as 3 later packets are acknowledged, often before
                 // the block's repair arrives; measured on `lossy`: QUIC declared 33-58 losses
                 // while the layer left 2 unrepaired. Past a whole block, loss detection falls
-                // to the time threshold (9/8 RTT) or to this packet count.
-                t.packet_threshold(u32::from(d.fec_k_max) + 3);
+                // to the time threshold (9/8 RTT) or to this packet count. A block is `k` long
+                // in `fixed:K:R`, `fec_k_max` in `auto`.
+                let block = match d.fec.0 {
+                    FecMode::Fixed { k, .. } => k,
+                    _ => d.fec_k_max,
+                };
+                t.packet_threshold(u32::from(block) + 3);
             }
             let factory = crate::cc::SwitchableConfig::new(base, d.brutal_plan(client));
             t.congestion_controller_factory(Arc::new(factory));
@@ -511,6 +516,24 @@ impl DatagramSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quics_reordering_threshold_spans_a_whole_fec_block() {
+        let threshold = |fec: FecMode| {
+            let s = QuicSettings {
+                datagram: Some(DatagramSettings {
+                    fec: FecSetting(fec),
+                    ..DatagramSettings::default()
+                }),
+                ..QuicSettings::default()
+            };
+            format!("{:?}", s.transport_config(None))
+        };
+        let auto = threshold(FecMode::Auto);
+        assert!(auto.contains("packet_threshold: 19"), "{auto}");
+        let fixed = threshold(FecMode::Fixed { k: 32, r: 4 });
+        assert!(fixed.contains("packet_threshold: 35"), "{fixed}");
+    }
 
     #[test]
     fn defaults_are_valid_and_bad_values_name_the_key() {

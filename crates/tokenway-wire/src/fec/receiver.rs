@@ -116,7 +116,8 @@ pub enum DropReason {
     Malformed,
     /// A source or repair packet already seen (a network duplicate or a replay), in an open
     /// block or one finalised less than `max_block_age` ago. A source repeating an index of a
-    /// block finalised earlier is delivered instead ([`ReceiverStats::untracked_sources`]).
+    /// block finalised earlier is delivered instead ([`ReceiverStats::untracked_sources`]), and
+    /// so is the first original of a packet FEC restored.
     Duplicate,
     /// A repair packet for a block that is already complete or given up. Normal in small
     /// numbers: once a block is restored, its remaining repairs are surplus.
@@ -182,8 +183,9 @@ pub struct ReceiverStats {
     pub source_packets: u64,
     /// Source packets that arrived after their block was finalised (still delivered).
     pub late_sources: u64,
-    /// Source packets delivered to QUIC without FEC state: their block id is stale, or their
-    /// index was already seen in a block finalised more than `max_block_age` ago. Either a duplicate or replay (QUIC
+    /// Source packets delivered to QUIC without FEC state: their block id is stale, their
+    /// index was already seen in a block finalised more than `max_block_age` ago, FEC had
+    /// restored them before they came, or they do not fit their block's repairs. Either a duplicate or replay (QUIC
     /// discards it by its packet number) or a peer that restarted its block numbering (its
     /// packets must get through, or a new handshake with a restarted gateway is lost).
     pub untracked_sources: u64,
@@ -260,6 +262,27 @@ struct Block {
     bytes: usize,
     /// A decode was refused for want of credit (counted once).
     refused: bool,
+    /// Fingerprints of the first restored packets (see [`Finalised::restored_hashes`]).
+    restored_hashes: RestoredHashes,
+}
+
+/// `(index, fingerprint)` of up to two packets a block restored ([`NO_INDEX`] = none): enough
+/// for the common restore of one or two losses. The original of a restored packet that
+/// arrives late is told from a copy of what QUIC already got by this, not by its index alone:
+/// a restore made from forged repairs (anyone who knows the address pair can send some
+/// without obfuscation) must not cost QUIC the real packet.
+type RestoredHashes = [(u8, u64); 2];
+
+/// No index (an empty slot of [`RestoredHashes`]).
+const NO_INDEX: u8 = u8::MAX;
+
+/// A restored packet's fingerprint. Not keyed: the packet is QUIC's encrypted bytes, which
+/// whoever forged a repair cannot know ahead.
+fn packet_hash(packet: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    packet.hash(&mut h);
+    h.finish()
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -271,6 +294,12 @@ struct Finalised {
     at_ms: u32,
     /// Source indices received or restored.
     have: u64,
+    /// Of `have`, those restored and not received since.
+    restored: u64,
+    /// Fingerprints of the first restored packets: an original that arrives after its restore
+    /// is a duplicate only if it is the same packet; else (a packet restored past the first
+    /// two, or a restore from forged repairs) it goes to QUIC.
+    restored_hashes: RestoredHashes,
     /// Closed without being tracked: the block of a packet that arrived before the receiver
     /// followed a jump to it. Its later sources are delivered untracked, not counted late.
     untracked: bool,
@@ -533,6 +562,7 @@ impl FecReceiver {
             repairs: Vec::new(),
             bytes: 0,
             refused: false,
+            restored_hashes: [(NO_INDEX, 0); 2],
         });
         Slot::Open(self.blocks.len() - 1)
     }
@@ -631,6 +661,8 @@ impl FecReceiver {
                 valid: true,
                 at_ms,
                 have,
+                restored: 0,
+                restored_hashes: [(NO_INDEX, 0); 2],
                 untracked: true,
             };
         }
@@ -668,9 +700,28 @@ impl FecReceiver {
                 return Received::Deliver(range);
             }
             Slot::Finalised => {
+                let slot = usize::from(h.block.0) % HISTORY;
+                // Only the original of a restored packet is fingerprinted (rare).
+                let fp = (self.history[slot].restored & bit != 0).then(|| packet_hash(&packet));
                 self.pool_put(packet);
                 let now_ms = self.ms_since_epoch(now);
-                let f = &mut self.history[usize::from(h.block.0) % HISTORY];
+                let f = &mut self.history[slot];
+                if let Some(fp) = fp {
+                    // The original of a packet FEC restored: a duplicate of what QUIC got if it
+                    // is the same packet. Else (restored from forged repairs, or not
+                    // fingerprinted) it goes to QUIC, which drops it if it has it. Once: a copy
+                    // of it after this is a duplicate.
+                    f.restored &= !bit;
+                    let same = f
+                        .restored_hashes
+                        .iter()
+                        .any(|&(at, restored)| at == h.index && restored == fp);
+                    if same {
+                        return Received::Dropped(DropReason::Duplicate);
+                    }
+                    self.stats.untracked_sources += 1;
+                    return Received::Deliver(range);
+                }
                 if f.have & bit != 0 {
                     // Soon after the block closed: a network duplicate, or the original of a
                     // restored packet. Later: a replay, or a restarted peer reusing the id.
@@ -702,15 +753,22 @@ impl FecReceiver {
         };
         self.suspect_run = 0;
         let b = &mut self.blocks[i];
-        if (b.received | b.recovered) & bit != 0 {
+        if b.received & bit != 0 {
             self.pool_put(packet);
             return Received::Dropped(DropReason::Duplicate);
         }
-        if let Some((k, _)) = b.kr {
-            if h.index >= k || packet.len() + 2 > b.shard_len {
-                self.pool_put(packet);
-                return Received::Dropped(DropReason::Malformed);
-            }
+        // The original of a restored packet, or a source its block's repairs say cannot be
+        // in it (an index past their `k`, longer than their shards): it still goes to QUIC,
+        // untracked, with the block's state left as it is. The repairs came first and fixed
+        // the block's shape; they may be forged (without obfuscation anyone who knows the
+        // address pair can send some), and a source withheld for them would be lost to QUIC
+        // as no plain QUIC packet can be (QUIC authenticates what it gets).
+        let misfit =
+            b.kr.is_some_and(|(k, _)| h.index >= k || packet.len() + 2 > b.shard_len);
+        if b.recovered & bit != 0 || misfit {
+            self.pool_put(packet);
+            self.stats.untracked_sources += 1;
+            return Received::Deliver(range);
         }
         b.received |= bit;
         b.seen_sources = b.seen_sources.max(usize::from(h.index) + 1);
@@ -797,6 +855,7 @@ impl FecReceiver {
         // one is not marked restored: its original, if it comes late, must still go to QUIC,
         // not be dropped as a duplicate of a copy QUIC never saw.
         let (mut restored, mut dropped) = (0u64, 0u64);
+        let mut hashes = [(NO_INDEX, 0); 2];
         let result = self.decoder.0.decode(
             k,
             r,
@@ -813,11 +872,15 @@ impl FecReceiver {
                     stats.recovered_dropped += 1;
                     return;
                 }
+                if let Some(slot) = hashes.get_mut(restored.count_ones() as usize) {
+                    *slot = (u8::try_from(index).unwrap_or(NO_INDEX), packet_hash(packet));
+                }
                 restored |= bit;
                 q.push_back(pooled_copy(pool, packet));
             },
         );
         b.recovered |= restored;
+        b.restored_hashes = hashes;
         self.stats.recovered += u64::from(restored.count_ones());
         if result.is_err() {
             self.stats.decode_failures += 1;
@@ -856,6 +919,8 @@ impl FecReceiver {
             valid: true,
             at_ms,
             have: b.received | b.recovered,
+            restored: b.recovered & !b.received,
+            restored_hashes: b.restored_hashes,
             untracked: false,
         };
         self.buffered -= b.bytes;
@@ -1159,6 +1224,56 @@ mod tests {
                 wire
             })
             .collect()
+    }
+
+    /// Without obfuscation anyone who knows the address pair can send repair packets. Forged
+    /// ones must never cost QUIC a genuine source packet: not one that does not fit the shape
+    /// they gave its block, nor the original of a packet they "restored". Before, the first
+    /// was dropped as malformed and the second as a duplicate.
+    #[test]
+    fn forged_repairs_never_cost_quic_a_genuine_source() {
+        let now = Instant::now();
+        let mut wire = blocks_of_two(3, now);
+        let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
+        for d in &mut wire[0] {
+            let _ = rx.on_datagram(now, d);
+        }
+        let forged = |block: u16, k: u8, shard: &[u8]| {
+            let mut out = Vec::new();
+            crate::packet::write_repair_header(
+                &mut out,
+                RepairHeader {
+                    block: BlockId(block),
+                    k,
+                    r: 1,
+                    index: 0,
+                },
+            );
+            out.extend_from_slice(shard);
+            out
+        };
+        // Block 1: a repair claiming 64 sources of 0 bytes comes first.
+        let mut fake = forged(1, 64, &[0, 0]);
+        assert_eq!(rx.on_datagram(now, &mut fake), Received::Repair);
+        for d in &mut wire[1][..2] {
+            assert!(matches!(rx.on_datagram(now, d), Received::Deliver(_)));
+        }
+        // Block 2: a repair of one source "restores" a 1-byte packet; the real one still goes
+        // to QUIC, once.
+        let mut fake = forged(2, 1, &[0, 1, b'J', 0]);
+        let _ = rx.on_datagram(now, &mut fake);
+        let mut junk = Vec::new();
+        while rx.pop_recovered(&mut junk) {}
+        assert_eq!(junk, b"J");
+        let mut copy = wire[2][0].clone();
+        assert!(matches!(
+            rx.on_datagram(now, &mut wire[2][0]),
+            Received::Deliver(_)
+        ));
+        assert!(matches!(
+            rx.on_datagram(now, &mut copy),
+            Received::Dropped(DropReason::Duplicate)
+        ));
     }
 
     #[test]
