@@ -315,6 +315,7 @@ fn add_sender(a: &mut SenderStats, b: &SenderStats) {
     a.extra_bytes += b.extra_bytes;
     a.repairs_skipped_by_budget += b.repairs_skipped_by_budget;
     a.repairs_dropped_queue_full += b.repairs_dropped_queue_full;
+    a.repairs_withheld += b.repairs_withheld;
     a.reports_applied += b.reports_applied;
     a.reports_stale += b.reports_stale;
 }
@@ -410,9 +411,45 @@ struct Peer {
     /// again after QUIC answered is no proof: QUIC answers a forged Initial. Loss reports go
     /// only to such peers.
     confirmed: bool,
+    /// A peer that spoke first (its datagram made its state), until it is confirmed: what it
+    /// sent and what went to it, for the anti-amplification bound on repairs
+    /// ([`Peer::may_send_repair`]). `None` for a peer this end spoke to first.
+    unproven: Option<Unproven>,
 }
 
+/// Bytes exchanged with a peer that spoke first, before its handshake completed.
+#[derive(Debug, Default, Clone, Copy)]
+struct Unproven {
+    received: u64,
+    sent: u64,
+}
+
+/// QUIC's anti-amplification factor (RFC 9000 §8.1): a server sends an address it has not
+/// validated at most this many times the bytes it received from it.
+const AMPLIFICATION_FACTOR: u64 = 3;
+
 impl Peer {
+    /// Whether a repair of `len` bytes may go to this peer, counting it if so. QUIC keeps its
+    /// own bytes to an unvalidated address within 3× what it received, but cannot see the
+    /// layer's repairs: to an address that spoke first and has not completed a handshake
+    /// (possibly spoofed: a forged Initial gets QUIC's answer), QUIC's bytes and the repairs
+    /// together stay within that bound. Without it one forged datagram reflected ~5× its
+    /// size (QUIC's 3× plus a head block's repairs). A peer this end dialled, or one whose
+    /// handshake completed, is not bounded.
+    fn may_send_repair(&mut self, len: usize) -> bool {
+        match self.unproven.as_mut() {
+            Some(u) if !self.confirmed => {
+                let after = u.sent + len as u64;
+                if after > AMPLIFICATION_FACTOR * u.received {
+                    return false;
+                }
+                u.sent = after;
+                true
+            }
+            _ => true,
+        }
+    }
+
     fn deadline(&self) -> Option<Instant> {
         match (self.tx.next_deadline(), self.rx_deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -665,6 +702,7 @@ impl State {
             window_bytes: 0,
             interactive: true,
             confirmed: false,
+            unproven: None,
         })
     }
 
@@ -801,12 +839,16 @@ impl State {
                 return None;
             }
             // Its receiver opens that datagram again: under the stream that opened it here.
-            if let (Some(v), Some(p)) = (version, self.peers.get(&addr)) {
+            if let (Some(v), Some(p)) = (version, self.peers.get_mut(&addr)) {
                 lock(&p.rx).assume_peer_version(v);
+                p.unproven = Some(Unproven::default());
             }
         }
         let peer = self.peers.get_mut(&addr)?;
         peer.last_seen = now;
+        if let Some(u) = peer.unproven.as_mut().filter(|_| !peer.confirmed) {
+            u.received += batch.len().saturating_sub(skip * stride) as u64;
+        }
         if meta.dst_ip.is_some() {
             peer.src_ip = meta.dst_ip;
         }
@@ -925,7 +967,9 @@ impl State {
             if p.deadline().is_some_and(|d| d <= now) {
                 p.tx.on_timeout(now);
                 while p.tx.poll_transmit(now, out) {
-                    if send_raw(inner, *addr, p.src_ip, None, out).is_err() {
+                    if !p.may_send_repair(out.len()) {
+                        p.tx.withhold_last(out.len());
+                    } else if send_raw(inner, *addr, p.src_ip, None, out).is_err() {
                         failed += 1;
                     }
                 }
@@ -1222,6 +1266,10 @@ impl DatagramSocket {
         if t.src_ip.is_some() {
             peer.src_ip = t.src_ip;
         }
+        if let Some(u) = peer.unproven.as_mut().filter(|_| !peer.confirmed) {
+            // QUIC's own bytes, within its bound; the layer's framing adds a few per datagram.
+            u.sent += t.contents.len() as u64;
+        }
         let inner = self.inner.as_ref();
         let segment = t.segment_size.unwrap_or(t.contents.len()).max(1);
         let send = |framed: &[u8], seg: Option<usize>| {
@@ -1293,7 +1341,9 @@ impl DatagramSocket {
         let result = framed();
         if result.is_ok() {
             while peer.tx.poll_transmit(now, extra) {
-                if send_raw(inner, t.destination, peer.src_ip, None, extra).is_err() {
+                if !peer.may_send_repair(extra.len()) {
+                    peer.tx.withhold_last(extra.len());
+                } else if send_raw(inner, t.destination, peer.src_ip, None, extra).is_err() {
                     *send_failed += 1;
                 }
             }
@@ -1764,6 +1814,77 @@ mod tests {
         // Another peer (the connection moved): a new baseline from its own counters.
         assert_eq!(share.update(b, &sent(100, 0, 100)), None);
         assert_eq!(share.update(b, &sent(40_100, 0, 100)), Some(0.125));
+    }
+
+    /// QUIC sends an unvalidated address at most 3× what it received from it; the layer's
+    /// repairs, which QUIC cannot see, must not take that past 3× (one forged datagram, with
+    /// a spoofed source, reflected ~5× its size in QUIC's answer and its head block's
+    /// repairs). A peer whose handshake completed gets its repairs.
+    #[tokio::test]
+    async fn repairs_to_an_address_that_spoke_first_keep_quics_amplification_bound() {
+        let config = LayerConfig::from_settings(&DatagramSettings::default(), "server", None)
+            .expect("layer config");
+        let fec = config.fec.clone();
+        let ours = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let theirs = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        theirs
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .expect("timeout");
+        let peer = theirs.local_addr().expect("bound");
+        let inner = crate::socket::async_socket(ours).expect("socket");
+        let (socket, handle) = DatagramSocket::wrap(inner, config).expect("layer");
+        let mut poller = socket.clone().create_io_poller();
+        std::future::poll_fn(|cx| poller.as_mut().poll_writable(cx))
+            .await
+            .expect("writable");
+        let mut sender = FecSender::new(fec, None, [9; 32]).expect("sender");
+        let t0 = Instant::now();
+        sender.set_interactive(t0, true);
+        // One datagram from `peer` (a QUIC Initial, maybe from a spoofed address), QUIC's
+        // answer of three datagrams, and the layer's timers past the answer's block.
+        let round = |sender: &mut FecSender, at: Instant| {
+            let mut out = Vec::new();
+            sender.send(at, &[0xc0; 1190], &mut out).expect("framed");
+            let meta = RecvMeta {
+                addr: peer,
+                len: out.len(),
+                stride: out.len(),
+                ..RecvMeta::default()
+            };
+            let received = out.len();
+            lock(&handle.socket.state).on_datagram(at, &meta, &mut out);
+            socket
+                .try_send(&Transmit {
+                    destination: peer,
+                    ecn: None,
+                    contents: &[0xc0; 3300],
+                    segment_size: Some(1100),
+                    src_ip: None,
+                })
+                .expect("QUIC answers");
+            let later = at + Duration::from_secs(2);
+            lock(&handle.socket.state).service(later, handle.socket.inner.as_ref());
+            let (mut sent, mut repairs) = (0, 0);
+            let mut buf = [0u8; 2048];
+            while let Ok(n) = theirs.recv(&mut buf) {
+                sent += n;
+                let packet = tokenway_wire::packet::parse(&buf[..n]).expect("a layer packet");
+                repairs += usize::from(matches!(packet, Packet::Repair(..)));
+            }
+            (received, sent, repairs)
+        };
+        let (received, sent, repairs) = round(&mut sender, t0);
+        assert!(
+            sent <= 3 * received,
+            "{sent} bytes went to an address that sent {received}"
+        );
+        assert_eq!(repairs, 0);
+        let withheld = handle.sender_stats(peer).expect("state").repairs_withheld;
+        assert!(withheld >= 1, "the head block's repairs were withheld");
+        // Its handshake completed: the next answer gets its repairs.
+        handle.confirm(peer);
+        let (_, _, repairs) = round(&mut sender, t0 + Duration::from_secs(3));
+        assert!(repairs >= 1, "a confirmed peer got no repairs");
     }
 
     #[tokio::test]

@@ -62,6 +62,10 @@ pub struct SenderStats {
     pub repairs_skipped_by_budget: u64,
     /// Repair packets dropped because the pending queue was full.
     pub repairs_dropped_queue_full: u64,
+    /// Repair packets handed out but not sent ([`FecSender::withhold_last`]): the socket
+    /// adapter holds repairs to an address that has not proved it receives to QUIC's
+    /// anti-amplification bound.
+    pub repairs_withheld: u64,
     /// Loss reports applied to the redundancy.
     pub reports_applied: u64,
     /// Loss reports ignored as stale (reordered or replayed).
@@ -427,6 +431,14 @@ impl FecSender {
         self.stats.repair_packets += 1;
         self.stats.repair_bytes += out.len() as u64;
         true
+    }
+
+    /// Counts the repair packet last handed out by [`poll_transmit`](Self::poll_transmit)
+    /// (`len` bytes) as withheld, not sent.
+    pub fn withhold_last(&mut self, len: usize) {
+        self.stats.repair_packets = self.stats.repair_packets.saturating_sub(1);
+        self.stats.repair_bytes = self.stats.repair_bytes.saturating_sub(len as u64);
+        self.stats.repairs_withheld += 1;
     }
 
     /// When [`on_timeout`](Self::on_timeout) must be called next (a block's flush deadline)
