@@ -103,7 +103,7 @@ impl Body for EdgeBody {
                     self.finish();
                     // The unfinished event will never be finished: the error event takes its
                     // place.
-                    self.held.discard();
+                    let lead = self.held.discard();
                     tracing::warn!(error = %e, "tunnel stream failed after the first byte");
                     if self.clock.sse() {
                         let event = self.error_style.event(
@@ -112,6 +112,7 @@ impl Body for EdgeBody {
                             ),
                             "tunnel_error",
                         );
+                        let event = [lead.as_bytes(), &event].concat();
                         Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
                     } else {
                         Poll::Ready(Some(Err(e)))

@@ -167,7 +167,7 @@ impl RelayBody {
     fn fail(&mut self, stalled: bool, why: &str) -> Polled {
         self.tail = Tail::Closed;
         // The unfinished event will never be finished: the error event takes its place.
-        self.held.discard();
+        let lead = self.held.discard();
         let backend = self.attempt.backend_name();
         let (outcome, message) = if stalled {
             (
@@ -193,7 +193,9 @@ impl RelayBody {
         self.clock.finish();
         if self.clock.sse() {
             let event = self.error_style.event(&message, "upstream_error");
-            Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(
+                [lead.as_bytes(), &event].concat(),
+            )))))
         } else {
             Poll::Ready(Some(Err(message.into())))
         }

@@ -289,19 +289,22 @@ impl H1Pool {
         // are left in its allocation, and replaced when not (the old bytes are never touched).
         buf.reserve(READ_BYTES);
         let mut largest = buf.capacity();
+        // An interim (1xx) answer came: the backend has the request, so a close after it is
+        // this attempt's failure, never a stale pooled connection to send it again on.
+        let mut interim = false;
         loop {
             largest = largest.max(reserve_read_space(&mut buf));
             let n = tokio::io::AsyncReadExt::read_buf(&mut stream, &mut buf)
                 .await
                 .map_err(|e| {
-                    if buf.is_empty() {
+                    if buf.is_empty() && !interim {
                         Exchange::Stale
                     } else {
                         Exchange::Failed(H1Error::Io(e.to_string()))
                     }
                 })?;
             if n == 0 {
-                return Err(if buf.is_empty() {
+                return Err(if buf.is_empty() && !interim {
                     Exchange::Stale
                 } else {
                     Exchange::Failed(H1Error::Io(
@@ -319,7 +322,10 @@ impl H1Pool {
                         )))
                     }
                     None => break None,
-                    Some(head) if head.parts.status.is_informational() => continue,
+                    Some(head) if head.parts.status.is_informational() => {
+                        interim = true;
+                        continue;
+                    }
                     Some(head) => break Some(head),
                 }
             };
@@ -742,6 +748,14 @@ impl H1Body {
             };
             let unread = &self.buf[read..];
             match state {
+                // httparse takes a line with no digits (`\r\n`, `;x\r\n`) for size 0, the
+                // last chunk: a body cut so would end as if whole. A size line starts with a
+                // hex digit (RFC 9112 §7.1).
+                Chunk::Size if unread.first().is_some_and(|b| !b.is_ascii_hexdigit()) => {
+                    break Err(H1Error::Protocol(
+                        "chunk size line without a size".to_string(),
+                    ))
+                }
                 Chunk::Size => match httparse::parse_chunk_size(unread) {
                     Ok(httparse::Status::Complete((used, size))) => {
                         read += used;
@@ -1051,7 +1065,14 @@ mod tests {
 
     #[test]
     fn malformed_chunking_is_an_error_not_a_panic() {
-        for bad in [&b"zz\r\n"[..], b"3\r\nabcX\r\n", &[b'1'; 5000][..]] {
+        // The last: an empty size line, which httparse reads as the last chunk's.
+        for bad in [
+            &b"zz\r\n"[..],
+            b"3\r\nabcX\r\n",
+            &[b'1'; 5000][..],
+            b"5\r\nhello\r\n\r\n5\r\nworld\r\n0\r\n\r\n",
+            b";x\r\n",
+        ] {
             let mut b = body_with(bad, Framing::Chunked(Chunk::Size));
             let mut r = b.decode();
             while let Ok(Decoded::Data(_)) = r {
@@ -1233,6 +1254,40 @@ mod tests {
             tokio::time::sleep(STALE_WINDOW + Duration::from_millis(200)).await;
             drop(s);
             // A resend would come as a second connection.
+            tokio::time::timeout(Duration::from_millis(500), listener.accept())
+                .await
+                .is_ok()
+        });
+        let pool = H1Pool::new(Duration::from_secs(1), 1);
+        let authority: Arc<str> = addr.to_string().into();
+        assert!(!post_once(&pool, &authority).await.0);
+        let (parts, head, body) = post_request(&authority);
+        let sent = pool
+            .send(&authority, &parts, &head, &body)
+            .await
+            .expect("written");
+        assert!(sent.pooled);
+        assert!(matches!(sent.response().await, Err(H1Error::Io(_))));
+        assert!(!server.await.expect("server"), "the request was sent again");
+    }
+
+    /// A backend that sent an interim answer (103 Early Hints) has the request: if it dies
+    /// then, within the stale window of a pooled connection, the request is not sent again
+    /// (it was, as if the connection had been stale).
+    #[tokio::test]
+    async fn a_close_after_an_interim_answer_is_a_failure_not_a_resend() {
+        use tokio::io::AsyncReadExt;
+        let (listener, addr) = loopback_listener().await;
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let mut buf = vec![0u8; 4096];
+            let _ = s.read(&mut buf).await;
+            let _ = s
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await;
+            let _ = s.read(&mut buf).await;
+            let _ = s.write_all(b"HTTP/1.1 103 Early Hints\r\n\r\n").await;
+            drop(s);
             tokio::time::timeout(Duration::from_millis(500), listener.accept())
                 .await
                 .is_ok()

@@ -20,6 +20,9 @@ pub struct EventHoldBack {
     /// pieces) are searched for one: searching all of it for every piece was quadratic in
     /// the event's size (a 1 MiB event in 1.2 KB pieces: ~2 GB of byte operations).
     held: BytesMut,
+    /// What went on last ended inside an event (one passed on unfinished for its size): an
+    /// event of the relay's own must first end it ([`Self::discard`]).
+    passed_unfinished: bool,
 }
 
 /// Bytes of a boundary that can be held before the rest of it arrives (`\n\r\n` less one).
@@ -32,9 +35,13 @@ impl EventHoldBack {
         if self.held.is_empty() {
             let whole = crate::sse::complete_events_len(&data);
             if whole == data.len() || data.len() - whole > MAX_HELD_EVENT {
+                self.passed_unfinished = whole != data.len();
                 return Some(data);
             }
             self.held.extend_from_slice(&data[whole..]);
+            if whole > 0 {
+                self.passed_unfinished = false;
+            }
             return (whole > 0).then(|| data.slice(..whole));
         }
         let from = self.held.len().saturating_sub(BOUNDARY_SPLIT);
@@ -44,7 +51,11 @@ impl EventHoldBack {
             n => from + n,
         };
         if whole == self.held.len() || self.held.len() - whole > MAX_HELD_EVENT {
+            self.passed_unfinished = whole != self.held.len();
             return Some(self.held.split().freeze());
+        }
+        if whole > 0 {
+            self.passed_unfinished = false;
         }
         (whole > 0).then(|| self.held.split_to(whole).freeze())
     }
@@ -64,9 +75,16 @@ impl EventHoldBack {
     }
 
     /// Drops what is held: the unfinished event will never be finished, and an error event
-    /// takes its place.
-    pub fn discard(&mut self) {
+    /// takes its place. Returns what must go before that event: nothing, or the blank line
+    /// that ends an event passed on unfinished (one longer than [`MAX_HELD_EVENT`]), which the
+    /// error event would otherwise be read as part of.
+    pub fn discard(&mut self) -> &'static str {
         self.held.clear();
+        if std::mem::take(&mut self.passed_unfinished) {
+            "\n\n"
+        } else {
+            ""
+        }
     }
 }
 
@@ -92,8 +110,37 @@ mod tests {
         assert_eq!(h.take(), Some(Bytes::from_static(b"data: tail")));
         // Or an error takes its place.
         assert_eq!(h.whole_events(Bytes::from_static(b"data: cut")), None);
-        h.discard();
+        assert_eq!(h.discard(), "", "nothing of it went on");
         assert_eq!(h.all(Bytes::from_static(b"x")), Bytes::from_static(b"x"));
+    }
+
+    /// An event too long to hold goes on unfinished; an error event after it must first end
+    /// it (it was appended to it, and a client read the two as one broken event). Once an
+    /// event boundary has gone on, nothing is needed.
+    #[test]
+    fn an_event_passed_on_unfinished_is_ended_before_an_error_event() {
+        let mut long = b"data: ".to_vec();
+        long.resize(MAX_HELD_EVENT + 10, b'a');
+        for first_held in [false, true] {
+            let mut h = EventHoldBack::default();
+            if first_held {
+                assert_eq!(h.whole_events(Bytes::from_static(b"data: a")), None);
+            }
+            let passed = h
+                .whole_events(Bytes::from(long.clone()))
+                .expect("passed on");
+            assert!(!passed.ends_with(b"\n\n"));
+            assert_eq!(h.discard(), "\n\n", "first held: {first_held}");
+            assert_eq!(h.discard(), "", "said once");
+        }
+        let mut h = EventHoldBack::default();
+        h.whole_events(Bytes::from(long.clone()))
+            .expect("passed on");
+        assert_eq!(
+            h.whole_events(Bytes::from_static(b"aaa\n\ndata: x")),
+            Some(Bytes::from_static(b"aaa\n\n"))
+        );
+        assert_eq!(h.discard(), "", "the long event ended");
     }
 
     proptest::proptest! {
