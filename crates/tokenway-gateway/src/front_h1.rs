@@ -290,8 +290,22 @@ where
         // Bytes already parsed as an incomplete head: a head sent a byte at a time is parsed
         // again only once an empty line may have ended it, not once per read (which made the
         // parsing quadratic in the head's length).
-        let mut parsed = 0;
+        let mut parsed: usize = 0;
         loop {
+            // Empty lines before a request line are ignored (RFC 9112 §2.2: some clients send
+            // a CRLF after a POST body). Dropped here, not only skipped by the parser: with
+            // them buffered the connection did not count as idle, so it got a 408 for a
+            // request never sent (which a client reusing it could take for its next
+            // request's answer), and a shutdown's drain waited for it.
+            let blank = self
+                .buf
+                .iter()
+                .take_while(|&&b| b == b'\r' || b == b'\n')
+                .count();
+            if blank > 0 {
+                let _ = self.buf.split_to(blank);
+                parsed = parsed.saturating_sub(blank);
+            }
             if !self.buf.is_empty() && (parsed == 0 || may_end_head(&self.buf, parsed)) {
                 if let Some(head) = parse_request(&mut self.buf)? {
                     return Ok(Some(head));
@@ -1004,7 +1018,15 @@ impl ChunkedBody {
                         return Err(ChunkError::Malformed("line too long"));
                     }
                     let line = buf.split_to(end + 1);
-                    let line = line[..end].strip_suffix(b"\r").unwrap_or(&line[..end]);
+                    // CRLF only, and no control bytes (an extension's value is a token or a
+                    // quoted string): a front proxy that reads these lines otherwise (a bare
+                    // LF, a CR inside an extension) must not see a different body than we do.
+                    let Some(line) = line[..end].strip_suffix(b"\r") else {
+                        return Err(ChunkError::Malformed("chunk line not ended by CRLF"));
+                    };
+                    if line.iter().any(|&b| (b < 0x20 && b != b'\t') || b == 0x7f) {
+                        return Err(ChunkError::Malformed("control byte in a chunk line"));
+                    }
                     if self.state == ChunkState::Trailers {
                         self.trailer_bytes += end + 1;
                         if line.is_empty() {
@@ -1370,6 +1392,31 @@ mod tests {
             large.len()
         );
         assert_eq!(body, want);
+    }
+
+    /// Size and trailer lines end with CRLF and hold no control bytes: a bare LF, or a CR
+    /// inside an extension, is a line boundary some front proxy reads otherwise.
+    #[test]
+    fn chunk_lines_end_with_crlf_and_hold_no_control_bytes() {
+        for bad in [
+            &b"2;x\nab\r\n0\r\n\r\n"[..],
+            b"2;a\rb\r\nab\r\n0\r\n\r\n",
+            b"2\r\nab\r\n0\n\r\n",
+            b"2\r\nab\r\n0\r\nx-t: 1\n\r\n",
+            b"2;\x01\r\nab\r\n0\r\n\r\n",
+        ] {
+            for step in [1, 64] {
+                assert!(
+                    decode_in_steps(bad, step, 1024).is_err(),
+                    "{:?}",
+                    String::from_utf8_lossy(bad)
+                );
+            }
+        }
+        assert_eq!(
+            decode_in_steps(b"2;a=\"x\ty\"\r\nab\r\n0\r\nx-t: 1\r\n\r\n", 1, 1024),
+            Ok(b"ab".to_vec())
+        );
     }
 
     #[test]

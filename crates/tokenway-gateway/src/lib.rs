@@ -32,6 +32,7 @@ pub mod proxy;
 pub mod relay;
 pub mod replay;
 pub mod request_meta;
+pub mod secret;
 pub mod server;
 pub mod service;
 pub mod state;

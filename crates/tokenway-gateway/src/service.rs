@@ -10,7 +10,6 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Limited};
-use subtle::ConstantTimeEq;
 use tokenway_router::{prompt_blocks, Route, RouteError, RouteRequest, SessionKind};
 use tokenway_transport::body_budget::Held;
 
@@ -633,7 +632,7 @@ fn bearer_token(value: &str) -> Option<&str> {
 
 /// Checks the Bearer key when keys are configured.
 fn authenticate(shared: &Shared, headers: &http::HeaderMap) -> Result<(), ApiError> {
-    let keys = &shared.config.api_keys;
+    let keys = &shared.api_keys;
     if keys.is_empty() {
         return Ok(());
     }
@@ -643,13 +642,7 @@ fn authenticate(shared: &Shared, headers: &http::HeaderMap) -> Result<(), ApiErr
         .and_then(bearer_token)
         .map(str::trim);
     match presented {
-        Some(p)
-            if keys
-                .iter()
-                .any(|k| bool::from(k.as_bytes().ct_eq(p.as_bytes()))) =>
-        {
-            Ok(())
-        }
+        Some(p) if keys.matches(p.as_bytes()) => Ok(()),
         Some(_) => Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",

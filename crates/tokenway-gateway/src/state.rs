@@ -252,6 +252,8 @@ pub struct Shared {
     pub admission: Admission,
     /// The bound on request bodies held, all fronts together (`max_held_body_bytes`).
     pub bodies: BodyBudget,
+    /// `api_keys`, hashed for a comparison that times nothing of them.
+    pub api_keys: crate::secret::Secrets,
 }
 
 impl Shared {
@@ -323,6 +325,7 @@ impl Shared {
         ];
         let config_bodies = config.max_held_body_bytes;
         Ok(Arc::new(Self {
+            api_keys: crate::secret::Secrets::new(&config.api_keys),
             routing_headers,
             cors: crate::cors::Cors::new(&config.cors_allow_origins),
             h1,

@@ -7,7 +7,6 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use http::{HeaderMap, StatusCode};
-use subtle::ConstantTimeEq;
 
 use crate::config::TunnelConfig;
 use crate::error::ApiError;
@@ -21,7 +20,7 @@ pub const IDEMPOTENCY_HEADER: &str = "tw-idempotency-key";
 
 /// Shared state of the tunnel port.
 pub struct TunnelState {
-    tokens: Vec<Vec<u8>>,
+    tokens: crate::secret::Secrets,
     replay: Mutex<ReplayWindow>,
     forward_allow: HashSet<String>,
     /// What failed authentication sees.
@@ -32,7 +31,7 @@ impl TunnelState {
     /// From the validated config.
     pub fn new(c: &TunnelConfig) -> Self {
         Self {
-            tokens: c.tokens.iter().map(|t| t.as_bytes().to_vec()).collect(),
+            tokens: crate::secret::Secrets::new(&c.tokens),
             replay: Mutex::new(ReplayWindow::new(
                 Duration::from_millis(c.replay_window_ms),
                 c.max_replay_keys,
@@ -47,10 +46,7 @@ impl TunnelState {
         let Some(presented) = headers.get(AUTH_HEADER) else {
             return false;
         };
-        let presented = presented.as_bytes();
-        self.tokens
-            .iter()
-            .fold(false, |ok, t| ok | bool::from(t.ct_eq(presented)))
+        self.tokens.matches(presented.as_bytes())
     }
 
     /// Removes the tunnel headers and admits the idempotency key, refusing replays.
