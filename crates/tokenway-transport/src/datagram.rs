@@ -415,6 +415,10 @@ struct Peer {
     /// sent and what went to it, for the anti-amplification bound on repairs
     /// ([`Peer::may_send_repair`]). `None` for a peer this end spoke to first.
     unproven: Option<Unproven>,
+    /// The ECN codepoint of QUIC's last transmit to this peer: its repairs carry it too, so
+    /// that a packet they restore reaches the peer's QUIC with the mark its original had (see
+    /// [`State::settle`]).
+    ecn: Option<EcnCodepoint>,
 }
 
 /// Bytes exchanged with a peer that spoke first, before its handshake completed.
@@ -529,8 +533,8 @@ struct Intake {
     skip: usize,
     /// Empty buffers from the pool (a decode that restores more packets allocates).
     spare: Vec<Vec<u8>>,
-    /// Packets for quinn, each with whether it arrived (`false`: restored, so no ECN mark).
-    packets: Vec<(Vec<u8>, bool)>,
+    /// Packets for quinn, arrived or restored.
+    packets: Vec<Vec<u8>>,
     /// Loss reports from the peer, for its sender (at most one per datagram of the batch).
     reports: Vec<LossReport>,
     /// The version the peer speaks, once a datagram was well framed.
@@ -553,7 +557,7 @@ impl Intake {
                         let mut buf = self.spare.pop().unwrap_or_default();
                         buf.clear();
                         buf.extend_from_slice(d);
-                        self.packets.push((buf, true));
+                        self.packets.push(buf);
                     }
                 }
                 Received::LossReport(r) => self.reports.push(r),
@@ -562,7 +566,7 @@ impl Intake {
             loop {
                 let mut buf = self.spare.pop().unwrap_or_default();
                 if rx.pop_recovered(&mut buf) {
-                    self.packets.push((buf, false));
+                    self.packets.push(buf);
                 } else {
                     // A buffer made for the question goes, not to the pool.
                     if buf.capacity() > 0 {
@@ -703,6 +707,7 @@ impl State {
             interactive: true,
             confirmed: false,
             unproven: None,
+            ecn: None,
         })
     }
 
@@ -888,11 +893,15 @@ impl State {
             stats,
             ..
         } = intake;
-        for (buf, arrived) in packets {
+        // A restored packet takes the mark of the datagram that completed it (the sender's
+        // repairs carry its QUIC packets' codepoint): delivered unmarked, it made the peer's
+        // ECN counts fall short of the ECT packets QUIC had sent, which QUIC reads as a path
+        // that clears ECN marks, and it stopped using ECN for good.
+        for buf in packets {
             self.push_ready(Ready {
                 addr,
                 buf,
-                ecn: if arrived { ecn } else { None },
+                ecn,
                 dst_ip,
             });
         }
@@ -969,7 +978,7 @@ impl State {
                 while p.tx.poll_transmit(now, out) {
                     if !p.may_send_repair(out.len()) {
                         p.tx.withhold_last(out.len());
-                    } else if send_raw(inner, *addr, p.src_ip, None, out).is_err() {
+                    } else if send_raw(inner, *addr, p.src_ip, p.ecn, out).is_err() {
                         failed += 1;
                     }
                 }
@@ -1266,6 +1275,7 @@ impl DatagramSocket {
         if t.src_ip.is_some() {
             peer.src_ip = t.src_ip;
         }
+        peer.ecn = t.ecn;
         if let Some(u) = peer.unproven.as_mut().filter(|_| !peer.confirmed) {
             // QUIC's own bytes, within its bound; the layer's framing adds a few per datagram.
             u.sent += t.contents.len() as u64;
@@ -1343,7 +1353,7 @@ impl DatagramSocket {
             while peer.tx.poll_transmit(now, extra) {
                 if !peer.may_send_repair(extra.len()) {
                     peer.tx.withhold_last(extra.len());
-                } else if send_raw(inner, t.destination, peer.src_ip, None, extra).is_err() {
+                } else if send_raw(inner, t.destination, peer.src_ip, t.ecn, extra).is_err() {
                     *send_failed += 1;
                 }
             }
@@ -1562,6 +1572,49 @@ mod tests {
         assert_eq!(
             classify(&mut start, &mut bytes, false, later, 200, 250_000),
             Some(true)
+        );
+    }
+
+    /// A packet FEC restores reaches QUIC with the ECN mark of the datagram that completed it
+    /// (the sender's repairs carry its QUIC packets' mark). Delivered unmarked, restored
+    /// packets made the peer's ECN counts fall short of the ECT packets QUIC sent, and QUIC
+    /// took the path for one that clears ECN and stopped using it.
+    #[test]
+    fn a_restored_packet_keeps_the_ecn_mark_of_the_datagram_that_completed_it() {
+        let config = LayerConfig::from_settings(&DatagramSettings::default(), "server", None)
+            .expect("layer config");
+        let mut st = State::new(config);
+        let t0 = Instant::now();
+        let fec = FecConfig {
+            mode: tokenway_wire::fec::FecMode::Fixed { k: 2, r: 1 },
+            scope: tokenway_wire::fec::FecScope::All,
+            ..FecConfig::default()
+        };
+        let mut tx = FecSender::new(fec, None, [7; 32]).expect("sender");
+        let mut wire = Vec::new();
+        for n in [1u8, 2] {
+            let mut out = Vec::new();
+            tx.send(t0, &[0x40 | n; 100], &mut out).expect("framed");
+            wire.push(out);
+        }
+        tx.on_timeout(t0 + Duration::from_secs(1));
+        let mut repair = Vec::new();
+        assert!(tx.poll_transmit(t0 + Duration::from_secs(1), &mut repair));
+        let meta = RecvMeta {
+            addr: SocketAddr::from(([198, 18, 0, 1], 4433)),
+            ecn: Some(EcnCodepoint::Ect0),
+            ..RecvMeta::default()
+        };
+        // The first source arrives, the second is lost, the repair restores it.
+        st.on_datagram(t0, &meta, &mut wire[0]);
+        st.on_datagram(t0, &meta, &mut repair);
+        let delivered: Vec<_> = st.ready.iter().map(|r| (r.buf[0], r.ecn)).collect();
+        assert_eq!(
+            delivered,
+            [
+                (0x41, Some(EcnCodepoint::Ect0)),
+                (0x42, Some(EcnCodepoint::Ect0))
+            ]
         );
     }
 
