@@ -214,6 +214,9 @@ impl LayerSlot {
                 if let Some(h) = slot.handle() {
                     let peer = conn.remote_address();
                     h.set_srtt(peer, conn.rtt());
+                    let stats = conn.stats();
+                    // Datagrams above QUIC's path MTU are probes: padded to their repairs' size.
+                    h.set_quic_mtu(peer, stats.path.current_mtu);
                     // The repairs' share of the congestion window (see `cc`).
                     if let Some(sent) = h.sender_stats(peer) {
                         if let Some(s) = share.update(peer, &sent) {
@@ -224,8 +227,7 @@ impl LayerSlot {
                     }
                     // A completed handshake (HANDSHAKE_DONE sent, or received) proves the
                     // peer's address two-way: it read what QUIC sent there.
-                    let frames = conn.stats();
-                    if frames.frame_tx.handshake_done > 0 || frames.frame_rx.handshake_done > 0 {
+                    if stats.frame_tx.handshake_done > 0 || stats.frame_rx.handshake_done > 0 {
                         h.confirm(peer);
                     }
                 }
@@ -316,6 +318,7 @@ fn add_sender(a: &mut SenderStats, b: &SenderStats) {
     a.repairs_skipped_by_budget += b.repairs_skipped_by_budget;
     a.repairs_dropped_queue_full += b.repairs_dropped_queue_full;
     a.repairs_withheld += b.repairs_withheld;
+    a.probes_padded += b.probes_padded;
     a.reports_applied += b.reports_applied;
     a.reports_stale += b.reports_stale;
 }
@@ -1178,6 +1181,14 @@ impl DatagramHandle {
         }
     }
 
+    /// Tells the FEC sender towards `peer` QUIC's current path MTU: larger datagrams are MTU
+    /// probes, sent padded to the size of their repairs ([`FecSender::set_quic_mtu`]).
+    pub fn set_quic_mtu(&self, peer: SocketAddr, mtu: u16) {
+        if let Some(p) = lock(&self.socket.state).peers.get_mut(&peer) {
+            p.tx.set_quic_mtu(mtu);
+        }
+    }
+
     /// Marks `peer` two-way (a QUIC handshake with it completed): at the peer bound it is
     /// evicted only after every entry that is not.
     pub fn confirm(&self, peer: SocketAddr) {
@@ -1433,7 +1444,7 @@ impl DatagramSocket {
 fn is_quic_carrier(packet: &[u8]) -> bool {
     matches!(
         tokenway_wire::packet::parse(packet),
-        Ok(Packet::Plain(_) | Packet::Source(..))
+        Ok(Packet::Plain(_) | Packet::PaddedPlain(_) | Packet::Source(..))
     )
 }
 

@@ -191,8 +191,8 @@ impl QuicSettings {
             // discovery (quinn's default 1452, i.e. a 1500-byte IPv6 path) is lowered by the
             // overhead, so that a full-size QUIC packet plus its layer header, and every repair
             // packet, still fits that path. Probes above a smaller real path MTU are lost and
-            // discovery settles below, with the overhead included since it probes through the
-            // layer.
+            // discovery settles below; the layer sends each probe padded to the size of its
+            // repairs (`FecSender::set_quic_mtu`), so the size it settles on carries them too.
             let overhead = u16::try_from(d.overhead()).unwrap_or(u16::MAX);
             let mut mtu = quinn::MtuDiscoveryConfig::default();
             mtu.upper_bound(DEFAULT_MTU_UPPER_BOUND.saturating_sub(overhead).max(1200));

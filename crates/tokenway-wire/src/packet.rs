@@ -10,7 +10,13 @@
 //! loss report  | ver | 0x03 | seq:u32 | received:u32 | lost:u32 | recovered:u32
 //!              | residual:u32 | bursts:[u32; 8] | blocks_missing:u32
 //!              | n:u8 | missing_ids:[u16; n]                              (59 + 2n bytes)
+//! padded plain | ver | 0x04 | pad:u8 | QUIC datagram ... | pad bytes        (3 + pad bytes)
 //! ```
+//!
+//! A padded plain packet is a QUIC MTU probe framed to the size a repair packet of it would
+//! have (see [`crate::fec::FecSender::set_quic_mtu`]): a probe that gets through proves the
+//! path carries the repairs of packets that size too. A build that does not know the type drops
+//! it (counted as an unknown type), so the probe is lost and QUIC keeps its smaller MTU.
 //!
 //! Parsing is total: every length is checked before it is read, and anything short, of an
 //! unknown version or type, or with a field out of range is a [`WireError`], never a panic.
@@ -44,6 +50,9 @@ pub const PLAIN_HEADER_LEN: usize = 2;
 pub const SOURCE_HEADER_LEN: usize = 5;
 /// Header length of a [`PacketType::Repair`] packet.
 pub const REPAIR_HEADER_LEN: usize = 7;
+/// Header length of a [`PacketType::PaddedPlain`] packet (before its payload; the padding
+/// follows the payload).
+pub const PADDED_PLAIN_HEADER_LEN: usize = 3;
 
 /// The kinds of inner packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -57,6 +66,8 @@ pub enum PacketType {
     Repair = 0x02,
     /// A receiver's loss report, consumed by the peer's FEC sender.
     LossReport = 0x03,
+    /// A QUIC datagram sent without FEC, padded (a QUIC MTU probe, see the module docs).
+    PaddedPlain = 0x04,
 }
 
 impl PacketType {
@@ -67,6 +78,7 @@ impl PacketType {
             0x01 => Some(Self::Source),
             0x02 => Some(Self::Repair),
             0x03 => Some(Self::LossReport),
+            0x04 => Some(Self::PaddedPlain),
             _ => None,
         }
     }
@@ -123,6 +135,8 @@ pub enum Packet<'a> {
     Repair(RepairHeader, &'a [u8]),
     /// A receiver's loss report.
     LossReport(LossReport),
+    /// A QUIC datagram outside FEC that came padded (its padding left out).
+    PaddedPlain(&'a [u8]),
 }
 
 /// Parses one inner packet (already de-obfuscated).
@@ -186,12 +200,28 @@ pub fn parse(buf: &[u8]) -> Result<Packet<'_>, WireError> {
             Ok(Packet::Repair(header, shard))
         }
         PacketType::LossReport => Ok(Packet::LossReport(LossReport::decode(&buf[2..])?)),
+        PacketType::PaddedPlain => {
+            need(PADDED_PLAIN_HEADER_LEN)?;
+            let end = buf
+                .len()
+                .checked_sub(usize::from(buf[2]))
+                .filter(|&end| end >= PADDED_PLAIN_HEADER_LEN)
+                .ok_or(WireError::Malformed("padding longer than the packet"))?;
+            Ok(Packet::PaddedPlain(&buf[PADDED_PLAIN_HEADER_LEN..end]))
+        }
     }
 }
 
 /// Appends a plain header to `out`.
 pub fn write_plain_header(out: &mut Vec<u8>) {
     out.extend_from_slice(&[VERSION, PacketType::Plain as u8]);
+}
+
+/// Appends a padded plain packet to `out`: the header, `quic`, and `pad` zero bytes.
+pub fn write_padded_plain(out: &mut Vec<u8>, quic: &[u8], pad: u8) {
+    out.extend_from_slice(&[VERSION, PacketType::PaddedPlain as u8, pad]);
+    out.extend_from_slice(quic);
+    out.resize(out.len() + usize::from(pad), 0);
 }
 
 /// Appends a source header to `out`.
@@ -256,6 +286,11 @@ mod tests {
         out.clear();
         write_plain_header(&mut out);
         assert_eq!(parse(&out), Ok(Packet::Plain(&[][..])));
+
+        out.clear();
+        write_padded_plain(&mut out, b"probe", 7);
+        assert_eq!(out.len(), PADDED_PLAIN_HEADER_LEN + 5 + 7);
+        assert_eq!(parse(&out), Ok(Packet::PaddedPlain(&b"probe"[..])));
     }
 
     #[test]
@@ -279,6 +314,18 @@ mod tests {
         assert!(
             parse(&[VERSION, 2, 0, 0, 1, 1, 0, 1, 2, 3]).is_err(),
             "odd shard"
+        );
+        assert!(matches!(
+            parse(&[VERSION, 4]),
+            Err(WireError::Truncated { .. })
+        ));
+        assert!(
+            parse(&[VERSION, 4, 3, 1, 2]).is_err(),
+            "padding into the header"
+        );
+        assert_eq!(
+            parse(&[VERSION, 4, 2, 0, 0]),
+            Ok(Packet::PaddedPlain(&[][..]))
         );
     }
 }

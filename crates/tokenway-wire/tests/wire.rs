@@ -30,7 +30,9 @@ fn auto(max_overhead: f64) -> FecConfig {
 
 fn pair(config: FecConfig, psk: Option<&[u8]>) -> (FecSender, FecReceiver) {
     let obfs = psk.map(|p| Obfuscator::new(p).unwrap());
-    let tx = FecSender::new(config, obfs.clone(), [1; 32]).unwrap();
+    let mut tx = FecSender::new(config, obfs.clone(), [1; 32]).unwrap();
+    // QUIC's path MTU covers every packet here (above it they are MTU probes).
+    tx.set_quic_mtu(u16::MAX);
     let rx = FecReceiver::new(ReceiverConfig::default(), obfs, [2; 32]).unwrap();
     (tx, rx)
 }
@@ -1711,4 +1713,49 @@ proptest! {
         let want: Vec<Vec<u8>> = (0..k).map(|i| quic_packet(i, lens[i])).collect();
         prop_assert_eq!(sorted(delivered), sorted(want));
     }
+}
+
+/// A QUIC datagram above QUIC's path MTU is an MTU probe: it goes out exactly as long as a
+/// repair of it would be (sources have 5 bytes of header where repairs have 9 or 10), so a
+/// probe that gets through proves its repairs do too; it arrives whole. Before, discovery
+/// could settle where sources fit and repairs did not (WireGuard, 1420-byte MTU, obfuscated:
+/// repairs of full-size packets 1 byte too long). With FEC off nothing is padded.
+#[test]
+fn an_mtu_probe_is_as_long_on_the_wire_as_its_repairs() {
+    let now = Instant::now();
+    for psk in [None, Some(&b"secret"[..])] {
+        for len in [1201, 1202, 1375, 1390, 1433, 1434] {
+            let packet = quic_packet(len, len);
+            // As a probe (QUIC's MTU still the initial 1200).
+            let (mut tx, mut rx) = pair(fixed(1, 1), psk);
+            tx.set_quic_mtu(1200);
+            let mut probe = Vec::new();
+            tx.send(now, &packet, &mut probe).unwrap();
+            let mut delivered = Vec::new();
+            assert!(matches!(
+                receive(&mut rx, now, &probe, &mut delivered),
+                Received::Deliver(_)
+            ));
+            assert_eq!(delivered, std::slice::from_ref(&packet), "{len}");
+            assert_eq!(tx.stats().probes_padded, 1);
+            // Once QUIC's MTU covers it: a source and its repair.
+            tx.set_quic_mtu(1434);
+            let wire = send_block(&mut tx, now, std::slice::from_ref(&packet));
+            assert_eq!(wire.len(), 2);
+            assert!(wire[0].len() < probe.len(), "{len}: a source is shorter");
+            assert_eq!(probe.len(), wire[1].len(), "{len}: probe and repair");
+        }
+    }
+    let mut off = FecSender::new(
+        FecConfig {
+            mode: FecMode::Off,
+            ..FecConfig::default()
+        },
+        None,
+        [1; 32],
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    off.send(now, &quic_packet(1, 1400), &mut out).unwrap();
+    assert_eq!(out.len(), 1402, "plain, unpadded");
 }

@@ -492,6 +492,11 @@ impl FecReceiver {
                 self.stats.plain_packets += 1;
                 Received::Deliver(offset + PLAIN_HEADER_LEN..end)
             }
+            Packet::PaddedPlain(p) if !p.is_empty() => {
+                self.stats.plain_packets += 1;
+                let start = offset + packet::PADDED_PLAIN_HEADER_LEN;
+                Received::Deliver(start..start + p.len())
+            }
             Packet::Source(h, p) if !p.is_empty() => {
                 let p = pooled_copy(&mut self.pool, p);
                 self.on_source(now, h, p, offset + SOURCE_HEADER_LEN..end)
@@ -504,7 +509,9 @@ impl FecReceiver {
                 self.stats.reports_received += 1;
                 Received::LossReport(r)
             }
-            Packet::Plain(_) | Packet::Source(..) => Received::Dropped(DropReason::Malformed),
+            Packet::Plain(_) | Packet::PaddedPlain(_) | Packet::Source(..) => {
+                Received::Dropped(DropReason::Malformed)
+            }
         }
     }
 
@@ -1340,6 +1347,8 @@ mod tests {
             ..FecConfig::default()
         };
         let mut tx = FecSender::new(config, None, [1; 32]).expect("sender");
+        // QUIC's MTU covers them (else they are probes, sent padded outside FEC).
+        tx.set_quic_mtu(u16::MAX);
         let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
         let now = Instant::now();
         let later = now + Duration::from_secs(1);

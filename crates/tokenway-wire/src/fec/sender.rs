@@ -17,6 +17,9 @@ use crate::loss_report::LossReport;
 use crate::obfs::{Obfuscator, SALT_LEN};
 use crate::packet::{self, BlockId, RepairHeader, SourceHeader, REPAIR_HEADER_LEN};
 
+/// QUIC's path MTU before discovery raises it (RFC 9000 §14: every path carries 1200).
+const QUIC_INITIAL_MTU: usize = 1200;
+
 /// Most repair packets waiting for their send time; beyond it the oldest are dropped.
 const MAX_PENDING_REPAIRS: usize = 4 * crate::packet::MAX_BLOCK_REPAIRS;
 /// Blocks whose packet counts are kept for the peer's loss reports (which name whole blocks
@@ -62,6 +65,9 @@ pub struct SenderStats {
     pub repairs_skipped_by_budget: u64,
     /// Repair packets dropped because the pending queue was full.
     pub repairs_dropped_queue_full: u64,
+    /// QUIC datagrams larger than QUIC's path MTU (MTU probes) sent padded to the length of
+    /// their repairs ([`FecSender::set_quic_mtu`]).
+    pub probes_padded: u64,
     /// Repair packets handed out but not sent ([`FecSender::withhold_last`]): the socket
     /// adapter holds repairs to an address that has not proved it receives to QUIC's
     /// anti-amplification bound.
@@ -120,6 +126,9 @@ pub struct FecSender {
     obfs: Option<Obfuscator>,
     rng: StdRng,
     srtt: Option<Duration>,
+    /// QUIC's path MTU (its largest datagram) as last told: a larger datagram is an MTU
+    /// probe ([`Self::set_quic_mtu`]).
+    quic_mtu: usize,
     interactive: bool,
     next_block: BlockId,
     open: Option<OpenBlock>,
@@ -172,6 +181,7 @@ impl FecSender {
             obfs,
             rng,
             srtt: None,
+            quic_mtu: QUIC_INITIAL_MTU,
             interactive: false,
             next_block: first_block,
             open: None,
@@ -234,6 +244,18 @@ impl FecSender {
     /// Updates the smoothed RTT, which sets the flush delay of blocks opened from now on.
     pub fn set_srtt(&mut self, srtt: Duration) {
         self.srtt = Some(srtt);
+    }
+
+    /// Tells the sender QUIC's current path MTU (its largest UDP payload). A QUIC datagram
+    /// larger than that is an MTU probe: with FEC on it goes out padded to the size a repair
+    /// packet of it would have ([`packet::PacketType::PaddedPlain`]), so that QUIC's discovery,
+    /// which probes through the layer, settles on a size whose repairs fit the path too. Sent
+    /// as a source packet (5 bytes of header where a repair has 9 or 10), a probe could pass
+    /// where its repairs could not: on a WireGuard path (1420-byte MTU) with obfuscation,
+    /// discovery settled at 1375 and every repair of a full-size packet was 1 byte too long.
+    /// Until told, the MTU is QUIC's initial 1200.
+    pub fn set_quic_mtu(&mut self, mtu: u16) {
+        self.quic_mtu = usize::from(mtu).max(QUIC_INITIAL_MTU);
     }
 
     /// Tells the sender whether the connection is in the interactive class. With
@@ -347,6 +369,20 @@ impl FecSender {
         self.on_timeout(now);
         out.clear();
         self.reserve_salt(out);
+        if self.config.mode != FecMode::Off
+            && quic.len() > self.quic_mtu
+            && quic.len() <= MAX_PROTECTED_LEN
+        {
+            // An MTU probe: as long on the wire as a repair of it (see `set_quic_mtu`).
+            let repair = REPAIR_HEADER_LEN + shard_len_for(quic.len());
+            let pad = repair - packet::PADDED_PLAIN_HEADER_LEN - quic.len();
+            packet::write_padded_plain(out, quic, pad as u8);
+            self.seal(out);
+            self.stats.plain_packets += 1;
+            self.stats.plain_bytes += out.len() as u64;
+            self.stats.probes_padded += 1;
+            return Ok(());
+        }
         if !self.fec_active() || quic.len() > MAX_PROTECTED_LEN {
             packet::write_plain_header(out);
             out.extend_from_slice(quic);

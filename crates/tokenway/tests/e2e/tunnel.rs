@@ -531,6 +531,14 @@ async fn after_a_gateway_restart_under_fec_and_obfuscation_the_next_request_succ
         let r = post(&url, &chat(&format!("before {i}"), true, 32), None).await;
         assert_eq!(r.status, 200, "{}", r.body);
     }
+    // QUIC's MTU discovery works through the layer: its probes go padded to the size of their
+    // repairs (a padded-plain packet) and arrive; loopback carries the whole upper bound.
+    let mtu = "tokenway_quic_path_mtu_bytes{peer=\"gw\"}";
+    let raised = eventually(Duration::from_secs(10), || async {
+        metric_sum(&metrics(&edge).await, mtu) > 1200.0
+    })
+    .await;
+    assert!(raised, "{}", metrics(&edge).await);
     for round in 0..2 {
         gw.kill();
         gw = start_gw(&tunnel.to_string());
