@@ -687,6 +687,14 @@ where
     }
     let counted = parts.extensions.get::<BodyHeld>().is_none();
     let mut held = shared.bodies.hold();
+    // On HTTP/2 and HTTP/3 the request's head is held with it, in the same budget: one
+    // connection may have 1024 streams each waiting for its body with up to 64 KiB of header
+    // fields (cheap to send, HPACK and QPACK repeat a field for a byte or two), where an
+    // HTTP/1.1 connection holds one head.
+    let head = head_bytes(&parts.headers);
+    if counted && !held.grow(head) {
+        return Err(ApiError::bodies_held());
+    }
     // A declared length that does not fit the room left is not read; it takes its bytes as
     // they arrive (a declaration alone holds nothing). A body of no declared length needs a
     // byte of room: with none left it is refused before hyper invites it (`100 Continue` goes
@@ -695,6 +703,7 @@ where
     if counted && !held.has_room_for(need) {
         return Err(ApiError::bodies_held());
     }
+    let head = if counted { head } else { 0 };
     // The client read timeout bounds each silence, not the whole upload (as on HTTP/1.1).
     let silence = shared.config.timeouts.client_read();
     let mut body = std::pin::pin!(Limited::new(body, limit));
@@ -715,7 +724,7 @@ where
             Ok(Some(Ok(frame))) => {
                 if let Ok(mut data) = frame.into_data() {
                     use bytes::{Buf, BufMut};
-                    let more = (read.len() + data.remaining()).saturating_sub(held.bytes());
+                    let more = (head + read.len() + data.remaining()).saturating_sub(held.bytes());
                     if counted && !held.grow(more) {
                         return Err(ApiError::bodies_held());
                     }
@@ -728,6 +737,15 @@ where
             }
         }
     }
+}
+
+/// A request head's size as HTTP/2 and HTTP/3 count it against their limit on header lists:
+/// name, value and 32 bytes per field (RFC 9113 §6.5.2, RFC 9114 §4.2.2).
+fn head_bytes(headers: &http::HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 32)
+        .sum()
 }
 
 fn route_error(shared: &Shared, e: RouteError) -> ApiError {
