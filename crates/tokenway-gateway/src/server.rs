@@ -192,7 +192,11 @@ impl BoundGateway {
     pub async fn serve(self, shutdown: impl std::future::Future<Output = ()> + Send) {
         let (stop_tx, stop_rx) = watch::channel(false);
         let graceful = Arc::new(Drain::default());
-        let permits = Arc::new(Semaphore::new(self.shared.config.max_connections));
+        // `max_connections` for the API's TCP fronts (cleartext and TLS together) and, apart,
+        // for the tunnel's TCP port: a flood of public connections does not lock edges out of
+        // their fallback.
+        let max = self.shared.config.max_connections;
+        let permits = [Arc::new(Semaphore::new(max)), Arc::new(Semaphore::new(max))];
         for (id, _) in self.shared.live_upstreams() {
             tokio::spawn(probe::run(self.shared.clone(), id, stop_rx.clone()));
         }
@@ -300,7 +304,8 @@ impl BoundGateway {
 struct FrontThreads {
     shared: Arc<Shared>,
     graceful: Arc<Drain>,
-    permits: Arc<Semaphore>,
+    /// The connection limits: the API fronts', the tunnel TCP port's.
+    permits: [Arc<Semaphore>; 2],
     stop: watch::Receiver<bool>,
     /// The front threads that pinned themselves, for `cpu_placement::watch`.
     pinned: Arc<PinnedThreads>,
@@ -426,7 +431,7 @@ impl FrontThreads {
             front,
             self.shared,
             self.graceful,
-            self.permits,
+            self.permits[usize::from(front == TcpFront::Tunnel)].clone(),
             self.stop,
         )
         .await;

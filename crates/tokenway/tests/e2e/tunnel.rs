@@ -252,6 +252,47 @@ async fn with_udp_unusable_the_edge_falls_back_to_tcp_and_requests_succeed() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
+/// The tunnel's own TCP port (`tunnel.tcp_listen`) counts its connections apart from the
+/// API's fronts: with the API's `max_connections` taken (a flood of public connections), an
+/// edge still gets its fallback. Before, one count for every TCP front left the edge's
+/// connection in the accept queue.
+#[tokio::test]
+async fn public_connections_at_the_limit_do_not_lock_an_edge_out_of_its_tcp_fallback() {
+    let backend = sim(FAST_SIM);
+    let gw = gateway(
+        &[&backend],
+        "max_connections = 1",
+        &format!(
+            "[tunnel]\nlisten = \"127.0.0.1:0\"\ntcp_listen = \"127.0.0.1:0\"\n\
+             tokens = [\"{TOKEN}\"]\n"
+        ),
+    );
+    let tunnel_tcp: SocketAddr = gw
+        .extra("tunnel-tcp")
+        .expect("the gateway announces its tunnel TCP port");
+    let _flood = tokio::net::TcpStream::connect(gw.addr)
+        .await
+        .expect("connect");
+    let edge = edge(&edge_config(
+        &fingerprint(&gw),
+        closed_udp_port(),
+        Some(tunnel_tcp),
+        "",
+        "",
+    ));
+    let via = tokio::time::timeout(
+        Duration::from_secs(10),
+        post(
+            &format!("{}/v1/chat/completions", edge.url()),
+            &chat("fallback while the API is full", true, 4),
+            None,
+        ),
+    )
+    .await
+    .expect("the edge's fallback connection was let in");
+    assert_eq!(via.status, 200, "{}", via.body);
+}
+
 #[tokio::test]
 async fn a_second_connection_resumes_with_0rtt() {
     let backend = sim(FAST_SIM);
