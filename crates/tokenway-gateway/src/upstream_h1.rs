@@ -539,10 +539,18 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ResponseHead>, H1Error> {
     let mut encoded = false;
     // More than one `content-length` field, or one with a list of values.
     let mut length_fields = 0;
+    // Transfer codings listed, all fields together: only a lone `chunked` is relayed.
+    let mut codings = 0;
     for h in resp.headers.iter() {
         let name = h.name;
         if name.eq_ignore_ascii_case("transfer-encoding") {
-            chunked |= lists_token(h.value, "chunked");
+            for coding in h.value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                if coding.is_empty() {
+                    continue;
+                }
+                codings += 1;
+                chunked |= coding.eq_ignore_ascii_case(b"chunked");
+            }
         } else if name.eq_ignore_ascii_case("connection") {
             close |= lists_token(h.value, "close");
             named |= names_headers(h.value);
@@ -558,13 +566,23 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ResponseHead>, H1Error> {
             encoded |= !h.value.trim_ascii().eq_ignore_ascii_case(b"identity");
         }
     }
+    // Any transfer coding but a lone `chunked` (`gzip, chunked`, or `chunked, gzip`, whose body
+    // runs to the close): the gateway would strip the field, hop-by-hop, and hand on bytes
+    // still coded as plain ones. No inference server sends one.
+    if codings > 0 && !(codings == 1 && chunked) {
+        return Err(H1Error::Protocol(
+            "transfer coding other than chunked".to_string(),
+        ));
+    }
     // A compressed event stream (a backend behind a compressing proxy) is relayed as opaque
     // bytes: no events are scanned or held back, and a failure ends it as a broken body.
     let event_stream = !encoded
         && content_type.is_some_and(|v| v.trim_ascii_start().starts_with(b"text/event-stream"));
     // The client's side frames the answer by the `content-length` it is given: one that chunked
-    // framing overrides (RFC 9112 §6.3) or that came as a list is not passed on as it was.
-    let drop_length = chunked || length_fields > 1;
+    // framing overrides (RFC 9112 §6.3) or that came as a list is not passed on as it was. Nor
+    // is an event stream's: framed by it, a stream cut short could not end with the gateway's
+    // error event (its bytes would pass the length), only be aborted.
+    let drop_length = chunked || length_fields > 1 || event_stream;
     let connection = || {
         resp.headers
             .iter()
@@ -582,7 +600,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ResponseHead>, H1Error> {
     // added.
     let mut map = spans.into_map(&head, 3).map_err(H1Error::Protocol)?;
     let content_length = if chunked { None } else { content_length };
-    if drop_length {
+    if drop_length && !event_stream {
         if let Some(n) = content_length {
             map.insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(n));
         }
@@ -1484,7 +1502,7 @@ mod tests {
     fn hop_by_hop_headers_are_left_out_and_read_and_the_rest_kept_in_order() {
         let mut buf = BytesMut::from(
             &b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n\
-               Transfer-Encoding: gzip, Chunked\r\nConnection: keep-alive, Close\r\n\
+               Transfer-Encoding: Chunked\r\nConnection: keep-alive, Close\r\n\
                keep-alive: timeout=5\r\nx-request-id: a\r\nx-request-id: b\r\n\
                proxy-connection: close\r\nTE: trailers\r\nupgrade: h2c\r\n\
                trailer: x\r\ncontent-length: 12\r\n\r\n"[..],
@@ -1521,6 +1539,32 @@ mod tests {
         );
         let head = parse_head(&mut gzipped).expect("valid").expect("complete");
         assert!(!head.event_stream);
+        // An event stream's length frames the backend's body but is not passed on: the client
+        // side frames it itself, so that a cut can still end with an error event.
+        let mut sized = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 500\r\n\r\n"[..],
+        );
+        let head = parse_head(&mut sized).expect("valid").expect("complete");
+        assert_eq!(head.content_length, Some(500));
+        assert!(!head
+            .parts
+            .headers
+            .contains_key(http::header::CONTENT_LENGTH));
+        // Transfer codings but a lone `chunked` are refused, not relayed as if plain.
+        for coding in ["gzip, chunked", "chunked, gzip", "gzip", "chunked, chunked"] {
+            let mut coded = BytesMut::from(
+                format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                     transfer-encoding: {coding}\r\n\r\n"
+                )
+                .as_str(),
+            );
+            assert!(parse_head(&mut coded).is_err(), "{coding}");
+        }
+        let mut two_fields = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n\r\n"[..],
+        );
+        assert!(parse_head(&mut two_fields).is_err());
     }
 
     #[test]
