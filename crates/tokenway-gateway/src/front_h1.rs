@@ -199,7 +199,7 @@ where
             let head = match self.read_head().await {
                 Ok(Some(head)) => head,
                 Ok(None) => return,
-                Err(end) => return self.end(end, Version::HTTP_11).await,
+                Err(end) => return self.end(end, Version::HTTP_11, None).await,
             };
             let version = head.parts.version;
             let keep_alive = head.keep_alive;
@@ -232,7 +232,7 @@ where
                         let route = service::route_label(head.parts.uri.path());
                         self.shared.count_request(route, None, e.status.as_u16());
                     }
-                    return self.end(end, version).await;
+                    return self.end(end, version, Some(&head.parts.headers)).await;
                 }
             };
             let mut req = Request::from_parts(head.parts, Full::new(body));
@@ -644,13 +644,18 @@ where
     }
 
     /// Sends the error answer of `end` (if any) and closes, draining what the client still
-    /// sends for a moment (see [`LINGER`]).
-    async fn end(&mut self, end: End, version: Version) {
+    /// sends for a moment (see [`LINGER`]). With the request's head at hand (`headers`), the
+    /// answer carries CORS headers for a listed origin as every other answer does: a browser
+    /// client otherwise sees an opaque failure instead of the 413 or 408.
+    async fn end(&mut self, end: End, version: Version, headers: Option<&http::HeaderMap>) {
         let End::Reject(e) = end else {
             return;
         };
-        self.close_with(e.into_response(), &Method::GET, version)
-            .await;
+        let mut resp = e.into_response();
+        if let (Some(cors), Some(headers)) = (&self.shared.cors, headers) {
+            cors.mark_for(headers, &mut resp);
+        }
+        self.close_with(resp, &Method::GET, version).await;
     }
 
     /// Sends `resp` as the connection's last answer and closes, lingering as [`Self::end`] does.

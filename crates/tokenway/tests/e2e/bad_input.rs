@@ -498,6 +498,20 @@ async fn a_browser_app_from_an_allowed_origin_passes_cors_and_others_do_not() {
         head.contains("access-control-allow-origin: https://chat.example.com"),
         "{head}"
     );
+    // The HTTP/1.1 front's own refusal of a body (here 413, past `max_body_bytes`) is readable
+    // by the page too.
+    let head = answer_to_head(
+        gw.addr,
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\norigin: https://chat.example.com\r\n\
+          authorization: Bearer sk-web\r\ncontent-type: application/json\r\n\
+          transfer-encoding: chunked\r\n\r\n2000001\r\n",
+    )
+    .await;
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(
+        head.contains("access-control-allow-origin: https://chat.example.com"),
+        "{head}"
+    );
     // Another origin gets no CORS answer: its preflight is the route's 405.
     let other = send("https://evil.example", http::Method::OPTIONS, None).await;
     assert_eq!(other.status(), 405);
