@@ -81,7 +81,8 @@ pub struct CostConfig {
     pub load_bound_home_epsilon: Option<f64>,
     /// A conversation's home goes first only while its expected TTFT is at most this many
     /// times the cheapest backend's (default 4.0, at least 1): beyond it the home counts as
-    /// overloaded whatever the attempt counts say.
+    /// overloaded whatever the attempt counts say. The share bound sends a new conversation
+    /// past the cheapest backend only to one within the same ratio.
     pub home_max_cost_ratio: f64,
     /// Attempts in flight that never count as over the load bound (default 2), so that at low
     /// load a conversation is not moved off its cached backend for one concurrent request.

@@ -540,9 +540,10 @@ impl Router {
     /// - **Share bound.** Otherwise (no home: a new conversation) the cheapest goes first only
     ///   while its recent share of attempts (a count decaying over `share_window`) is below
     ///   `(1 + share_epsilon) × the mean share` with this request added, and its attempts in
-    ///   flight are within the home bound; else the cheapest that is. A conversation's later
-    ///   turns follow it home, so the load it brings shows in the shares, not in the attempts
-    ///   in flight at the instant it starts.
+    ///   flight are within the home bound; else the cheapest that is and whose expected TTFT is
+    ///   within `home_max_cost_ratio` × the cheapest's. A conversation's later turns follow it
+    ///   home, so the load it brings shows in the shares, not in the attempts in flight at the
+    ///   instant it starts.
     /// - **Load bound.** Without a share bound, or when no backend is within it, the cheapest
     ///   goes first only while its attempts in flight are below the bound with slack
     ///   `load_bound_epsilon`; else the cheapest within that bound.
@@ -629,7 +630,11 @@ impl Router {
             let loose = cost
                 .load_bound_home_epsilon
                 .map_or(f64::INFINITY, |e| bound(e.max(eps)));
-            let ok = |c: &Candidate| c.share < limit && within(c, loose);
+            // Only to a backend within `home_max_cost_ratio` of the cheapest: the share bound
+            // spreads new conversations over backends that serve them about as fast, not onto
+            // a far or slow one (with two backends, one 400 ms away took 3 in 8 of them).
+            let affordable = |c: &Candidate| c.cost <= cost.home_max_cost_ratio * first.cost;
+            let ok = |c: &Candidate| c.share < limit && within(c, loose) && affordable(c);
             if ok(first) {
                 return (None, RouteReason::LowestCost);
             }

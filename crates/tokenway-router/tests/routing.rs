@@ -190,6 +190,32 @@ fn a_near_backend_beats_a_far_one_unless_it_is_saturated() {
     assert_eq!(first(&mut r, &req, t0), far);
 }
 
+/// The share bound spreads new conversations over backends that serve them about as fast; it
+/// does not send a fixed share to one many times slower (here 400 ms away: before, it took
+/// about 3 in 8 of a steady single-turn load that the near one served at once).
+#[test]
+fn the_share_bound_does_not_send_traffic_to_a_backend_many_times_slower() {
+    let t0 = Instant::now();
+    let mut r = Router::with_config(Policy::CostAware, RouterConfig::default(), 1);
+    let fast = r.add_backend(spec("fast", "eu", 0));
+    let slow = r.add_backend(spec("slow", "eu", 0));
+    r.on_rtt_sample(fast, ms(1), t0);
+    r.on_rtt_sample(slow, ms(400), t0);
+    let req = RouteRequest::new(M)
+        .with_client_region("eu")
+        .with_prompt_tokens(100);
+    let mut to_slow = 0;
+    for i in 0..100u64 {
+        let now = t0 + ms(100 * i);
+        let id = first(&mut r, &req, now);
+        to_slow += usize::from(id == slow);
+        let mut t = r.start_attempt(id, &req, now);
+        let _ = r.first_token(&mut t, ms(20), now + ms(20));
+        let _ = r.end_attempt(t, Outcome::Success, now + ms(50));
+    }
+    assert!(to_slow < 10, "{to_slow} of 100 went to the slow backend");
+}
+
 #[test]
 fn the_cross_region_penalty_alone_keeps_traffic_in_region() {
     let t0 = Instant::now();
