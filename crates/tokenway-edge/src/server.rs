@@ -41,7 +41,7 @@ const ROUTES: [&str; 6] = [
 ];
 
 /// Headers that belong to one hop (RFC 9110 §7.6.1) or that the tunnel sets itself.
-static HOP_BY_HOP: [HeaderName; 11] = [
+static HOP_BY_HOP: [HeaderName; 12] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -53,6 +53,8 @@ static HOP_BY_HOP: [HeaderName; 11] = [
     HeaderName::from_static(tokenway_transport::tunnel::AUTH_HEADER),
     HeaderName::from_static(tokenway_transport::tunnel::IDEMPOTENCY_HEADER),
     HeaderName::from_static(tokenway_transport::cc::RX_RATE_HEADER),
+    // A gateway's own: from an app it would keep the request from its gateway's overflow.
+    HeaderName::from_static(tokenway_transport::tunnel::OVERFLOW_HEADER),
 ];
 
 /// State shared by every local connection.
@@ -287,6 +289,13 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
     // bodies, taken as it arrives (a declared length must fit the room left, but holds
     // nothing until its bytes come).
     let mut held = local.bodies.hold();
+    // An h2c request's head is held with its body (`request_head_bytes`); an HTTP/1.1
+    // connection holds one head at a time, bounded by itself.
+    let head = if version == http::Version::HTTP_2 {
+        tokenway_transport::body_budget::request_head_bytes(&parts)
+    } else {
+        0
+    };
     let busy = || {
         let mut r = error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -302,7 +311,7 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
     let need = declared.map_or(usize::from(!hyper::body::Body::is_end_stream(&body)), |n| {
         n as usize
     });
-    if !held.has_room_for(need) {
+    if !held.grow(head) || !held.has_room_for(need) {
         return busy();
     }
     let mut collected = bytes::BytesMut::new();
@@ -311,7 +320,7 @@ async fn forward(local: &Local, req: Request<Incoming>) -> Response<LocalBody> {
         match frame {
             Ok(f) => {
                 if let Ok(data) = f.into_data() {
-                    let more = (collected.len() + data.len()).saturating_sub(held.bytes());
+                    let more = (head + collected.len() + data.len()).saturating_sub(held.bytes());
                     if !held.grow(more) {
                         return busy();
                     }
@@ -439,4 +448,32 @@ fn count(
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, crate::EdgeError> {
     tokenway_transport::socket::listen_tcp(addr)
         .map_err(|source| crate::EdgeError::Bind { addr, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What only the tunnel's ends set never comes from an app: the token, the idempotency
+    /// key, the rate advertisement, and the overflow mark between gateways (which kept an
+    /// app's request from its gateway's overflow), with the hop-by-hop fields.
+    #[test]
+    fn the_tunnels_own_fields_never_come_from_an_app() {
+        let mut h = HeaderMap::new();
+        for name in [
+            "tw-auth",
+            "tw-idempotency-key",
+            "tw-rx-rate",
+            "tw-overflow",
+            "te",
+            "x-secret",
+        ] {
+            h.insert(HeaderName::from_static(name), HeaderValue::from_static("1"));
+        }
+        h.insert(header::CONNECTION, HeaderValue::from_static("x-secret"));
+        h.insert("x-kept", HeaderValue::from_static("yes"));
+        strip(&mut h);
+        let left: Vec<_> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, ["x-kept"]);
+    }
 }

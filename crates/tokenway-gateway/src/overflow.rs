@@ -26,7 +26,7 @@ use crate::error::{ApiError, BoxError, ResponseBody};
 use crate::state::Shared;
 
 /// Marks a request that is itself an overflow; its receiver does not overflow it further.
-pub const HOP_HEADER: &str = "tw-overflow";
+pub const HOP_HEADER: &str = tokenway_transport::tunnel::OVERFLOW_HEADER;
 
 /// The peer tunnel, when overflow is configured and `parts` is not an overflow already.
 pub fn eligible<'a>(shared: &'a Shared, parts: &Parts) -> Option<&'a Arc<Tunnel>> {

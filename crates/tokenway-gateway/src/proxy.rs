@@ -697,6 +697,10 @@ async fn first_frame(body: &mut H1Body) -> Result<Option<Frame<Bytes>>, H1Error>
 /// with (see [`first_frame_with_error_line`]).
 const MAX_OPENING_ERROR_LINE: usize = 64 << 10;
 
+/// Longest silence of a backend in the middle of the error event a stream opens with before
+/// what came of it is judged (see [`first_frame_with_error_line`]).
+const OPENING_ERROR_LINE_WAIT: Duration = Duration::from_secs(1);
+
 /// The first frame of a body; of an event stream (`event_stream`) that opens with an error
 /// event whose line is still arriving (a long message split across reads), joined with the
 /// frames that finish that line, up to [`MAX_OPENING_ERROR_LINE`]: whose fault it is (`code`,
@@ -708,19 +712,26 @@ async fn first_frame_with_error_line(
     let Some(first) = first_frame(body).await? else {
         return Ok(None);
     };
-    let unfinished = |d: &[u8]| tokenway_wire::sse::error_event_unfinished(d);
-    let Some(data) = first.data_ref().filter(|d| event_stream && unfinished(d)) else {
+    let Some(data) = first
+        .data_ref()
+        .filter(|d| event_stream && tokenway_wire::sse::error_event_unfinished(d))
+    else {
         return Ok(Some(first));
     };
     let mut joined = bytes::BytesMut::from(&data[..]);
-    while joined.len() < MAX_OPENING_ERROR_LINE && unfinished(&joined) {
-        match body.frame().await {
-            None => break,
-            Some(Err(e)) => return Err(e),
+    // Until the line ends (only the bytes that arrive are searched), the bound, or a backend
+    // silent for `OPENING_ERROR_LINE_WAIT`: then what came is judged as it is.
+    while joined.len() < MAX_OPENING_ERROR_LINE {
+        match tokio::time::timeout(OPENING_ERROR_LINE_WAIT, body.frame()).await {
+            Err(_) | Ok(None) => break,
+            Ok(Some(Err(e))) => return Err(e),
             // An H1 body yields data frames only (trailers are consumed with the last chunk).
-            Some(Ok(f)) => {
+            Ok(Some(Ok(f))) => {
                 if let Some(d) = f.data_ref() {
                     joined.extend_from_slice(d);
+                    if d.iter().any(|&b| b == b'\n' || b == b'\r') {
+                        break;
+                    }
                 }
             }
         }
@@ -801,8 +812,9 @@ fn upstream_headers<'a>(
             // The whole body is already here: the backend must not wait for a go-ahead.
             || name == &header::EXPECT
             // The tunnel's rate advertisement (consumed on the QUIC tunnel port; meaningless
-            // to a backend from any other front).
-            || name.as_str() == tokenway_transport::cc::RX_RATE_HEADER)
+            // to a backend from any other front), and the overflow mark between gateways.
+            || name.as_str() == tokenway_transport::cc::RX_RATE_HEADER
+            || name.as_str() == tokenway_transport::tunnel::OVERFLOW_HEADER)
     });
     let own = upstream
         .authorization

@@ -687,11 +687,8 @@ where
     }
     let counted = parts.extensions.get::<BodyHeld>().is_none();
     let mut held = shared.bodies.hold();
-    // On HTTP/2 and HTTP/3 the request's head is held with it, in the same budget: one
-    // connection may have 1024 streams each waiting for its body with up to 64 KiB of header
-    // fields (cheap to send, HPACK and QPACK repeat a field for a byte or two), where an
-    // HTTP/1.1 connection holds one head.
-    let head = head_bytes(&parts.headers);
+    // On HTTP/2 and HTTP/3 the request's head is held with it, in the same budget.
+    let head = tokenway_transport::body_budget::request_head_bytes(parts);
     if counted && !held.grow(head) {
         return Err(ApiError::bodies_held());
     }
@@ -737,15 +734,6 @@ where
             }
         }
     }
-}
-
-/// A request head's size as HTTP/2 and HTTP/3 count it against their limit on header lists:
-/// name, value and 32 bytes per field (RFC 9113 §6.5.2, RFC 9114 §4.2.2).
-fn head_bytes(headers: &http::HeaderMap) -> usize {
-    headers
-        .iter()
-        .map(|(name, value)| name.as_str().len() + value.len() + 32)
-        .sum()
 }
 
 fn route_error(shared: &Shared, e: RouteError) -> ApiError {

@@ -16,6 +16,24 @@ use std::sync::Arc;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+/// A request head's size as HTTP/2 and HTTP/3 count it against their limit on header lists:
+/// name, value and 32 bytes per field (RFC 9113 §6.5.2, RFC 9114 §4.2.2), the target's
+/// pseudo-fields (its path with the query, its authority) included. On those protocols a
+/// request's head is held with its body in the budget: one connection may have 1024 streams
+/// each waiting for its body with up to 64 KiB of fields (cheap to send: HPACK and QPACK
+/// repeat a field for a byte or two), where an HTTP/1.1 connection holds one head.
+pub fn request_head_bytes(parts: &http::request::Parts) -> usize {
+    let target = parts.uri.path_and_query().map_or(0, |p| p.as_str().len())
+        + parts.uri.authority().map_or(0, |a| a.as_str().len())
+        + 2 * 32;
+    let fields: usize = parts
+        .headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 32)
+        .sum();
+    target + fields
+}
+
 /// The least the budget holds: at least two of the largest bodies.
 pub const MIN_BUDGET_BYTES: usize = 256 << 20;
 

@@ -118,6 +118,13 @@ const MAX_READY: usize = 256;
 const POOLED_CAPACITY: usize = 2048;
 /// How often [`LayerSlot::follow_rtt`] copies a connection's RTT into the layer.
 pub const RTT_FOLLOW_INTERVAL: Duration = Duration::from_millis(100);
+
+/// How often the RTT follower looks until the connection's handshake has completed (at most
+/// [`CONFIRM_POLL_FOR`]): repairs to a peer that spoke first are bounded until then, and the
+/// answer that follows the handshake should not wait out a whole follow interval for its own.
+const CONFIRM_POLL: Duration = Duration::from_millis(5);
+/// How long the follower polls at [`CONFIRM_POLL`].
+const CONFIRM_POLL_FOR: Duration = Duration::from_secs(2);
 /// Window over which a peer's send rate is measured (interactive scope).
 const RATE_WINDOW: Duration = Duration::from_millis(100);
 
@@ -202,13 +209,21 @@ impl LayerSlot {
         let slot = self.clone();
         let conn = conn.clone();
         runtime.spawn(async move {
-            let mut tick = tokio::time::interval(RTT_FOLLOW_INTERVAL);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut share = RepairShare::default();
+            let started = tokio::time::Instant::now();
+            let mut confirmed = false;
+            let mut first = true;
             loop {
-                tokio::select! {
-                    _ = conn.closed() => return,
-                    _ = tick.tick() => {}
+                let period = if confirmed || started.elapsed() >= CONFIRM_POLL_FOR {
+                    RTT_FOLLOW_INTERVAL
+                } else {
+                    CONFIRM_POLL
+                };
+                if !std::mem::take(&mut first) {
+                    tokio::select! {
+                        _ = conn.closed() => return,
+                        _ = tokio::time::sleep(period) => {}
+                    }
                 }
                 // Upgraded only for the update: the task never keeps a layer alive.
                 if let Some(h) = slot.handle() {
@@ -229,6 +244,7 @@ impl LayerSlot {
                     // peer's address two-way: it read what QUIC sent there.
                     if stats.frame_tx.handshake_done > 0 || stats.frame_rx.handshake_done > 0 {
                         h.confirm(peer);
+                        confirmed = true;
                     }
                 }
             }
@@ -709,7 +725,9 @@ impl State {
             window_bytes: 0,
             interactive: true,
             confirmed: false,
-            unproven: None,
+            // On the answering side every peer spoke first (a server never dials), whether its
+            // state was made by its datagram or, after an eviction, by QUIC's answer to it.
+            unproven: (self.config.side == "server").then(Unproven::default),
             ecn: None,
         })
     }
@@ -1185,7 +1203,7 @@ impl DatagramHandle {
     /// probes, sent padded to the size of their repairs ([`FecSender::set_quic_mtu`]).
     pub fn set_quic_mtu(&self, peer: SocketAddr, mtu: u16) {
         if let Some(p) = lock(&self.socket.state).peers.get_mut(&peer) {
-            p.tx.set_quic_mtu(mtu);
+            p.tx.set_quic_mtu(Instant::now(), mtu);
         }
     }
 
@@ -1945,6 +1963,32 @@ mod tests {
         assert_eq!(repairs, 0);
         let withheld = handle.sender_stats(peer).expect("state").repairs_withheld;
         assert!(withheld >= 1, "the head block's repairs were withheld");
+        // An address whose state QUIC's answer made (its own was evicted by a flood of
+        // others, or it never had any here) is bounded too: it sent nothing this end knows.
+        let other = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        other
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .expect("timeout");
+        let to = other.local_addr().expect("bound");
+        socket
+            .try_send(&Transmit {
+                destination: to,
+                ecn: None,
+                contents: &[0xc0; 3300],
+                segment_size: Some(1100),
+                src_ip: None,
+            })
+            .expect("QUIC answers");
+        lock(&handle.socket.state)
+            .service(t0 + Duration::from_secs(2), handle.socket.inner.as_ref());
+        let mut buf = [0u8; 2048];
+        while let Ok(n) = other.recv(&mut buf) {
+            let packet = tokenway_wire::packet::parse(&buf[..n]).expect("a layer packet");
+            assert!(
+                !matches!(packet, Packet::Repair(..)),
+                "a repair went to {to}"
+            );
+        }
         // Its handshake completed: the next answer gets its repairs.
         handle.confirm(peer);
         let (_, _, repairs) = round(&mut sender, t0 + Duration::from_secs(3));

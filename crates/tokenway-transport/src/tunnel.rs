@@ -34,6 +34,9 @@ use crate::TransportError;
 pub const AUTH_HEADER: &str = "tw-auth";
 /// Header carrying the per-request idempotency key (docs/tunnel.md).
 pub const IDEMPOTENCY_HEADER: &str = "tw-idempotency-key";
+/// Header marking a request one gateway sent on to a peer gateway (its overflow), which does
+/// not send it on again.
+pub const OVERFLOW_HEADER: &str = "tw-overflow";
 
 /// How often each link measures its gateway.
 const PROBE_EVERY: Duration = Duration::from_millis(500);

@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use tokenway_wire::fec::adapt::{table_repairs, HEAD_MAX_REPAIRS};
 use tokenway_wire::fec::{
     DropReason, FecConfig, FecMode, FecReceiver, FecScope, FecSender, Received, ReceiverConfig,
-    SMALL_PACKET_MAX_LEN,
+    QUIC_MTU_HOLD, SMALL_PACKET_MAX_LEN,
 };
 use tokenway_wire::obfs::Obfuscator;
 
@@ -32,7 +32,7 @@ fn pair(config: FecConfig, psk: Option<&[u8]>) -> (FecSender, FecReceiver) {
     let obfs = psk.map(|p| Obfuscator::new(p).unwrap());
     let mut tx = FecSender::new(config, obfs.clone(), [1; 32]).unwrap();
     // QUIC's path MTU covers every packet here (above it they are MTU probes).
-    tx.set_quic_mtu(u16::MAX);
+    tx.set_quic_mtu(Instant::now(), u16::MAX);
     let rx = FecReceiver::new(ReceiverConfig::default(), obfs, [2; 32]).unwrap();
     (tx, rx)
 }
@@ -1091,6 +1091,11 @@ mod fuzz_corpus {
                 name("off"),
                 encode(obfs, &stream(FecMode::Off, obfs, 5, 100, 1, &[])),
             ));
+            // Datagrams above QUIC's initial MTU: MTU probes, sent as padded plain packets.
+            s.push((
+                name("mtu-probe"),
+                encode(obfs, &stream(FecMode::Auto, obfs, 3, 1300, 1, &[])),
+            ));
             let mut reordered = stream(FecMode::Fixed { k: 8, r: 3 }, obfs, 16, 400, 1, &[4]);
             reordered.reverse();
             let dup = reordered[2].clone();
@@ -1728,7 +1733,8 @@ fn an_mtu_probe_is_as_long_on_the_wire_as_its_repairs() {
             let packet = quic_packet(len, len);
             // As a probe (QUIC's MTU still the initial 1200).
             let (mut tx, mut rx) = pair(fixed(1, 1), psk);
-            tx.set_quic_mtu(1200);
+            // Lower than `pair`'s: taken once the higher one is older than the hold.
+            tx.set_quic_mtu(now + QUIC_MTU_HOLD * 2, 1200);
             let mut probe = Vec::new();
             tx.send(now, &packet, &mut probe).unwrap();
             let mut delivered = Vec::new();
@@ -1739,7 +1745,7 @@ fn an_mtu_probe_is_as_long_on_the_wire_as_its_repairs() {
             assert_eq!(delivered, std::slice::from_ref(&packet), "{len}");
             assert_eq!(tx.stats().probes_padded, 1);
             // Once QUIC's MTU covers it: a source and its repair.
-            tx.set_quic_mtu(1434);
+            tx.set_quic_mtu(now + QUIC_MTU_HOLD * 3, 1434);
             let wire = send_block(&mut tx, now, std::slice::from_ref(&packet));
             assert_eq!(wire.len(), 2);
             assert!(wire[0].len() < probe.len(), "{len}: a source is shorter");
@@ -1758,4 +1764,17 @@ fn an_mtu_probe_is_as_long_on_the_wire_as_its_repairs() {
     let mut out = Vec::new();
     off.send(now, &quic_packet(1, 1400), &mut out).unwrap();
     assert_eq!(out.len(), 1402, "plain, unpadded");
+    // Two connections to one peer report their MTUs in turn: a lower one holds only once the
+    // higher one has not been told for a while, and a version-1 peer never gets a probe.
+    let (mut tx, _) = pair(fixed(1, 1), None);
+    tx.set_quic_mtu(now + QUIC_MTU_HOLD * 2, 1434);
+    tx.set_quic_mtu(now + QUIC_MTU_HOLD * 2 + QUIC_MTU_HOLD / 2, 1200);
+    tx.send(now, &quic_packet(2, 1400), &mut out).unwrap();
+    assert_eq!(tx.stats().probes_padded, 0, "the higher MTU still holds");
+    tx.set_quic_mtu(now + QUIC_MTU_HOLD * 4, 1200);
+    tx.send(now, &quic_packet(3, 1400), &mut out).unwrap();
+    assert_eq!(tx.stats().probes_padded, 1);
+    tx.set_version(tokenway_wire::packet::VERSION_1);
+    tx.send(now, &quic_packet(4, 1400), &mut out).unwrap();
+    assert_eq!(tx.stats().probes_padded, 1, "not to a version-1 peer");
 }

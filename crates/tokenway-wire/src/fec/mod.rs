@@ -34,7 +34,7 @@ use std::time::Duration;
 pub use receiver::{
     DropCounters, DropReason, FecReceiver, Received, ReceiverConfig, ReceiverStats,
 };
-pub use sender::{FecSender, SenderStats};
+pub use sender::{FecSender, SenderStats, QUIC_MTU_HOLD};
 
 use crate::error::WireError;
 use crate::packet::{MAX_BLOCK_REPAIRS, MAX_BLOCK_SOURCES};

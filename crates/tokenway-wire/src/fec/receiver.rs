@@ -262,19 +262,18 @@ struct Block {
     bytes: usize,
     /// A decode was refused for want of credit (counted once).
     refused: bool,
-    /// Fingerprints of the first restored packets (see [`Finalised::restored_hashes`]).
-    restored_hashes: RestoredHashes,
+    /// A source did not fit the shape its repairs gave the block (forged repairs, or forged
+    /// sources): the block's losses are not counted, as they may be the forger's.
+    misfit: bool,
 }
 
-/// `(index, fingerprint)` of up to two packets a block restored ([`NO_INDEX`] = none): enough
-/// for the common restore of one or two losses. The original of a restored packet that
-/// arrives late is told from a copy of what QUIC already got by this, not by its index alone:
-/// a restore made from forged repairs (anyone who knows the address pair can send some
-/// without obfuscation) must not cost QUIC the real packet.
-type RestoredHashes = [(u8, u64); 2];
-
-/// No index (an empty slot of [`RestoredHashes`]).
-const NO_INDEX: u8 = u8::MAX;
+/// Fingerprints of the packets restored lately, `(block, index, fingerprint)`, oldest first:
+/// the original of a restored packet that arrives late is told from a copy of what QUIC
+/// already got by this, not by its index alone (a restore made from forged repairs, which
+/// anyone who knows the address pair can send without obfuscation, must not cost QUIC the
+/// real packet). Originals come within a reordering window, so the most recent few suffice;
+/// one whose fingerprint has gone goes to QUIC, which drops it if it has it.
+const RESTORED_FINGERPRINTS: usize = 128;
 
 /// A restored packet's fingerprint. Not keyed: the packet is QUIC's encrypted bytes, which
 /// whoever forged a repair cannot know ahead.
@@ -294,12 +293,9 @@ struct Finalised {
     at_ms: u32,
     /// Source indices received or restored.
     have: u64,
-    /// Of `have`, those restored and not received since.
+    /// Of `have`, those restored and not received since: an original that arrives after its
+    /// restore is a duplicate only if it is the same packet ([`RESTORED_FINGERPRINTS`]).
     restored: u64,
-    /// Fingerprints of the first restored packets: an original that arrives after its restore
-    /// is a duplicate only if it is the same packet; else (a packet restored past the first
-    /// two, or a restore from forged repairs) it goes to QUIC.
-    restored_hashes: RestoredHashes,
     /// Closed without being tracked: the block of a packet that arrived before the receiver
     /// followed a jump to it. Its later sources are delivered untracked, not counted late.
     untracked: bool,
@@ -343,6 +339,8 @@ pub struct FecReceiver {
     blocks: VecDeque<Block>,
     buffered: usize,
     history: Vec<Finalised>,
+    /// See [`RESTORED_FINGERPRINTS`].
+    restored_fps: VecDeque<(BlockId, u8, u64)>,
     newest: Option<BlockId>,
     /// Block ids jumped over by the newest, with when (ms since the epoch): missing unless a
     /// packet of theirs arrives within `max_block_age` (reordering).
@@ -401,6 +399,7 @@ impl FecReceiver {
             blocks: VecDeque::new(),
             buffered: 0,
             history: vec![Finalised::default(); HISTORY],
+            restored_fps: VecDeque::with_capacity(RESTORED_FINGERPRINTS),
             newest: None,
             skipped: VecDeque::new(),
             last_missing: None,
@@ -569,7 +568,7 @@ impl FecReceiver {
             repairs: Vec::new(),
             bytes: 0,
             refused: false,
-            restored_hashes: [(NO_INDEX, 0); 2],
+            misfit: false,
         });
         Slot::Open(self.blocks.len() - 1)
     }
@@ -669,7 +668,6 @@ impl FecReceiver {
                 at_ms,
                 have,
                 restored: 0,
-                restored_hashes: [(NO_INDEX, 0); 2],
                 untracked: true,
             };
         }
@@ -719,10 +717,12 @@ impl FecReceiver {
                     // fingerprinted) it goes to QUIC, which drops it if it has it. Once: a copy
                     // of it after this is a duplicate.
                     f.restored &= !bit;
-                    let same = f
-                        .restored_hashes
+                    let same = self
+                        .restored_fps
                         .iter()
-                        .any(|&(at, restored)| at == h.index && restored == fp);
+                        .position(|&(b, i, _)| b == h.block && i == h.index)
+                        .and_then(|at| self.restored_fps.remove(at))
+                        .is_some_and(|(_, _, restored)| restored == fp);
                     if same {
                         return Received::Dropped(DropReason::Duplicate);
                     }
@@ -773,6 +773,7 @@ impl FecReceiver {
         let misfit =
             b.kr.is_some_and(|(k, _)| h.index >= k || packet.len() + 2 > b.shard_len);
         if b.recovered & bit != 0 || misfit {
+            b.misfit |= misfit;
             self.pool_put(packet);
             self.stats.untracked_sources += 1;
             return Received::Deliver(range);
@@ -862,7 +863,7 @@ impl FecReceiver {
         // one is not marked restored: its original, if it comes late, must still go to QUIC,
         // not be dropped as a duplicate of a copy QUIC never saw.
         let (mut restored, mut dropped) = (0u64, 0u64);
-        let mut hashes = [(NO_INDEX, 0); 2];
+        let (block, fps) = (b.id, &mut self.restored_fps);
         let result = self.decoder.0.decode(
             k,
             r,
@@ -879,15 +880,15 @@ impl FecReceiver {
                     stats.recovered_dropped += 1;
                     return;
                 }
-                if let Some(slot) = hashes.get_mut(restored.count_ones() as usize) {
-                    *slot = (u8::try_from(index).unwrap_or(NO_INDEX), packet_hash(packet));
+                if fps.len() >= RESTORED_FINGERPRINTS {
+                    fps.pop_front();
                 }
+                fps.push_back((block, index as u8, packet_hash(packet)));
                 restored |= bit;
                 q.push_back(pooled_copy(pool, packet));
             },
         );
         b.recovered |= restored;
-        b.restored_hashes = hashes;
         self.stats.recovered += u64::from(restored.count_ones());
         if result.is_err() {
             self.stats.decode_failures += 1;
@@ -900,6 +901,27 @@ impl FecReceiver {
         let Some(b) = self.blocks.remove(i) else {
             return;
         };
+        if b.misfit {
+            // Its shape may be a forger's (a repair claiming 64 sources): neither its sources
+            // nor the ones it misses count as received or lost, or one forged repair per block
+            // id would report 64 losses each and drive the peer's redundancy to its cap. Its
+            // later sources go to QUIC untracked.
+            let at_ms = self.last_now.map_or(0, |t| self.ms_since_epoch(t));
+            self.history[usize::from(b.id.0) % HISTORY] = Finalised {
+                id: b.id,
+                valid: true,
+                at_ms,
+                have: b.received | b.recovered,
+                restored: b.recovered & !b.received,
+                untracked: true,
+            };
+            self.buffered -= b.bytes;
+            for (_, buf) in b.sources.into_iter().chain(b.repairs) {
+                self.pool_put(buf);
+            }
+            self.report_dirty = true;
+            return;
+        }
         let k = b.kr.map_or(b.seen_sources, |(k, _)| usize::from(k));
         let all = low_bits(k);
         let lost = u64::from((all & !b.received).count_ones());
@@ -927,7 +949,6 @@ impl FecReceiver {
             at_ms,
             have: b.received | b.recovered,
             restored: b.recovered & !b.received,
-            restored_hashes: b.restored_hashes,
             untracked: false,
         };
         self.buffered -= b.bytes;
@@ -1245,12 +1266,17 @@ mod tests {
         for d in &mut wire[0] {
             let _ = rx.on_datagram(now, d);
         }
-        let forged = |block: u16, k: u8, shard: &[u8]| {
+        // The forger knows (or guesses) the block ids the sender uses next.
+        let block_of = |d: &[u8]| match crate::packet::parse(d) {
+            Ok(Packet::Source(h, _)) => h.block,
+            other => panic!("not a source: {other:?}"),
+        };
+        let forged = |block: BlockId, k: u8, shard: &[u8]| {
             let mut out = Vec::new();
             crate::packet::write_repair_header(
                 &mut out,
                 RepairHeader {
-                    block: BlockId(block),
+                    block,
                     k,
                     r: 1,
                     index: 0,
@@ -1260,14 +1286,25 @@ mod tests {
             out
         };
         // Block 1: a repair claiming 64 sources of 0 bytes comes first.
-        let mut fake = forged(1, 64, &[0, 0]);
+        let mut fake = forged(block_of(&wire[1][0]), 64, &[0, 0]);
         assert_eq!(rx.on_datagram(now, &mut fake), Received::Repair);
         for d in &mut wire[1][..2] {
             assert!(matches!(rx.on_datagram(now, d), Received::Deliver(_)));
         }
+        assert_eq!(
+            rx.stats().untracked_sources,
+            2,
+            "both went to QUIC untracked"
+        );
+        // Nor does the forged shape count as 64 losses once the block is given up.
+        let later = now + Duration::from_secs(5);
+        rx.on_timeout(later);
+        let s = rx.stats();
+        assert_eq!((s.lost, s.residual), (0, 0), "{s:?}");
+        let now = later;
         // Block 2: a repair of one source "restores" a 1-byte packet; the real one still goes
         // to QUIC, once.
-        let mut fake = forged(2, 1, &[0, 1, b'J', 0]);
+        let mut fake = forged(block_of(&wire[2][0]), 1, &[0, 1, b'J', 0]);
         let _ = rx.on_datagram(now, &mut fake);
         let mut junk = Vec::new();
         while rx.pop_recovered(&mut junk) {}
@@ -1281,6 +1318,50 @@ mod tests {
             rx.on_datagram(now, &mut copy),
             Received::Dropped(DropReason::Duplicate)
         ));
+    }
+
+    /// Every honest source reaches QUIC once: the originals of packets FEC restored before
+    /// they came (reordered, not lost) are duplicates, however many one block restored.
+    #[test]
+    fn originals_of_restored_packets_are_duplicates_however_many_were_restored() {
+        let now = Instant::now();
+        let config = FecConfig {
+            mode: FecMode::Fixed { k: 8, r: 4 },
+            scope: FecScope::All,
+            ..FecConfig::default()
+        };
+        let mut tx = FecSender::new(config, None, [1; 32]).expect("sender");
+        let mut wire = Vec::new();
+        for n in 0..8u8 {
+            let mut out = Vec::new();
+            tx.send(now, &[n; 100], &mut out).expect("send");
+            wire.push(out);
+        }
+        let later = now + Duration::from_secs(1);
+        tx.on_timeout(later);
+        let mut out = Vec::new();
+        while tx.poll_transmit(later, &mut out) {
+            wire.push(std::mem::take(&mut out));
+        }
+        assert_eq!(wire.len(), 12);
+        let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
+        // Sources 1, 3 and 5 come after the repairs, which restore them.
+        for i in [0, 2, 4, 6, 7, 8, 9, 10] {
+            let _ = rx.on_datagram(now, &mut wire[i]);
+        }
+        let mut restored = Vec::new();
+        let mut count = 0;
+        while rx.pop_recovered(&mut restored) {
+            count += 1;
+        }
+        assert_eq!(count, 3);
+        for i in [1, 3, 5] {
+            assert_eq!(
+                rx.on_datagram(now, &mut wire[i]),
+                Received::Dropped(DropReason::Duplicate),
+                "source {i}"
+            );
+        }
     }
 
     #[test]
@@ -1347,10 +1428,10 @@ mod tests {
             ..FecConfig::default()
         };
         let mut tx = FecSender::new(config, None, [1; 32]).expect("sender");
-        // QUIC's MTU covers them (else they are probes, sent padded outside FEC).
-        tx.set_quic_mtu(u16::MAX);
-        let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
         let now = Instant::now();
+        // QUIC's MTU covers them (else they are probes, sent padded outside FEC).
+        tx.set_quic_mtu(now, u16::MAX);
+        let mut rx = FecReceiver::new(ReceiverConfig::default(), None, [2; 32]).expect("receiver");
         let later = now + Duration::from_secs(1);
         for size in [1200usize, crate::fec::MAX_PROTECTED_LEN] {
             let mut wire = Vec::new();

@@ -20,6 +20,10 @@ use crate::packet::{self, BlockId, RepairHeader, SourceHeader, REPAIR_HEADER_LEN
 /// QUIC's path MTU before discovery raises it (RFC 9000 §14: every path carries 1200).
 const QUIC_INITIAL_MTU: usize = 1200;
 
+/// How long a QUIC MTU holds against a lower one told meanwhile (see
+/// [`FecSender::set_quic_mtu`]).
+pub const QUIC_MTU_HOLD: Duration = Duration::from_secs(1);
+
 /// Most repair packets waiting for their send time; beyond it the oldest are dropped.
 const MAX_PENDING_REPAIRS: usize = 4 * crate::packet::MAX_BLOCK_REPAIRS;
 /// Blocks whose packet counts are kept for the peer's loss reports (which name whole blocks
@@ -126,9 +130,10 @@ pub struct FecSender {
     obfs: Option<Obfuscator>,
     rng: StdRng,
     srtt: Option<Duration>,
-    /// QUIC's path MTU (its largest datagram) as last told: a larger datagram is an MTU
-    /// probe ([`Self::set_quic_mtu`]).
+    /// QUIC's path MTU (its largest datagram) as last told, and when the value last held: a
+    /// larger datagram is an MTU probe ([`Self::set_quic_mtu`]).
     quic_mtu: usize,
+    quic_mtu_at: Option<Instant>,
     interactive: bool,
     next_block: BlockId,
     open: Option<OpenBlock>,
@@ -182,6 +187,7 @@ impl FecSender {
             rng,
             srtt: None,
             quic_mtu: QUIC_INITIAL_MTU,
+            quic_mtu_at: None,
             interactive: false,
             next_block: first_block,
             open: None,
@@ -254,8 +260,20 @@ impl FecSender {
     /// where its repairs could not: on a WireGuard path (1420-byte MTU) with obfuscation,
     /// discovery settled at 1375 and every repair of a full-size packet was 1 byte too long.
     /// Until told, the MTU is QUIC's initial 1200.
-    pub fn set_quic_mtu(&mut self, mtu: u16) {
-        self.quic_mtu = usize::from(mtu).max(QUIC_INITIAL_MTU);
+    ///
+    /// Two connections to one peer (one replacing the other) share this sender and report
+    /// their own MTUs in turn: a lower value is taken only once no higher one has been told
+    /// for [`QUIC_MTU_HOLD`], so the old connection's full-size packets are not taken for
+    /// probes while the new one discovers its MTU.
+    pub fn set_quic_mtu(&mut self, now: Instant, mtu: u16) {
+        let mtu = usize::from(mtu).max(QUIC_INITIAL_MTU);
+        let held = self
+            .quic_mtu_at
+            .is_some_and(|at| now.saturating_duration_since(at) < QUIC_MTU_HOLD);
+        if mtu >= self.quic_mtu || !held {
+            self.quic_mtu = mtu;
+            self.quic_mtu_at = Some(now);
+        }
     }
 
     /// Tells the sender whether the connection is in the interactive class. With
@@ -369,7 +387,9 @@ impl FecSender {
         self.on_timeout(now);
         out.clear();
         self.reserve_salt(out);
+        // Not to a version-1 peer: it predates the type, and would drop every probe.
         if self.config.mode != FecMode::Off
+            && self.version == packet::VERSION
             && quic.len() > self.quic_mtu
             && quic.len() <= MAX_PROTECTED_LEN
         {
