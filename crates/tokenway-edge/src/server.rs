@@ -41,7 +41,7 @@ const ROUTES: [&str; 6] = [
 ];
 
 /// Headers that belong to one hop (RFC 9110 §7.6.1) or that the tunnel sets itself.
-static HOP_BY_HOP: [HeaderName; 12] = [
+static HOP_BY_HOP: [HeaderName; 13] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -55,6 +55,7 @@ static HOP_BY_HOP: [HeaderName; 12] = [
     HeaderName::from_static(tokenway_transport::cc::RX_RATE_HEADER),
     // A gateway's own: from an app it would keep the request from its gateway's overflow.
     HeaderName::from_static(tokenway_transport::tunnel::OVERFLOW_HEADER),
+    HeaderName::from_static(tokenway_transport::tunnel::SUPERSEDES_HEADER),
 ];
 
 /// State shared by every local connection.
@@ -465,6 +466,7 @@ mod tests {
             "tw-idempotency-key",
             "tw-rx-rate",
             "tw-overflow",
+            "tw-supersedes",
             "te",
             "x-secret",
         ] {

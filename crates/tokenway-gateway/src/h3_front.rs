@@ -292,6 +292,8 @@ async fn request(
 ) {
     let (mut send, recv) = stream.split();
     let (mut parts, ()) = req.into_parts();
+    // A tunnel request, noted as running until it ends, so that a retry can stop it.
+    let mut running = None;
     let transport = match front {
         Front::Public => Transport::H3,
         Front::Tunnel => {
@@ -311,9 +313,12 @@ async fn request(
                 .await;
                 return;
             }
-            if let Err(e) = tunnel.admit(&mut parts.headers, Instant::now()) {
-                write_error(&mut send, e, &shared).await;
-                return;
+            match tunnel.admit(&mut parts.headers, Instant::now()) {
+                Ok(key) => running = tunnel.run(key),
+                Err(e) => {
+                    write_error(&mut send, e, &shared).await;
+                    return;
+                }
             }
             // Hysteria-2-style rate negotiation: brutal at min(edge `tw-rx-rate`, our
             // `bandwidth.up`) when `[tunnel.datagram] cc = "brutal"`; the header is consumed.
@@ -343,6 +348,23 @@ async fn request(
         }
         prio.set(class.unwrap_or_else(|| response_priority(&resp)));
         write_response(&mut send, resp, head, stall).await
+    };
+    // A retry of this request from its edge (whose QUIC path went silent) stops it: dropping
+    // `serve` cancels it upstream, as a client leaving does.
+    let serve = async {
+        let superseded = async {
+            match &running {
+                Some(r) => r.superseded().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            finished = serve => finished,
+            () = superseded => {
+                tracing::debug!(%remote, "tunnel request superseded by its retry; cancelled");
+                false
+            }
+        }
     };
     // A client that cancels (STOP_SENDING, which dropping a stream sends) or whose connection
     // closes cancels the request at once, as on the TCP fronts: dropping `serve` drops the

@@ -814,7 +814,8 @@ fn upstream_headers<'a>(
             // The tunnel's rate advertisement (consumed on the QUIC tunnel port; meaningless
             // to a backend from any other front), and the overflow mark between gateways.
             || name.as_str() == tokenway_transport::cc::RX_RATE_HEADER
-            || name.as_str() == tokenway_transport::tunnel::OVERFLOW_HEADER)
+            || name.as_str() == tokenway_transport::tunnel::OVERFLOW_HEADER
+            || name.as_str() == tokenway_transport::tunnel::SUPERSEDES_HEADER)
     });
     let own = upstream
         .authorization

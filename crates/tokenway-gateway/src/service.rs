@@ -155,6 +155,8 @@ where
             if !tunnel.is_authenticated(req.headers()) {
                 return Ok(tunnel.masquerade.respond(&req, &shared.client).await);
             }
+            // A request on the TCP fallback is not noted as running: a retry comes from an
+            // edge whose QUIC path went silent, and supersedes what ran there.
             if let Err(e) = tunnel.admit(req.headers_mut(), Instant::now()) {
                 return Ok(e.into_response());
             }

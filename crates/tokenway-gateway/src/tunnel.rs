@@ -2,11 +2,12 @@
 //! (the `tw-idempotency-key` window), and which port-forwarding targets are allowed.
 //! See docs/tunnel.md for the wire contract.
 
-use std::collections::HashSet;
-use std::sync::Mutex;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use http::{HeaderMap, StatusCode};
+use tokio::sync::Notify;
 
 use crate::config::TunnelConfig;
 use crate::error::ApiError;
@@ -17,11 +18,17 @@ use crate::replay::{Refusal, ReplayWindow};
 pub const AUTH_HEADER: &str = "tw-auth";
 /// Header carrying the idempotency key.
 pub const IDEMPOTENCY_HEADER: &str = "tw-idempotency-key";
+/// Header of a retry naming its earlier attempts' keys (see [`Running`]).
+pub const SUPERSEDES_HEADER: &str = tokenway_transport::tunnel::SUPERSEDES_HEADER;
 
 /// Shared state of the tunnel port.
 pub struct TunnelState {
     tokens: crate::secret::Secrets,
     replay: Mutex<ReplayWindow>,
+    /// Tunnel requests running on the QUIC port, by idempotency key (see [`Running`]).
+    running: RunningMap,
+    /// Most entries of `running` (`max_replay_keys`).
+    max_running: usize,
     forward_allow: HashSet<String>,
     /// What failed authentication sees.
     pub masquerade: Masquerade,
@@ -38,6 +45,8 @@ impl TunnelState {
             )),
             forward_allow: c.forward_allow.iter().cloned().collect(),
             masquerade: Masquerade::from_config(&c.masquerade),
+            running: RunningMap::default(),
+            max_running: c.max_replay_keys,
         }
     }
 
@@ -49,9 +58,12 @@ impl TunnelState {
         self.tokens.matches(presented.as_bytes())
     }
 
-    /// Removes the tunnel headers and admits the idempotency key, refusing replays.
-    pub fn admit(&self, headers: &mut HeaderMap, now: Instant) -> Result<(), ApiError> {
+    /// Removes the tunnel headers and admits the idempotency key, refusing replays; returns
+    /// the key. A retry's earlier attempts that still run here ([`SUPERSEDES_HEADER`]) are
+    /// stopped.
+    pub fn admit(&self, headers: &mut HeaderMap, now: Instant) -> Result<String, ApiError> {
         headers.remove(AUTH_HEADER);
+        let supersedes = headers.remove(SUPERSEDES_HEADER);
         let key = headers.remove(IDEMPOTENCY_HEADER);
         let Some(key) = key else {
             return Err(ApiError::new(
@@ -68,7 +80,12 @@ impl TunnelState {
             .unwrap_or_else(|p| p.into_inner())
             .admit(key, now);
         match verdict {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                if let Some(list) = supersedes.as_ref().and_then(|v| v.to_str().ok()) {
+                    self.stop_running(list.split(',').map(str::trim));
+                }
+                Ok(key.to_string())
+            }
             Err(Refusal::Malformed) => Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
@@ -84,9 +101,81 @@ impl TunnelState {
         }
     }
 
+    /// Notes a tunnel request running under `key` until the returned guard is dropped; `None`
+    /// when `max_replay_keys` already run (the request runs, it just cannot be superseded).
+    pub fn run(&self, key: String) -> Option<Running> {
+        let stop = Arc::new(Notify::new());
+        let mut map = lock(&self.running.0);
+        if map.len() >= self.max_running {
+            return None;
+        }
+        map.insert(key.clone(), stop.clone());
+        Some(Running {
+            map: self.running.clone(),
+            key,
+            stop,
+        })
+    }
+
+    /// Stops the requests running under `keys` (a retry superseded them).
+    fn stop_running<'a>(&self, keys: impl Iterator<Item = &'a str>) {
+        let map = lock(&self.running.0);
+        for key in keys.take(MAX_SUPERSEDED) {
+            if let Some(stop) = map.get(key) {
+                tracing::info!(
+                    key,
+                    "a retry supersedes a tunnel request still running; stopping it"
+                );
+                stop.notify_one();
+            }
+        }
+    }
+
     /// Whether CONNECT may reach `target` (`host:port`, exactly as configured).
     pub fn may_forward_to(&self, target: &str) -> bool {
         self.forward_allow.contains(target)
+    }
+}
+
+/// Most earlier attempts one retry may name (the edge makes at most four attempts).
+const MAX_SUPERSEDED: usize = 8;
+
+/// The requests running on the tunnel's QUIC port, by idempotency key.
+#[derive(Clone, Default)]
+struct RunningMap(Arc<Mutex<HashMap<String, Arc<Notify>>>>);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A tunnel request running on the QUIC port. An edge whose QUIC path went silent sends the
+/// requests that had no answer yet again (over TCP, or a fresh connection), naming this one's
+/// key: this one may have reached the gateway all the same, and would run until the gateway
+/// saw its connection die (its idle timeout), the backend generating the whole answer twice.
+/// [`Running::superseded`] resolves once a retry names it; dropping the request then cancels
+/// it upstream.
+pub struct Running {
+    map: RunningMap,
+    key: String,
+    stop: Arc<Notify>,
+}
+
+impl Running {
+    /// Resolves once a retry of this request has arrived.
+    pub async fn superseded(&self) {
+        self.stop.notified().await;
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let mut map = lock(&self.map.0);
+        if map
+            .get(&self.key)
+            .is_some_and(|s| Arc::ptr_eq(s, &self.stop))
+        {
+            map.remove(&self.key);
+        }
     }
 }
 
@@ -142,5 +231,47 @@ mod tests {
         assert_eq!(e.status, StatusCode::CONFLICT);
         assert!(s.may_forward_to("127.0.0.1:7000"));
         assert!(!s.may_forward_to("127.0.0.1:22"));
+    }
+
+    /// A retry names its earlier attempts: one still running is stopped, once, and a request
+    /// that ended is forgotten (its key's entry goes with it).
+    #[tokio::test]
+    async fn a_retry_stops_the_attempts_it_supersedes_that_still_run() {
+        let s = state();
+        let now = Instant::now();
+        let request = |key: &'static str, supersedes: Option<&'static str>| {
+            let mut h = HeaderMap::new();
+            h.insert(IDEMPOTENCY_HEADER, key.parse().expect("header"));
+            if let Some(list) = supersedes {
+                h.insert(SUPERSEDES_HEADER, list.parse().expect("header"));
+            }
+            h
+        };
+        const A: &str = "00112233445566778899aabbccddeeff";
+        const B: &str = "ffeeddccbbaa99887766554433221100";
+        const C: &str = "0123456789abcdef0123456789abcdef";
+        let key = s.admit(&mut request(A, None), now).expect("admitted");
+        let a = s.run(key).expect("noted");
+        let mut retry = request(B, Some("0000, 00112233445566778899aabbccddeeff"));
+        let key = s.admit(&mut retry, now).expect("admitted");
+        assert!(retry.get(SUPERSEDES_HEADER).is_none(), "consumed");
+        let b = s.run(key).expect("noted");
+        tokio::time::timeout(Duration::from_secs(1), a.superseded())
+            .await
+            .expect("the first attempt was stopped");
+        drop(a);
+        drop(b);
+        assert!(
+            lock(&s.running.0).is_empty(),
+            "ended requests are forgotten"
+        );
+        // Naming a request that is not running stops nothing.
+        let key = s.admit(&mut request(C, Some(A)), now).expect("admitted");
+        let c = s.run(key).expect("noted");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), c.superseded())
+                .await
+                .is_err()
+        );
     }
 }

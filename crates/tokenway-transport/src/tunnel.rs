@@ -37,6 +37,12 @@ pub const IDEMPOTENCY_HEADER: &str = "tw-idempotency-key";
 /// Header marking a request one gateway sent on to a peer gateway (its overflow), which does
 /// not send it on again.
 pub const OVERFLOW_HEADER: &str = "tw-overflow";
+/// Header of a retried tunnel request listing the idempotency keys of its earlier attempts
+/// (comma-separated): the gateway cancels any of them it is still running. An attempt that
+/// failed before its answer's head (its path went silent, its connection was set aside) may
+/// have reached the gateway all the same, which runs it until it sees the connection die;
+/// without this the retry made the backend generate the whole answer twice.
+pub const SUPERSEDES_HEADER: &str = "tw-supersedes";
 
 /// How often each link measures its gateway.
 const PROBE_EVERY: Duration = Duration::from_millis(500);
@@ -535,6 +541,28 @@ impl Tunnel {
         Ok(req)
     }
 
+    /// [`Self::request`] for a retry: it names the earlier attempts' keys (`earlier`), which
+    /// the gateway stops if it still runs them ([`SUPERSEDES_HEADER`]).
+    fn retry_request<B>(
+        &self,
+        out: &Outgoing,
+        body: B,
+        earlier: &[HeaderValue],
+    ) -> Result<Request<B>, RequestError> {
+        let mut req = self.request(out, body)?;
+        if !earlier.is_empty() {
+            let list = earlier
+                .iter()
+                .filter_map(|k| k.to_str().ok())
+                .collect::<Vec<_>>()
+                .join(",");
+            if let Ok(v) = HeaderValue::from_str(&list) {
+                req.headers_mut().insert(SUPERSEDES_HEADER, v);
+            }
+        }
+        Ok(req)
+    }
+
     /// "no gateway is reachable", with why each gateway could not be dialled.
     fn unreachable(&self) -> String {
         let why: Vec<String> = self
@@ -591,6 +619,8 @@ impl Tunnel {
         // more after a failure on a connection that is still open (0-RTT data refused: the
         // same connection carries the retry as 1-RTT).
         let (mut fresh_retries, mut same_retries) = (2, 1);
+        // The idempotency keys of this request's attempts so far.
+        let mut earlier: Vec<HeaderValue> = Vec::new();
         loop {
             let Some((i, conn)) = self.acquire(&avoid).await else {
                 return Err(last
@@ -608,7 +638,9 @@ impl Tunnel {
                 }
                 return Err(SendError::token_refused(&self.links[i].name));
             }
-            let req = self.request(out, Full::new(out.body.clone()))?;
+            let req = self.retry_request(out, Full::new(out.body.clone()), &earlier)?;
+            // Kept for the next attempt, if this one fails: it may have reached the gateway.
+            earlier.extend(req.headers().get(IDEMPOTENCY_HEADER).cloned());
             match conn.send_request(req).await {
                 Ok(response) => {
                     if self.token_refused(i, is_html(&response)).await {
@@ -981,6 +1013,7 @@ fn tunnel_headers(
     h.insert(AUTH_HEADER, token.clone());
     h.insert(IDEMPOTENCY_HEADER, idempotency_key());
     h.remove(crate::cc::RX_RATE_HEADER);
+    h.remove(SUPERSEDES_HEADER);
     if let Some(rate) = rx_rate {
         h.insert(crate::cc::RX_RATE_HEADER, rate.clone());
     }
@@ -1007,5 +1040,10 @@ mod tests {
         let h = tunnel_headers(&caller, &token, Some(&ours));
         let rates: Vec<_> = h.get_all(crate::cc::RX_RATE_HEADER).iter().collect();
         assert_eq!(rates, [&ours]);
+        // Nor does a caller name attempts to stop: only a retry of this end does.
+        caller.insert(SUPERSEDES_HEADER, HeaderValue::from_static("00"));
+        assert!(tunnel_headers(&caller, &token, None)
+            .get(SUPERSEDES_HEADER)
+            .is_none());
     }
 }

@@ -455,42 +455,7 @@ async fn try_quinn_client(
     ),
     tokenway_transport::TransportError,
 > {
-    use tokenway_transport::client::{QuicClient, QuicConnect};
-    use tokenway_transport::trust::{client_tls, Trust};
-    use tokenway_transport::QuicSettings;
-
-    let h3_addr = gw.extra("h3").expect("h3 front");
-    let pin = gw
-        .fingerprint()
-        .expect("the gateway reports its fingerprint");
-    let settings = QuicSettings {
-        zero_rtt: false,
-        ..QuicSettings::default()
-    };
-    let endpoint = tokenway_transport::endpoint::client_endpoint(
-        "127.0.0.1:0".parse().expect("addr"),
-        &settings,
-    )
-    .expect("client endpoint");
-    let tls = client_tls(
-        &Trust::Pinned(vec![pin]),
-        &[tokenway_transport::ALPN_H3],
-        false,
-    )
-    .expect("client TLS");
-    let client = QuicClient::connect(QuicConnect {
-        endpoint: &endpoint,
-        addr: h3_addr,
-        server_name: "localhost",
-        tls,
-        settings: &settings,
-        initial_rtt: None,
-        peer: "test",
-        metrics: None,
-        timeout: Duration::from_secs(5),
-    })
-    .await?;
-    Ok((client, Box::new(endpoint)))
+    quic_client_at(gw, gw.extra("h3").expect("h3 front")).await
 }
 
 #[tokio::test]

@@ -576,3 +576,54 @@ pub fn lab_stack(
 /// measure throughput take turns: on a 2-core machine two at once starve each other's timing.
 /// Async tests `.lock().await`, plain ones `blocking_lock()`.
 pub static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The edge's quinn-based HTTP/3 client connected to `addr` (one of `gw`'s QUIC ports),
+/// trusting the certificate the gateway announced, with its endpoint (a quinn `Endpoint`,
+/// which this crate does not name) to keep while the client is used; or why it could not
+/// connect.
+pub async fn quic_client_at(
+    gw: &Proc,
+    addr: SocketAddr,
+) -> Result<
+    (
+        tokenway_transport::client::QuicClient,
+        Box<dyn std::any::Any>,
+    ),
+    tokenway_transport::TransportError,
+> {
+    use tokenway_transport::client::{QuicClient, QuicConnect};
+    use tokenway_transport::trust::{client_tls, Trust};
+    use tokenway_transport::QuicSettings;
+
+    let pin = gw
+        .fingerprint()
+        .expect("the gateway reports its fingerprint");
+    let settings = QuicSettings {
+        zero_rtt: false,
+        ..QuicSettings::default()
+    };
+    let endpoint = tokenway_transport::endpoint::client_endpoint(
+        "127.0.0.1:0".parse().expect("addr"),
+        &settings,
+    )
+    .expect("client endpoint");
+    let tls = client_tls(
+        &Trust::Pinned(vec![pin]),
+        &[tokenway_transport::ALPN_H3],
+        false,
+    )
+    .expect("client TLS");
+    let client = QuicClient::connect(QuicConnect {
+        endpoint: &endpoint,
+        addr,
+        server_name: "localhost",
+        tls,
+        settings: &settings,
+        initial_rtt: None,
+        peer: "test",
+        metrics: None,
+        timeout: Duration::from_secs(5),
+    })
+    .await?;
+    Ok((client, Box::new(endpoint)))
+}

@@ -293,6 +293,61 @@ async fn public_connections_at_the_limit_do_not_lock_an_edge_out_of_its_tcp_fall
     assert_eq!(via.status, 200, "{}", via.body);
 }
 
+/// An edge whose QUIC path goes silent sends the requests that had no answer yet again (over
+/// TCP, or on a fresh connection), naming the first attempt's idempotency key: the gateway
+/// stops that attempt if it still runs it. Before, it ran on until the gateway's idle timeout
+/// closed the dead connection, and a long answer was generated twice.
+#[tokio::test]
+async fn a_retry_naming_an_attempt_that_still_runs_stops_it() {
+    let backend = sim("base_latency_ms = 1.0\ntime_per_output_token_ms = 50.0\n");
+    let gw = tunnel_gateway(&backend, "", "");
+    let (quic, _endpoint) = quic_client_at(&gw, tunnel_addr(&gw))
+        .await
+        .expect("connected to the tunnel port");
+    const FIRST: &str = "0123456789abcdef0123456789abcdef";
+    const RETRY: &str = "fedcba9876543210fedcba9876543210";
+    let request = |key: &str, supersedes: Option<&str>, tokens: u32| {
+        let mut req = http::Request::post("/v1/chat/completions")
+            .header("content-type", "application/json")
+            .header("tw-auth", TOKEN)
+            .header("tw-idempotency-key", key);
+        if let Some(k) = supersedes {
+            req = req.header("tw-supersedes", k);
+        }
+        req.body(Full::new(Bytes::from(chat("a long answer", false, tokens))))
+            .expect("request")
+    };
+    // The first attempt: a whole answer of 200 tokens, 10 s of the backend's time.
+    let first = request(FIRST, None, 200);
+    let first = tokio::spawn(async move {
+        match quic.send_request(first).await {
+            Ok(resp) => resp.into_body().collect().await.is_ok(),
+            Err(_) => false,
+        }
+    });
+    let busy = eventually(Duration::from_secs(5), || async {
+        metric_sum(
+            &metrics(&gw).await,
+            "tokenway_backend_inflight{backend=\"b0\"",
+        ) == 1.0
+    })
+    .await;
+    assert!(busy, "the first attempt never reached the backend");
+    // Its retry, over TCP, names it.
+    let mut retry = request(RETRY, Some(FIRST), 2);
+    *retry.uri_mut() = format!("{}/v1/chat/completions", gw.url())
+        .parse()
+        .expect("uri");
+    let answer = client().request(retry).await.expect("the retry answered");
+    assert_eq!(answer.status(), 200);
+    let whole = tokio::time::timeout(Duration::from_secs(3), first)
+        .await
+        .expect("the first attempt was stopped, not run to its end")
+        .expect("task");
+    assert!(!whole, "the first attempt's answer came whole");
+    assert!(b0_released(&gw, Duration::from_secs(3)).await);
+}
+
 #[tokio::test]
 async fn a_second_connection_resumes_with_0rtt() {
     let backend = sim(FAST_SIM);
