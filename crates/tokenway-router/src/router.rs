@@ -729,14 +729,28 @@ impl Router {
                     .map(slot),
             );
         }
-        if slots.is_empty() {
-            slots.extend(cands.iter().map(slot));
+        let key = affinity::key_hash(&session.key);
+        let eps = self.cfg.affinity.epsilon;
+        let mut placed = None;
+        if !slots.is_empty() && slots.len() < cands.len() {
+            // In the client's region while the backend placed there is within the bound of
+            // the whole fleet: a region of one or two busy backends spills to the others
+            // rather than taking every session up to its `max_inflight`.
+            let total: u64 = cands.iter().map(|c| u64::from(c.inflight)).sum();
+            let fleet_bound = affinity::load_bound(total, cands.len(), eps);
+            placed = affinity::place(key, &slots, eps).filter(|p| {
+                cands
+                    .iter()
+                    .find(|c| c.id == p.id)
+                    .is_some_and(|c| u64::from(c.inflight) < fleet_bound)
+            });
+            slots.clear();
         }
-        let placed = affinity::place(
-            affinity::key_hash(&session.key),
-            &slots,
-            self.cfg.affinity.epsilon,
-        )?;
+        if placed.is_none() {
+            slots.extend(cands.iter().map(slot));
+            placed = affinity::place(key, &slots, eps);
+        }
+        let placed = placed?;
         let pos = cands.iter().position(|c| c.id == placed.id)?;
         Some((
             pos,

@@ -216,6 +216,27 @@ fn the_share_bound_does_not_send_traffic_to_a_backend_many_times_slower() {
     assert!(to_slow < 10, "{to_slow} of 100 went to the slow backend");
 }
 
+/// Sessions are placed in the client's region while that region's backend is within the load
+/// bound of the whole fleet; a busy region spills them to the others (before, the only eu
+/// backend took every eu session up to its `max_inflight`, the others idle).
+#[test]
+fn sessions_leave_a_busy_region_for_the_rest_of_the_fleet() {
+    let t0 = Instant::now();
+    let mut r = Router::with_config(Policy::CostAware, RouterConfig::default(), 1);
+    let eu = r.add_backend(spec("eu-1", "eu", 0));
+    let _us1 = r.add_backend(spec("us-1", "us", 0));
+    let _us2 = r.add_backend(spec("us-2", "us", 0));
+    let alice = session("alice").with_client_region("eu");
+    assert_eq!(
+        first(&mut r, &alice, t0),
+        eu,
+        "an idle region keeps its sessions"
+    );
+    load(&mut r, eu, 40, 200, t0);
+    let routed = r.route(&alice, t0).expect("eligible backends");
+    assert_ne!(routed.backends[0], eu, "{:?}", routed.reason);
+}
+
 #[test]
 fn the_cross_region_penalty_alone_keeps_traffic_in_region() {
     let t0 = Instant::now();
