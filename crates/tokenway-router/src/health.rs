@@ -371,6 +371,17 @@ impl HealthState {
 
     /// Whether a trial passes only with its whole answer (the backend was ejected for
     /// stalls: a first token says nothing of the next ones).
+    /// Whether it was ejected for slow first tokens: its trial's must not be one.
+    pub fn ejected_for_slow_first_tokens(&self) -> bool {
+        matches!(
+            self,
+            Self::Ejected {
+                reason: EjectReason::TtftOutliers { .. },
+                ..
+            }
+        )
+    }
+
     pub fn trial_needs_whole_answer(&self) -> bool {
         matches!(
             self,

@@ -1079,10 +1079,13 @@ impl Router {
             return false;
         };
         let live = self.backends.iter().filter(|o| !o.removed).count();
+        // The others that are out: a backend on trial, out itself, is kept out by a failed
+        // trial without one more backend going out.
         let out = self
             .backends
             .iter()
-            .filter(|o| !o.removed && !o.health.is_healthy())
+            .enumerate()
+            .filter(|(i, o)| *i != id.0 && !o.removed && !o.health.is_healthy())
             .count();
         // Every model it serves must have another healthy backend: one shared model was
         // enough before, and a backend serving a base model and an adapter that no other
@@ -1323,7 +1326,9 @@ fn observe_ttft(
     // sustained slowdown raises its own yardstick before it counts as sustained (with few
     // samples the p95 is the third-largest). Every sample still enters the window, so the
     // hedge delay sees the real tail and a lasting change of regime is learned.
-    if b.health.ttft_outlier_streak() == 0 {
+    // Ejected for slow first tokens, the yardstick stays the one from before: the outliers in
+    // the window would otherwise let its trial pass with another.
+    if b.health.ttft_outlier_streak() == 0 && !b.health.ejected_for_slow_first_tokens() {
         b.outlier_baseline = b.recent.p95(o.ttft_outlier_min_samples);
     }
     let outlier = may_be_outlier
@@ -1333,9 +1338,12 @@ fn observe_ttft(
         });
     b.recent.push(ttft);
     let t = if trial {
-        // A backend ejected for stalls passes its trial with the whole answer (at its end).
+        // A backend ejected for stalls passes its trial with the whole answer (at its end);
+        // one ejected for slow first tokens fails it with another (before, any first token
+        // re-admitted it, and with the outliers in its window it was never ejected again).
+        let passed = !(outlier && b.health.ejected_for_slow_first_tokens());
         (!b.health.trial_needs_whole_answer())
-            .then(|| b.health.end_trial(Some(true), now, &cfg.health))
+            .then(|| b.health.end_trial(Some(passed), now, &cfg.health))
             .flatten()
     } else {
         b.health.on_ttft(outlier, now, &cfg.health, o)

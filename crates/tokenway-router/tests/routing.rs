@@ -478,6 +478,26 @@ fn sustained_ttft_outliers_against_the_backends_own_history_eject_it() {
             reason: EjectReason::TtftOutliers { consecutive: 3 }
         })
     );
+    // Its trial with another slow first token fails (before, it re-admitted the backend,
+    // which its own outliers then kept from being ejected again); a normal one re-admits.
+    // (The ejection came with the first token, 2 s after its request; the hold is 1 s.)
+    now += ms(3_100);
+    let route = r.route(&req, now).expect("eligible");
+    assert_eq!(route.reason, RouteReason::HalfOpenTrial);
+    assert_eq!(
+        attempt(&mut r, ms(2_000), now),
+        Some(HealthTransition::Ejected {
+            reason: EjectReason::TrialFailed
+        })
+    );
+    // A second strike: the next trial waits twice the hold, after that failure.
+    now += ms(4_100);
+    let route = r.route(&req, now).expect("eligible");
+    assert_eq!(route.reason, RouteReason::HalfOpenTrial);
+    assert_eq!(
+        attempt(&mut r, ms(90), now),
+        Some(HealthTransition::Readmitted)
+    );
 }
 
 #[test]
