@@ -369,8 +369,6 @@ impl HealthState {
         HealthTransition::Readmitted
     }
 
-    /// Whether a trial passes only with its whole answer (the backend was ejected for
-    /// stalls: a first token says nothing of the next ones).
     /// Whether it was ejected for slow first tokens: its trial's must not be one.
     pub fn ejected_for_slow_first_tokens(&self) -> bool {
         matches!(
@@ -382,6 +380,8 @@ impl HealthState {
         )
     }
 
+    /// Whether a trial passes only with its whole answer (the backend was ejected for
+    /// stalls: a first token says nothing of the next ones).
     pub fn trial_needs_whole_answer(&self) -> bool {
         matches!(
             self,
