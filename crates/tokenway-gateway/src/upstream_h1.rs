@@ -1255,11 +1255,15 @@ mod tests {
         assert_eq!(server.await.expect("server"), 2);
     }
 
-    #[tokio::test]
-    async fn a_pooled_connection_closed_long_after_its_request_is_a_failure_not_a_resend() {
+    /// A backend that answers its first request, reads the second and then hands its
+    /// connection to `second` (which drops it). The second request, on the pooled connection,
+    /// fails as the attempt's own failure and is not sent again on a new connection.
+    async fn the_second_request_fails_and_is_not_resent<F, Fut>(second: F)
+    where
+        F: FnOnce(TcpStream) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
         use tokio::io::AsyncReadExt;
-        // A backend that answers its first request, then reads the second, works on it past
-        // the stale window, and dies without answering.
         let (listener, addr) = loopback_listener().await;
         let server = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.expect("accept");
@@ -1269,8 +1273,7 @@ mod tests {
                 .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
                 .await;
             let _ = s.read(&mut buf).await;
-            tokio::time::sleep(STALE_WINDOW + Duration::from_millis(200)).await;
-            drop(s);
+            second(s).await;
             // A resend would come as a second connection.
             tokio::time::timeout(Duration::from_millis(500), listener.accept())
                 .await
@@ -1289,38 +1292,25 @@ mod tests {
         assert!(!server.await.expect("server"), "the request was sent again");
     }
 
+    /// The backend works on the second request past the stale window and dies unanswered.
+    #[tokio::test]
+    async fn a_pooled_connection_closed_long_after_its_request_is_a_failure_not_a_resend() {
+        the_second_request_fails_and_is_not_resent(|s| async move {
+            tokio::time::sleep(STALE_WINDOW + Duration::from_millis(200)).await;
+            drop(s);
+        })
+        .await;
+    }
+
     /// A backend that sent an interim answer (103 Early Hints) has the request: if it dies
     /// then, within the stale window of a pooled connection, the request is not sent again
     /// (it was, as if the connection had been stale).
     #[tokio::test]
     async fn a_close_after_an_interim_answer_is_a_failure_not_a_resend() {
-        use tokio::io::AsyncReadExt;
-        let (listener, addr) = loopback_listener().await;
-        let server = tokio::spawn(async move {
-            let (mut s, _) = listener.accept().await.expect("accept");
-            let mut buf = vec![0u8; 4096];
-            let _ = s.read(&mut buf).await;
-            let _ = s
-                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                .await;
-            let _ = s.read(&mut buf).await;
+        the_second_request_fails_and_is_not_resent(|mut s| async move {
             let _ = s.write_all(b"HTTP/1.1 103 Early Hints\r\n\r\n").await;
-            drop(s);
-            tokio::time::timeout(Duration::from_millis(500), listener.accept())
-                .await
-                .is_ok()
-        });
-        let pool = H1Pool::new(Duration::from_secs(1), 1);
-        let authority: Arc<str> = addr.to_string().into();
-        assert!(!post_once(&pool, &authority).await.0);
-        let (parts, head, body) = post_request(&authority);
-        let sent = pool
-            .send(&authority, &parts, &head, &body)
-            .await
-            .expect("written");
-        assert!(sent.pooled);
-        assert!(matches!(sent.response().await, Err(H1Error::Io(_))));
-        assert!(!server.await.expect("server"), "the request was sent again");
+        })
+        .await;
     }
 
     #[tokio::test]

@@ -1898,12 +1898,17 @@ mod tests {
         assert_eq!(share.update(b, &sent(40_100, 0, 100)), Some(0.125));
     }
 
-    /// QUIC sends an unvalidated address at most 3× what it received from it; the layer's
-    /// repairs, which QUIC cannot see, must not take that past 3× (one forged datagram, with
-    /// a spoofed source, reflected ~5× its size in QUIC's answer and its head block's
-    /// repairs). A peer whose handshake completed gets its repairs.
-    #[tokio::test]
-    async fn repairs_to_an_address_that_spoke_first_keep_quics_amplification_bound() {
+    /// A server-side layer on a loopback socket, ready to send; a peer's socket (reads time
+    /// out after 300 ms), and an FEC sender playing that peer, interactive from `t0`.
+    struct ServerLayer {
+        socket: Arc<dyn AsyncUdpSocket>,
+        handle: DatagramHandle,
+        theirs: std::net::UdpSocket,
+        peer: SocketAddr,
+        sender: FecSender,
+    }
+
+    async fn server_layer(t0: Instant) -> ServerLayer {
         let config = LayerConfig::from_settings(&DatagramSettings::default(), "server", None)
             .expect("layer config");
         let fec = config.fec.clone();
@@ -1920,8 +1925,30 @@ mod tests {
             .await
             .expect("writable");
         let mut sender = FecSender::new(fec, None, [9; 32]).expect("sender");
-        let t0 = Instant::now();
         sender.set_interactive(t0, true);
+        ServerLayer {
+            socket,
+            handle,
+            theirs,
+            peer,
+            sender,
+        }
+    }
+
+    /// QUIC sends an unvalidated address at most 3× what it received from it; the layer's
+    /// repairs, which QUIC cannot see, must not take that past 3× (one forged datagram, with
+    /// a spoofed source, reflected ~5× its size in QUIC's answer and its head block's
+    /// repairs). A peer whose handshake completed gets its repairs.
+    #[tokio::test]
+    async fn repairs_to_an_address_that_spoke_first_keep_quics_amplification_bound() {
+        let t0 = Instant::now();
+        let ServerLayer {
+            socket,
+            handle,
+            theirs,
+            peer,
+            mut sender,
+        } = server_layer(t0).await;
         // One datagram from `peer` (a QUIC Initial, maybe from a spoofed address), QUIC's
         // answer of three datagrams, and the layer's timers past the answer's block.
         let round = |sender: &mut FecSender, at: Instant| {
@@ -1997,24 +2024,14 @@ mod tests {
 
     #[tokio::test]
     async fn loss_reports_go_only_to_a_peer_whose_handshake_completed() {
-        let config = LayerConfig::from_settings(&DatagramSettings::default(), "server", None)
-            .expect("layer config");
-        let fec = config.fec.clone();
-        let ours = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        let theirs = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        theirs
-            .set_read_timeout(Some(Duration::from_millis(300)))
-            .expect("timeout");
-        let peer = theirs.local_addr().expect("bound");
-        let inner = crate::socket::async_socket(ours).expect("socket");
-        let (socket, handle) = DatagramSocket::wrap(inner, config).expect("layer");
-        let mut poller = socket.clone().create_io_poller();
-        std::future::poll_fn(|cx| poller.as_mut().poll_writable(cx))
-            .await
-            .expect("writable");
-        let mut sender = FecSender::new(fec, None, [9; 32]).expect("sender");
         let t0 = Instant::now();
-        sender.set_interactive(t0, true);
+        let ServerLayer {
+            socket,
+            handle,
+            theirs,
+            peer,
+            mut sender,
+        } = server_layer(t0).await;
         // `peer` sends a few QUIC packets through the layer (one block, whole), QUIC answers it,
         // and the layer's timers run past the block's expiry: a loss report is due.
         let round = |sender: &mut FecSender, at: Instant| {

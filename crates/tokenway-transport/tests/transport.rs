@@ -590,6 +590,31 @@ fn start_layered_server_on(settings: &QuicSettings, bind: SocketAddr) -> Layered
     }
 }
 
+/// The edge's `QuicClient` on the project's client endpoint with `settings` (its datagram
+/// layer), connected to `server`; with the endpoint and the layer, to keep while it is used.
+async fn layered_quic_client(
+    server: &Server,
+    settings: &QuicSettings,
+) -> (QuicClient, quinn::Endpoint, Option<DatagramHandle>) {
+    let (ep, layer) =
+        endpoint::client_endpoint_with_layer("127.0.0.1:0".parse().expect("addr"), settings)
+            .expect("client endpoint");
+    let client = QuicClient::connect(QuicConnect {
+        endpoint: &ep,
+        addr: server.addr,
+        server_name: "localhost",
+        tls: pinned_tls(server),
+        settings,
+        initial_rtt: None,
+        peer: "test",
+        metrics: None,
+        timeout: DEADLINE,
+    })
+    .await
+    .expect("connected");
+    (client, ep, layer)
+}
+
 /// A bare h3 client on the project's client endpoint with `settings`, connecting to `addr`
 /// (the server, or a relay in front of it) within `within`.
 async fn layered_client(
@@ -865,22 +890,7 @@ async fn the_gateway_side_switches_to_brutal_at_the_advertised_rate() {
 async fn the_edge_sends_at_no_more_than_the_gateways_advertised_receive_rate() {
     let settings = brutal_settings();
     let s = start_layered_server(&settings);
-    let (ep, _layer) =
-        endpoint::client_endpoint_with_layer("127.0.0.1:0".parse().expect("addr"), &settings)
-            .expect("client endpoint");
-    let client = QuicClient::connect(QuicConnect {
-        endpoint: &ep,
-        addr: s.server.addr,
-        server_name: "localhost",
-        tls: pinned_tls(&s.server),
-        settings: &settings,
-        initial_rtt: None,
-        peer: "test",
-        metrics: None,
-        timeout: DEADLINE,
-    })
-    .await
-    .expect("connected");
+    let (client, _ep, _layer) = layered_quic_client(&s.server, &settings).await;
     let rate =
         tokenway_transport::cc::rate_handle(client.connection()).expect("a tunnel connection");
     assert_eq!(rate.rate(), Some(2_000_000), "the edge starts at its up");
@@ -1147,22 +1157,7 @@ async fn a_layered_quic_client_dropped_without_close_closes_its_connection() {
             .expect("handshake");
         conn.closed().await
     });
-    let (ep, _layer) =
-        endpoint::client_endpoint_with_layer("127.0.0.1:0".parse().expect("addr"), &settings)
-            .expect("client endpoint");
-    let client = QuicClient::connect(QuicConnect {
-        endpoint: &ep,
-        addr: server.addr,
-        server_name: "localhost",
-        tls: pinned_tls(&server),
-        settings: &settings,
-        initial_rtt: None,
-        peer: "test",
-        metrics: None,
-        timeout: DEADLINE,
-    })
-    .await
-    .expect("connected");
+    let (client, _ep, _layer) = layered_quic_client(&server, &settings).await;
     client.established().await.expect("handshake completed");
     client.set_aside();
     drop(client);

@@ -906,20 +906,7 @@ impl FecReceiver {
             // nor the ones it misses count as received or lost, or one forged repair per block
             // id would report 64 losses each and drive the peer's redundancy to its cap. Its
             // later sources go to QUIC untracked.
-            let at_ms = self.last_now.map_or(0, |t| self.ms_since_epoch(t));
-            self.history[usize::from(b.id.0) % HISTORY] = Finalised {
-                id: b.id,
-                valid: true,
-                at_ms,
-                have: b.received | b.recovered,
-                restored: b.recovered & !b.received,
-                untracked: true,
-            };
-            self.buffered -= b.bytes;
-            for (_, buf) in b.sources.into_iter().chain(b.repairs) {
-                self.pool_put(buf);
-            }
-            self.report_dirty = true;
+            self.remember(b, true);
             return;
         }
         let k = b.kr.map_or(b.seen_sources, |(k, _)| usize::from(k));
@@ -942,6 +929,12 @@ impl FecReceiver {
                 run = 0;
             }
         }
+        self.remember(b, false);
+    }
+
+    /// Notes finalised block `b` in the history (`untracked`: see [`Finalised`]) and frees its
+    /// buffers.
+    fn remember(&mut self, b: Block, untracked: bool) {
         let at_ms = self.last_now.map_or(0, |t| self.ms_since_epoch(t));
         self.history[usize::from(b.id.0) % HISTORY] = Finalised {
             id: b.id,
@@ -949,7 +942,7 @@ impl FecReceiver {
             at_ms,
             have: b.received | b.recovered,
             restored: b.recovered & !b.received,
-            untracked: false,
+            untracked,
         };
         self.buffered -= b.bytes;
         for (_, buf) in b.sources.into_iter().chain(b.repairs) {

@@ -13,6 +13,28 @@ fn backend_of(r: &Reply) -> String {
         .to_string()
 }
 
+/// The gateway's view of its first backend (`/admin/backends`).
+async fn first_backend(gw: &Proc) -> serde_json::Value {
+    let body = get(&format!("{}/admin/backends", gw.url())).await.body;
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    v["backends"][0].clone()
+}
+
+/// Sends requests (round robin, the second backend answering) until the first backend, which
+/// fails with 500s, is ejected for them.
+async fn eject_the_first_by_its_500s(gw: &Proc) {
+    let url = format!("{}/v1/chat/completions", gw.url());
+    for i in 0..8 {
+        let r = post(&url, &chat(&format!("e{i}"), true, 2), None).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        if first_backend(gw).await["state"] != "healthy" {
+            break;
+        }
+    }
+    let b = first_backend(gw).await;
+    assert_eq!(b["eject_reason"], "passive_failures", "{b}");
+}
+
 #[tokio::test]
 async fn with_one_of_four_backends_killed_clients_see_no_error() {
     let mut sims: Vec<Proc> = (0..4).map(|_| sim(FAST_SIM)).collect();
@@ -408,21 +430,9 @@ async fn a_trial_answered_with_a_client_or_server_error_keeps_the_backend_ejecte
         "[health]\nprobe_interval_ms = 3600000\n",
     );
     let url = format!("{}/v1/chat/completions", gw.url());
-    let admin_url = format!("{}/admin/backends", gw.url());
-    let state = || async {
-        let v: serde_json::Value = serde_json::from_str(&get(&admin_url).await.body).expect("JSON");
-        v["backends"][0].clone()
-    };
+    let state = || first_backend(&gw);
     // Three 500s in a row eject it; each of them is retried on the other backend.
-    for i in 0..8 {
-        let r = post(&url, &chat(&format!("e{i}"), true, 2), None).await;
-        assert_eq!(r.status, 200, "{}", r.body);
-        if state().await["state"] != "healthy" {
-            break;
-        }
-    }
-    let b = state().await;
-    assert_eq!(b["eject_reason"], "passive_failures", "{b}");
+    eject_the_first_by_its_500s(&gw).await;
     // After the hold its next request is a trial. One answered with a client error (the
     // request's fault, passed to the client) is no verdict: the backend stays ejected.
     tokio::time::sleep(Duration::from_millis(1_200)).await;
@@ -654,21 +664,9 @@ async fn a_stream_opening_with_the_requests_own_error_is_passed_on_and_passes_no
         ),
     );
     let url = format!("{}/v1/chat/completions", gw.url());
-    let admin_url = format!("{}/admin/backends", gw.url());
-    let state = || async {
-        let v: serde_json::Value = serde_json::from_str(&get(&admin_url).await.body).expect("JSON");
-        v["backends"][0].clone()
-    };
+    let state = || first_backend(&gw);
     // Three 500s eject it (each retried on the sim).
-    for i in 0..8 {
-        let r = post(&url, &chat(&format!("e{i}"), true, 2), None).await;
-        assert_eq!(r.status, 200, "{}", r.body);
-        if state().await["state"] != "healthy" {
-            break;
-        }
-    }
-    let b = state().await;
-    assert_eq!(b["eject_reason"], "passive_failures", "{b}");
+    eject_the_first_by_its_500s(&gw).await;
     assert_eq!(chats.load(Ordering::SeqCst), 3);
     // After the hold its next request is a trial: answered with the request's own error, which
     // the client gets whole, not a retry elsewhere; and the backend stays ejected.
