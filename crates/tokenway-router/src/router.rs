@@ -458,14 +458,20 @@ impl Router {
         }
         let waited = req.held.map_or(Duration::ZERO, |h| h.waited);
         let total: u64 = cands.iter().map(|c| u64::from(c.inflight)).sum();
-        let mean_after = (total + 1) as f64 / cands.len() as f64;
         let eps = cost.load_bound_epsilon.unwrap_or(0.0);
-        let loose = cost.load_bound_home_epsilon.map_or(f64::INFINITY, |e| {
-            ((1.0 + e.max(eps)) * mean_after)
-                .ceil()
-                .max(f64::from(cost.load_bound_floor))
-        });
-        let within = |c: &Candidate| f64::from(c.inflight) < loose;
+        // The loose (home) bound relative to the *other* candidates' mean, as a home's: with
+        // the holder's own attempts in the mean, among five backends or fewer it never bound
+        // (x < ceil(5(x + 1)/n)), and every request held for a prefill went to the holder.
+        let others = (cands.len() - 1).max(1) as f64;
+        let within = |c: &Candidate| {
+            let others_mean = (total - u64::from(c.inflight) + 1) as f64 / others;
+            let loose = cost.load_bound_home_epsilon.map_or(f64::INFINITY, |e| {
+                ((1.0 + e.max(eps)) * others_mean)
+                    .ceil()
+                    .max(f64::from(cost.load_bound_floor))
+            });
+            f64::from(c.inflight) < loose
+        };
         let step = |ready: Option<Instant>| {
             let left = max.saturating_sub(waited);
             ready
@@ -1426,6 +1432,53 @@ mod tests {
             .with_blocks(crate::prompt_blocks(&text, 256))
             .with_prompt_tokens(2_560)
             .with_max_output_tokens(32)
+    }
+
+    /// Requests held for one backend's prefill are not all sent there once it is done, ahead of
+    /// the cost ranking: only while the holder is within the home bound relative to the other
+    /// backends (before, among five backends or fewer that bound never held, and all six held
+    /// first turns went to the holder by the hold rule). Past it they are ranked as usual.
+    #[test]
+    fn requests_held_for_a_prefill_do_not_all_pile_onto_its_backend() {
+        let t0 = Instant::now();
+        let mut r = router(Policy::CostAware, 4);
+        let first = first_turn(0);
+        let b = r.route(&first, t0).expect("routable").backends[0];
+        let mut ticket = r.start_attempt(b, &first, t0);
+        let t1 = t0 + ms(150);
+        let held: Vec<RouteRequest> = (1..=6)
+            .map(|i| {
+                let req = first_turn(i);
+                let route = r.route(&req, t1).expect("routable");
+                assert_eq!(
+                    (route.backends[0], route.reason),
+                    (b, RouteReason::PrefillHold),
+                    "conversation {i}"
+                );
+                req.with_held(b, ms(250))
+            })
+            .collect();
+        let t2 = t0 + ms(400);
+        r.first_token(&mut ticket, ms(400), t2);
+        let mut tickets = Vec::new();
+        let mut by_the_hold = 0;
+        for req in &held {
+            let route = r.route(req, t2).expect("routable");
+            by_the_hold += usize::from(route.reason == RouteReason::PrefillHold);
+            tickets.push(r.start_attempt(route.backends[0], req, t2));
+        }
+        // The bound is the home one, x < ceil(5 × (others' attempts + 1) / 3): it lets the
+        // holder take more as the others take some (here 4 of the 6).
+        assert!(by_the_hold < 6, "all 6 went by the hold rule");
+        let elsewhere: u32 = (0..4)
+            .filter(|&i| i != b.0)
+            .map(|i| r.snapshot(t2).backends[i].inflight)
+            .sum();
+        assert!(elsewhere >= 1, "none went to another backend");
+        for t in tickets {
+            r.end_attempt(t, Outcome::Success, t2);
+        }
+        r.end_attempt(ticket, Outcome::Success, t2);
     }
 
     /// Route three other conversations' first turns to `id`, so it holds the system prompt as
