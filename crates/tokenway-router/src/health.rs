@@ -302,6 +302,9 @@ pub enum HealthState {
         strikes: u32,
         /// Successful probes in a row since the ejection (or the last failed probe).
         consecutive_probe_successes: u32,
+        /// Whether probes succeeding again may re-admit: the reason is one they see
+        /// ([`EjectReason::probes_can_clear`]), or a trial failed to connect after one.
+        probes_clear: bool,
         /// The half-open trial.
         trial: Trial,
     },
@@ -479,6 +482,31 @@ impl HealthState {
         )
     }
 
+    /// The trial request could not connect: it fails as [`Self::end_trial`] with `Some(false)`
+    /// does, but a backend ejected for what probes see (unreachable, `/health` failing) stays
+    /// one probes may re-admit. An engine still loading refuses its trial's connection, and
+    /// once it is up two good probes bring it back, where it waited for the next trial, up to
+    /// the doubled hold.
+    pub fn end_trial_unreachable(
+        &mut self,
+        now: Instant,
+        cfg: &HealthConfig,
+    ) -> Option<HealthTransition> {
+        let was_clear = matches!(
+            self,
+            Self::Ejected {
+                probes_clear: true,
+                trial: Trial::InFlight,
+                ..
+            }
+        );
+        let t = self.end_trial(Some(false), now, cfg);
+        if let Self::Ejected { probes_clear, .. } = self {
+            *probes_clear |= was_clear;
+        }
+        t
+    }
+
     /// The verdict on the trial request: `Some(true)` passed (re-admit), `Some(false)` failed
     /// (eject again), `None` no verdict (the slot frees for another trial). Ignored unless a
     /// trial is in flight.
@@ -565,9 +593,9 @@ impl HealthState {
             }
             Self::Ejected {
                 since,
-                reason,
                 hold,
                 consecutive_probe_successes,
+                probes_clear,
                 trial,
                 ..
             } => {
@@ -590,7 +618,7 @@ impl HealthState {
                 *consecutive_probe_successes = consecutive_probe_successes.saturating_add(1);
                 let enough = *consecutive_probe_successes >= cfg.readmit_after_successes.max(1);
                 let served = now.saturating_duration_since(*since) >= *hold;
-                if enough && served && (reason.probes_can_clear() || !trials) {
+                if enough && served && (*probes_clear || !trials) {
                     return Some(self.readmit(now));
                 }
                 None
@@ -719,6 +747,7 @@ impl HealthState {
             hold,
             strikes,
             consecutive_probe_successes: 0,
+            probes_clear: reason.probes_can_clear(),
             trial: Trial::Waiting {
                 not_before: later(now, hold),
             },

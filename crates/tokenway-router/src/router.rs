@@ -1033,6 +1033,10 @@ impl Router {
             let verdict = match outcome {
                 Outcome::Success => Some(true),
                 Outcome::ClientCancelled | Outcome::Rejected => None,
+                Outcome::ConnectError => {
+                    let t = b.health.end_trial_unreachable(now, &cfg.health);
+                    return after_transition(b, t);
+                }
                 _ => Some(false),
             };
             b.health.end_trial(verdict, now, &cfg.health)
@@ -1126,6 +1130,10 @@ impl Router {
             let verdict = match outcome {
                 Outcome::Success => Some(true),
                 Outcome::ClientCancelled | Outcome::Rejected => None,
+                Outcome::ConnectError => {
+                    let t = b.health.end_trial_unreachable(now, &cfg.health);
+                    return after_transition(b, t);
+                }
                 _ => Some(false),
             };
             b.health.end_trial(verdict, now, &cfg.health)

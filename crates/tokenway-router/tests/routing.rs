@@ -397,6 +397,16 @@ fn half_open_lets_exactly_one_trial_through() {
             reason: EjectReason::TrialFailed
         })
     );
+    // Its trial could not connect either (an engine still loading): probes may still re-admit
+    // it once it answers, after the doubled hold, where it used to wait for the next trial.
+    {
+        let mut probed = r.clone();
+        assert_eq!(probed.on_probe(down, true, at + ms(2_200)), None);
+        assert_eq!(
+            probed.on_probe(down, true, at + ms(2_300)),
+            Some(HealthTransition::Readmitted)
+        );
+    }
     assert_eq!(r.rank(M, at + ms(2099)), Ok(vec![BackendId(1)]));
     assert_eq!(r.rank(M, at + ms(2100)), Ok(vec![down, BackendId(1)]));
 }
